@@ -1,0 +1,318 @@
+"""Safe file I/O: atomic writes and strict, well-reported reads (SPEC REL-1, REL-4).
+
+Writes go to a temporary sibling, are fsynced, then renamed over the target, so a
+killed process leaves either the old file or the new one, never half of one.
+
+Reads are strict UTF-8 and every bad record is reported as `path:line: reason`:
+
+    data/raw/sft.jsonl:17: invalid JSON: Expecting ',' delimiter (column 42)
+    data/raw/corpus.txt:3: invalid UTF-8 at byte 118 of the line (file offset 2310)
+
+`read_jsonl(..., on_bad_record="skip", max_bad_fraction=0.01)` skips bad lines up to
+a budget and counts them; "raise" stops at the first one. Empty input is an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+
+class DataError(ValueError):
+    """A problem with an input file that the user can fix; the message names path and line."""
+
+
+# ---------------------------------------------------------------------------
+# Atomic writes
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int = 2) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False) + "\n")
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
+    """Atomically write one JSON object per line; returns the record count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with atomic_file(path) as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, allow_nan=False))
+            f.write("\n")
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
+    """Stream into a temp file that replaces `path` only if the block completes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Build a directory in a temp sibling; on success it replaces `path` in one rename.
+
+    If the block raises, `path` is untouched and the temp dir is removed. The swap of
+    an existing directory is two renames (old -> trash, new -> path); a crash between
+    them leaves `path` missing but the complete old copy in `.<name>.old-*`, and the
+    next successful write removes it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rmdir(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in path.parent.glob(f".{path.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(path: str | Path) -> str:
+    """Hash of a file, or of a directory's relative names and contents (sorted)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(path)).encode() + b"\0" + sha256_file(p).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Strict reads
+
+def _decode_line(raw: bytes, path: Path, lineno: int, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line"
+                        f" (file offset {offset + e.start}): {raw[max(0, e.start - 8):e.start + 8]!r};"
+                        f" re-encode the file as UTF-8") from None
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """Yield (line number, text without the line ending) from a strict UTF-8 file.
+
+    A UTF-8 BOM at the start is dropped; CRLF and LF endings both work.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start = offset
+            offset += len(raw)
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw, start = raw[3:], start + 3
+            text = _decode_line(raw, path, lineno, start)
+            yield lineno, text.rstrip("\r\n")
+
+
+def read_text(path: str | Path) -> str:
+    """The whole file as strict UTF-8 (errors name path, line and byte); empty is an error."""
+    path = Path(path)
+    text = "\n".join(t for _, t in iter_lines(path))
+    if not text.strip():
+        raise DataError(f"{path}: empty file; expected text")
+    return text
+
+
+@dataclass
+class ReadStats:
+    """What a reader saw: records kept, bad records skipped, and the first few reasons."""
+    path: str
+    records: int = 0
+    bad: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "records": self.records, "bad": self.bad, "reasons": self.reasons[:20]}
+
+
+class BadRecords:
+    """The raise|skip policy with a budget, shared by every reader."""
+
+    def __init__(self, path: str | Path, on_bad_record: str = "raise", max_bad_fraction: float = 0.0):
+        if on_bad_record not in ("raise", "skip"):
+            raise ValueError(f"on_bad_record must be 'raise' or 'skip', got {on_bad_record!r}")
+        self.on_bad_record, self.max_bad_fraction = on_bad_record, max_bad_fraction
+        self.stats = ReadStats(str(path))
+
+    def bad(self, reason: str) -> None:
+        self.stats.bad += 1
+        self.stats.reasons.append(reason)
+        if self.on_bad_record == "raise":
+            raise DataError(reason + "  (set on_bad_record: skip to skip bad records)")
+
+    def finish(self) -> ReadStats:
+        s = self.stats
+        total = s.records + s.bad
+        if s.records == 0:
+            extra = f" ({s.bad} bad records, first: {s.reasons[0]})" if s.bad else ""
+            raise DataError(f"{s.path}: no usable records{extra}")
+        if s.bad and s.bad / total > self.max_bad_fraction:
+            raise DataError(f"{s.path}: {s.bad} of {total} records are bad ({s.bad / total:.1%}), above"
+                            f" max_bad_fraction={self.max_bad_fraction}; first: {s.reasons[0]}")
+        return s
+
+
+def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction: float = 0.0,
+               validate: Callable[[Any], str | None] | None = None,
+               stats: list[ReadStats] | None = None) -> Iterator[dict]:
+    """Yield one dict per line of a JSONL file.
+
+    Bad lines (invalid UTF-8, invalid JSON, not an object, NUL bytes, a lone surrogate,
+    or `validate(obj)` returning a reason) raise `DataError("path:line: reason")` or are
+    skipped and counted, by `on_bad_record`. Blank lines are ignored. After the last
+    line the budget is checked; if `stats` is a list the final ReadStats is appended.
+    """
+    policy = BadRecords(path, on_bad_record, max_bad_fraction)
+    for _, obj in iter_jsonl(path, policy, validate):
+        policy.stats.records += 1
+        yield obj
+    result = policy.finish()
+    if stats is not None:
+        stats.append(result)
+
+
+def iter_jsonl(path: str | Path, policy: BadRecords,
+               validate: Callable[[Any], str | None] | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each good line; bad lines go to `policy` (which may raise).
+
+    The caller counts good records (`policy.stats.records += 1`) once it has accepted
+    them, so schema checks downstream share the same budget and line numbers.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start = offset
+            offset += len(raw)
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw, start = raw[3:], start + 3
+            try:
+                text = _decode_line(raw, path, lineno, start)
+            except DataError as e:
+                policy.bad(str(e))
+                continue
+            if not text.strip():
+                continue
+            reason = None
+            if "\x00" in text:
+                reason = "NUL byte in line"
+            else:
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    truncated = " (truncated line?)" if not raw.endswith(b"\n") or "Unterminated" in e.msg else ""
+                    reason = f"invalid JSON: {e.msg} (column {e.colno}){truncated}"
+                else:
+                    if not isinstance(obj, dict):
+                        reason = f"expected a JSON object, got {type(obj).__name__}"
+                    elif _has_lone_surrogate(obj):
+                        reason = "string holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode"
+                    elif validate is not None:
+                        reason = validate(obj)
+            if reason is not None:
+                policy.bad(f"{path}:{lineno}: {reason}")
+                continue
+            yield lineno, obj
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False

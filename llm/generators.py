@@ -1,0 +1,262 @@
+"""Deterministic generators for the embedded default data (SPEC DATA-3).
+
+Three families, all seeded (`random.Random(seed)`), so the same seed gives the same
+records byte for byte:
+
+- `math_problem(rng, level, lang)`: GSM8K-style arithmetic word problems in English
+  or Chinese with a worked solution, one step per line, ending in `#### N`:
+
+      Question: Mia has 12 shells. She finds 7 more. How many shells does Mia have now?
+      Answer:   12 + 7 = 19
+                #### 19
+
+  Levels drive the curriculum: 1 = one step, small numbers (add/subtract within 20);
+  2 = one step, two-digit numbers or a times-table product; 3 = two steps;
+  4 = three steps with numbers up to a few hundred.
+- `task(rng)`: small verifiable instruction tasks (reverse, sort, count, uppercase,
+  last word, repeat), each with the exact expected answer.
+- `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
+  formatted) and a rejected one (a wrong result, or the right result in a broken
+  format: no `####` line).
+
+Every answer is computed, never typed in, so `#### N` always equals the worked result
+(tests/test_generators.py checks this for thousands of problems).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------
+# Vocabulary for the word problems
+
+_NAMES_EN = [("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He"), ("Zoe", "She"), ("Sam", "He"),
+             ("Lily", "She"), ("Ben", "He"), ("Emma", "She"), ("Jack", "He"), ("Nora", "She"), ("Omar", "He"),
+             ("Ivy", "She"), ("Max", "He"), ("Ruby", "She"), ("Noah", "He")]
+_ITEMS_EN = ["apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps",
+             "cookies", "flowers", "eggs", "balloons", "candles", "buttons", "oranges"]
+_NAMES_ZH = ["小明", "小红", "小华", "小丽", "小刚", "小美", "小强", "小芳", "小军", "小兰"]
+_ITEMS_ZH = [("苹果", "个"), ("铅笔", "支"), ("书", "本"), ("贴纸", "张"), ("弹珠", "颗"), ("饼干", "块"),
+             ("花", "朵"), ("鸡蛋", "个"), ("气球", "个"), ("邮票", "张"), ("橘子", "个"), ("硬币", "枚")]
+
+
+@dataclass(frozen=True)
+class MathProblem:
+    question: str
+    steps: tuple[str, ...]   # "12 + 7 = 19" ...
+    answer: int
+    level: int
+    lang: str                # "en" | "zh"
+
+    @property
+    def solution(self) -> str:
+        return "\n".join(self.steps) + f"\n#### {self.answer}"
+
+
+# One operation = (symbol, English sentence, Chinese sentence). The sentence describes
+# applying the operation with operand n to the running total.
+_OPS_EN = {
+    "+": ["{P} buys {n} more.", "{P} finds {n} more.", "{P} gets {n} more from a friend."],
+    "-": ["{P} gives away {n}.", "{P} loses {n}.", "{P} uses {n} of them."],
+    "*": ["Then the number of {items} becomes {n} times as many.", "{P} makes the pile {n} times bigger."],
+    "/": ["{P} splits them into {n} equal groups and keeps one group."],
+}
+_OPS_ZH = {
+    "+": ["又买了{n}{u}。", "又找到了{n}{u}。", "朋友又送给{N}{n}{u}。"],
+    "-": ["送给别人{n}{u}。", "用掉了{n}{u}。", "丢了{n}{u}。"],
+    "*": ["然后{I}的数量变成原来的{n}倍。"],
+    "/": ["把它们平均分成{n}份，留下其中一份。"],
+}
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    assert a % b == 0, "division problems are generated exact"
+    return a // b
+
+
+def _operand(rng: random.Random, total: int, op: str, hi: int) -> int | None:
+    """An operand that keeps the running total a non-negative whole number."""
+    if op == "+":
+        return rng.randint(1, hi)
+    if op == "-":
+        return rng.randint(1, total) if total >= 1 else None
+    if op == "*":
+        n = rng.randint(2, 5)
+        return n if total * n <= hi * 5 else None
+    divisors = [d for d in range(2, 10) if total % d == 0 and total // d >= 1]
+    return rng.choice(divisors) if divisors else None
+
+
+# Per level: number of steps, the range of the start value and operands, allowed ops.
+_LEVELS = {
+    1: dict(steps=1, hi=20, ops="+-"),
+    2: dict(steps=1, hi=99, ops="+-*"),
+    3: dict(steps=2, hi=50, ops="+-*/"),
+    4: dict(steps=3, hi=200, ops="+-*/"),
+}
+
+
+def math_problem(rng: random.Random, level: int, lang: str = "en") -> MathProblem:
+    """One word problem at `level` (1..4) in `lang` ("en" or "zh")."""
+    spec = _LEVELS[level]
+    while True:
+        hi = spec["hi"]
+        if level == 2 and rng.random() < 0.3:
+            # a times-table product: "4 bags of 7" is one step
+            a, ops, operands = rng.randint(2, 12), ["*"], [rng.randint(2, 9)]
+        else:
+            a = rng.randint(2, hi)
+            ops, operands, total = [], [], a
+            for _ in range(spec["steps"]):
+                op = rng.choice(spec["ops"])
+                n = _operand(rng, total, op, hi)
+                if n is None:
+                    break
+                ops.append(op)
+                operands.append(n)
+                total = _apply(total, op, n)
+            if len(ops) < spec["steps"]:
+                continue
+        steps, total = [], a
+        for op, n in zip(ops, operands):
+            new = _apply(total, op, n)
+            steps.append(f"{total} {op} {n} = {new}")
+            total = new
+        question = (_question_en if lang == "en" else _question_zh)(rng, a, ops, operands)
+        return MathProblem(question, tuple(steps), total, level, lang)
+
+
+def _question_en(rng: random.Random, a: int, ops: list[str], operands: list[int]) -> str:
+    name, pron = rng.choice(_NAMES_EN)
+    items = rng.choice(_ITEMS_EN)
+    if ops == ["*"] and rng.random() < 0.5:
+        return (f"{name} buys {a} bags with {operands[0]} {items} in each bag."
+                f" How many {items} does {name} buy?")
+    parts = [f"{name} has {a} {items}."]
+    for i, (op, n) in enumerate(zip(ops, operands)):
+        s = rng.choice(_OPS_EN[op]).format(P=pron, n=n, items=items)
+        parts.append(("Then " + s[0].lower() + s[1:]) if i and not s.startswith("Then") else s)
+    parts.append(f"How many {items} does {name} have now?")
+    return " ".join(parts)
+
+
+def _question_zh(rng: random.Random, a: int, ops: list[str], operands: list[int]) -> str:
+    name = rng.choice(_NAMES_ZH)
+    item, unit = rng.choice(_ITEMS_ZH)
+    if ops == ["*"] and rng.random() < 0.5:
+        return f"{name}买了{a}袋{item}，每袋有{operands[0]}{unit}。{name}一共买了多少{unit}{item}？"
+    parts = [f"{name}有{a}{unit}{item}，"]
+    for i, (op, n) in enumerate(zip(ops, operands)):
+        s = rng.choice(_OPS_ZH[op]).format(n=n, u=unit, N=name, I=item)
+        parts.append(("然后" + s) if i and not s.startswith("然后") else s)
+    parts.append(f"现在{name}有多少{unit}{item}？")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Instruction tasks with exact answers
+
+_WORDS = ["castle", "garden", "river", "planet", "window", "silver", "forest", "candle", "bridge", "mirror",
+          "winter", "orange", "pencil", "rocket", "island", "meadow", "thunder", "harbor", "lantern", "velvet",
+          "crystal", "falcon", "ginger", "marble", "puzzle", "shadow", "timber", "violet", "walnut", "anchor"]
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str
+    prompt: str
+    answer: str
+    wrong: str    # a plausible wrong answer of the same kind (for preference pairs)
+
+
+def task(rng: random.Random) -> Task:
+    """One instruction task whose answer is computed exactly."""
+    kind = rng.choice(["reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max"])
+    if kind == "reverse":
+        w = rng.choice(_WORDS)
+        prompt = rng.choice(["Reverse the word: {w}", "Spell {w} backwards."]).format(w=w)
+        return Task(kind, prompt, w[::-1], w)
+    if kind == "uppercase":
+        ws = " ".join(rng.sample(_WORDS, rng.randint(2, 4)))
+        return Task(kind, f"Write in capital letters: {ws}", ws.upper(), ws.title())
+    if kind == "sort":
+        nums = rng.sample(range(1, 100), rng.randint(3, 6))
+        shown = ", ".join(map(str, nums))
+        return Task(kind, f"Sort these numbers from smallest to largest: {shown}",
+                    ", ".join(map(str, sorted(nums))), ", ".join(map(str, sorted(nums, reverse=True))))
+    if kind == "count_words":
+        ws = rng.sample(_WORDS, rng.randint(2, 8))
+        return Task(kind, f"How many words are in this list: {' '.join(ws)}", str(len(ws)),
+                    str(len(ws) + rng.choice([-1, 1])))
+    if kind == "last_word":
+        ws = rng.sample(_WORDS, rng.randint(3, 6))
+        return Task(kind, f"What is the last word of: {' '.join(ws)}", ws[-1], ws[0])
+    if kind == "repeat":
+        w, k = rng.choice(_WORDS), rng.randint(2, 4)
+        return Task(kind, f"Repeat the word {w} {k} times.", " ".join([w] * k), " ".join([w] * (k + 1)))
+    nums = rng.sample(range(1, 1000), rng.randint(3, 5))
+    return Task(kind, f"Which number is the largest: {', '.join(map(str, nums))}", str(max(nums)),
+                str(min(nums)))
+
+
+def paraphrase_answer(rng: random.Random, answer: str) -> str:
+    """The same answer in other words (used to plant same-instruction near-duplicates)."""
+    return rng.choice(["The answer is: {a}", "Here it is: {a}", "Sure. {a}", "{a}"]).format(a=answer)
+
+
+# ---------------------------------------------------------------------------
+# Preference pairs
+
+def broken_format(solution: str, answer: int, rng: random.Random) -> str:
+    """The right result without the required `#### N` line."""
+    body = solution.rsplit("\n#### ", 1)[0]
+    return rng.choice([f"{body}\nThe answer is {answer}.", f"{body}\n{answer}", f"{body}", f"{answer}"])
+
+
+def wrong_solution(problem: MathProblem, rng: random.Random) -> str:
+    """A well-formatted solution with an arithmetic slip carried to the end."""
+    for _ in range(100):
+        text = _slip(problem, rng)
+        if not text.endswith(f"#### {problem.answer}"):
+            return text
+    raise AssertionError(f"could not make a wrong solution for {problem}")
+
+
+def _slip(problem: MathProblem, rng: random.Random) -> str:
+    k = rng.randrange(len(problem.steps))
+    steps, total = [], None
+    for i, s in enumerate(problem.steps):
+        lhs, _ = s.split(" = ")
+        a_str, op, b_str = lhs.split(" ")
+        a = int(a_str) if total is None else total
+        b = int(b_str)
+        value = _apply(a, op, b) if op != "/" or a % b == 0 else a // b
+        if i == k:
+            delta = rng.choice([-10, -2, -1, 1, 2, 10, rng.randint(3, 9)])
+            value = value + delta if value + delta >= 0 else value + abs(delta)
+        steps.append(f"{a} {op} {b} = {value}")
+        total = value
+    return "\n".join(steps) + f"\n#### {total}"
+
+
+def preference_pair(rng: random.Random, level: int, lang: str, broken_fraction: float) -> dict:
+    """A math prompt with chosen (correct, formatted) and rejected (wrong or unformatted) answers."""
+    p = math_problem(rng, level, lang)
+    if rng.random() < broken_fraction:
+        rejected, kind = broken_format(p.solution, p.answer, rng), "broken_format"
+    else:
+        rejected, kind = wrong_solution(p, rng), "wrong_answer"
+    return {"prompt": [{"role": "user", "content": p.question}], "chosen": p.solution,
+            "rejected": rejected, "kind": kind, "level": level, "lang": lang}
+
+
+def task_preference_pair(rng: random.Random) -> dict:
+    t = task(rng)
+    return {"prompt": [{"role": "user", "content": t.prompt}], "chosen": t.answer, "rejected": t.wrong,
+            "kind": f"wrong_{t.kind}", "level": 0, "lang": "en"}

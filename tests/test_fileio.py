@@ -1,0 +1,141 @@
+"""Atomic writes and strict reads (SPEC REL-1, REL-4)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llm.fileio import (DataError, atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, read_text,
+                        write_jsonl)
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    f = tmp_path / "out.json"
+    atomic_write_json(f, {"a": 1})
+    atomic_write_json(f, {"a": 2})
+    assert json.loads(f.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temp files left
+
+
+def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
+    f = tmp_path / "out.txt"
+    atomic_write_text(f, "old")
+    # A process killed in the middle of writing: SIGKILL after half the data.
+    code = textwrap.dedent(f"""
+        import os, signal
+        from llm.fileio import atomic_file
+        with atomic_file({str(f)!r}) as fh:
+            fh.write("new" * 1000)
+            fh.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd())
+    assert r.returncode == -9
+    assert f.read_text() == "old"
+
+
+def test_exception_inside_atomic_dir_keeps_the_old_dir(tmp_path):
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "w.bin").write_bytes(b"v1")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(d) as t:
+            (t / "w.bin").write_bytes(b"v2-partial")
+            raise RuntimeError("crash while writing")
+    assert (d / "w.bin").read_bytes() == b"v1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_atomic_dir_replaces_existing(tmp_path):
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "a").write_text("1")
+    with atomic_dir(d) as t:
+        (t / "b").write_text("2")
+    assert sorted(p.name for p in d.iterdir()) == ["b"]
+
+
+def _write(tmp_path, data: bytes):
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(data)
+    return f
+
+
+def test_jsonl_bom_and_crlf_are_fine(tmp_path):
+    f = _write(tmp_path, b'\xef\xbb\xbf{"a": 1}\r\n{"a": 2}\r\n\r\n')
+    assert list(read_jsonl(f)) == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize("line,reason", [
+    (b'{"a": 1', "invalid JSON"),
+    (b'{"a": "x\x00y"}', "NUL byte"),
+    (b'{"a": "\\ud800"}', "lone surrogate"),
+    (b'[1, 2]', "expected a JSON object, got list"),
+    (b'{"a": "\xff\xfe"}', "invalid UTF-8 at byte 7 of the line (file offset 17)"),
+])
+def test_bad_lines_name_path_and_line(tmp_path, line, reason):
+    f = _write(tmp_path, b'{"ok": 1}\n' + line + b'\n{"ok": 2}\n')
+    with pytest.raises(DataError) as e:
+        list(read_jsonl(f))
+    assert f"{f}:2: " in str(e.value)
+    assert reason in str(e.value)
+
+
+def test_line_numbers_stay_right_after_a_bad_line(tmp_path):
+    f = _write(tmp_path, b'{"ok": 1}\nnot json\n\n{"ok": 2}\n{"broken": \n{"ok": 3}\n')
+    stats = []
+    got = list(read_jsonl(f, on_bad_record="skip", max_bad_fraction=0.5, stats=stats))
+    assert got == [{"ok": 1}, {"ok": 2}, {"ok": 3}]
+    assert stats[0].bad == 2
+    assert stats[0].reasons[0].startswith(f"{f}:2: invalid JSON")
+    assert stats[0].reasons[1].startswith(f"{f}:5: invalid JSON")
+
+
+def test_truncated_last_line(tmp_path):
+    f = _write(tmp_path, b'{"ok": 1}\n{"text": "cut in the mid')
+    with pytest.raises(DataError, match=r":2: invalid JSON.*truncated line"):
+        list(read_jsonl(f))
+
+
+def test_bad_fraction_budget(tmp_path):
+    f = _write(tmp_path, b'{"ok": 1}\nbad\nbad\n{"ok": 2}\n')
+    with pytest.raises(DataError, match="2 of 4 records are bad"):
+        list(read_jsonl(f, on_bad_record="skip", max_bad_fraction=0.25))
+
+
+def test_validate_callback_counts_as_bad(tmp_path):
+    f = _write(tmp_path, b'{"text": "a"}\n{"text": 3}\n')
+    check = lambda o: None if isinstance(o.get("text"), str) else "field 'text' must be a string"
+    with pytest.raises(DataError, match=r":2: field 'text' must be a string"):
+        list(read_jsonl(f, validate=check))
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"   \n"])
+def test_empty_input_is_an_error(tmp_path, data):
+    f = _write(tmp_path, data)
+    with pytest.raises(DataError, match="no usable records"):
+        list(read_jsonl(f))
+
+
+def test_read_text_invalid_utf8_names_line_and_offset(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"hello\nw\xc3orld\n")
+    with pytest.raises(DataError, match=r"c.txt:2: invalid UTF-8 at byte 1 of the line \(file offset 7\)"):
+        read_text(f)
+
+
+def test_read_text_empty_is_an_error(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("\n  \n")
+    with pytest.raises(DataError, match="empty file"):
+        read_text(f)
+
+
+def test_write_jsonl_round_trip(tmp_path):
+    recs = [{"t": "héllo 你好 🙂"}, {"t": "x"}]
+    assert write_jsonl(tmp_path / "a" / "b.jsonl", recs) == 2
+    assert list(read_jsonl(tmp_path / "a" / "b.jsonl")) == recs

