@@ -31,6 +31,19 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------
 # Atomic writes
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
+def _public(path: str | Path, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create 0600/0700 entries; give them the usual umask-derived mode."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_UMASK)
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -53,6 +66,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        _public(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -94,6 +108,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        _public(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -122,6 +137,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    _public(tmp, directory=True)
     try:
         yield tmp
         _fsync_tree(tmp)

@@ -1,0 +1,396 @@
+"""Tests for llm/tokenizer.py (SPEC TOK-1..6): round trips, hand-worked merges, the
+tie-break, specials, save/load, the HF `tokenizers` export (as a reference client)."""
+from __future__ import annotations
+
+import json
+import random
+import unicodedata
+
+import pytest
+import regex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm.config import ConfigError, TokenizerConfig, load_sections
+from llm.generators import math_problem
+from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows,
+                           is_clean_token)
+
+PAT = regex.compile(SPLIT_PATTERN)
+HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+ENGLISH = """To be, or not to be, that is the question:
+Whether 'tis nobler in the mind to suffer
+The slings and arrows of outrageous fortune,
+Or to take arms against a sea of troubles
+And by opposing end them. To die—to sleep,
+No more; and by a sleep to say we end
+The heart-ache and the thousand natural shocks
+That flesh is heir to: 'tis a consummation
+Devoutly to be wish'd. I'll say we're done, they've gone. 12 + 7 = 19
+"""
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(0)
+    zh = [math_problem(rng, rng.randint(1, 3), "zh").question for _ in range(150)]
+    en = [math_problem(rng, rng.randint(1, 3), "en").question for _ in range(150)]
+    return [ENGLISH] * 20 + zh + en + ["我爱北京天安门。"] * 20
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train(_corpus(), 700, max_pairs=100_000, min_frequency=2, required_tokens=["####"])
+
+
+# Text strategies: arbitrary Unicode, plus explicit pools so that emoji, CJK, control
+# characters and combining marks show up in most examples, not by luck.
+POOLS = ["🙂👍🏽👨‍👩‍👧🇨🇳", "中文字符苹果多少北京天安门", "\x00\x01\x07\t\n\r\x0b\x0c\x1b\x7f\x85\u2028",
+         "e\u0301a\u0308\u0915\u093f\u0e01\u0e34", "The quick, brown fox's 42 jumps!", " \n\n\t  ", "<|end|><|user|>"]
+pieces = st.one_of(st.text(), *[st.text(alphabet=p, min_size=1, max_size=12) for p in POOLS])
+mixed_text = st.lists(pieces, max_size=8).map("".join)
+
+
+# -- round trips -----------------------------------------------------------------
+
+@HYP
+@given(mixed_text)
+def test_decode_encode_roundtrip(tok, s):
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.decode(tok.encode(s, allowed_special="all")) == s
+
+
+def test_roundtrip_examples(tok):
+    for s in ["", " ", "\n", "a", "héllo wörld", "👨‍👩‍👧 family", "小明有14个苹果。", "e\u0301", "\x00\x7f",
+              "  leading and trailing  ", "tab\tand\r\nCRLF", "#### 57", "x" * 5000, "苹" * 400]:
+        assert tok.decode(tok.encode(s)) == s
+
+
+# -- training ------------------------------------------------------------------------
+
+def test_hand_worked_merges():
+    # "aaabdaaabac" is one pre-split chunk (letters). Pairs: aa x4, ab x2, others x1.
+    #   1. (a, a) -> 256 "aa":   aa a b d aa a b a c
+    #   2. now (256, a) and (a, b) both occur twice; tie-break: smallest first id -> (a, b) = 257 "ab"
+    #   3. aa ab d aa ab a c: (256, 257) occurs twice -> 258 "aaab"; then every pair is single.
+    tok = Tokenizer.train(["aaabdaaabac"], 256 + 3 + len(SPECIAL_TOKENS), min_frequency=2)
+    assert tok.merges == [(97, 97), (97, 98), (256, 257)]
+    assert [tok.token_bytes(i) for i in (256, 257, 258)] == [b"aa", b"ab", b"aaab"]
+    assert tok.encode("aaabdaaabac") == [258, 100, 258, 97, 99]
+    assert tok.train_stats["early_stop"] is False
+
+
+def test_tie_break_is_smallest_pair_regardless_of_order():
+    # Every pair occurs once: (a,b)=(97,98) < (x,y)=(120,121) < (space,x)... in id order.
+    expected = [(97, 98), (120, 121)]
+    for texts in (["ab", "xy"], ["xy", "ab"]):
+        t = Tokenizer.train(texts, 256 + 2 + len(SPECIAL_TOKENS), min_frequency=1)
+        assert t.merges == expected
+
+
+def test_training_is_deterministic():
+    corpus = _corpus()
+    a = Tokenizer.train(corpus, 600)
+    b = Tokenizer.train(list(reversed(corpus)), 600)  # order of texts must not matter either
+    assert a.merges == b.merges and a.sha256() == b.sha256()
+
+
+def _train_reference(texts: list[str], n_merges: int, min_frequency: int) -> list[tuple[int, int]]:
+    """Reference trainer: recount every pair after every merge (no incremental updates),
+    same rules: highest count, then smallest pair; skip duplicate or part-character tokens."""
+    from collections import Counter
+    words = Counter(c for t in texts for c in PAT.findall(t))
+    seqs = {w: list(w.encode("utf-8")) for w in words}
+    vocab = [bytes([i]) for i in range(256)]
+    merges, banned = [], set()
+    while len(merges) < n_merges:
+        counts = Counter()
+        for w, f in words.items():
+            for p in zip(seqs[w], seqs[w][1:]):
+                counts[p] += f
+        cands = [(c, p) for p, c in counts.items() if p not in banned and c >= min_frequency]
+        if not cands:
+            break
+        c, (a, b) = min(cands, key=lambda cp: (-cp[0], cp[1]))
+        tok = vocab[a] + vocab[b]
+        if tok in vocab or not is_clean_token(tok):
+            banned.add((a, b))
+            continue
+        new = len(vocab)
+        vocab.append(tok)
+        merges.append((a, b))
+        for w in seqs:
+            s, out, i = seqs[w], [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    return merges
+
+
+def test_incremental_training_equals_full_recount():
+    corpus = [ENGLISH] * 3 + _corpus()[-60:]  # English, Chinese (jieba off here) and digits
+    n = 160
+    ours = Tokenizer.train(corpus, 256 + n + len(SPECIAL_TOKENS), min_frequency=2, jieba=False)
+    assert ours.merges == _train_reference(corpus, n, 2)
+    assert ours.train_stats["skipped_partial_char_merges"] > 0  # the rule was exercised
+
+
+def test_merges_are_distinct_clean_tokens(tok):
+    toks = [tok.token_bytes(i) for i in range(tok.n_base)]
+    assert len(set(toks)) == len(toks)
+    assert all(is_clean_token(t) for t in toks[256:])  # learned tokens: whole chars or one char's piece
+    assert tok.train_stats["exact"] and not tok.train_stats["early_stop"]
+
+
+def test_clean_token_rule():
+    zh = "中".encode("utf-8")  # e4 b8 ad
+    assert all(is_clean_token(b) for b in (b"ab", zh, zh[:2], zh[1:], "中文".encode("utf-8")))
+    assert not any(is_clean_token(b) for b in (zh + b"\xe6", zh[2:] + zh, zh + b"\x80", b"a\x80", b"\x80" * 4))
+
+
+def test_jieba_shapes_chinese_merges():
+    # jieba: 我 / 爱 / 北京 / 天安门. With jieba no token crosses those words; without it,
+    # BPE happily makes the whole sentence one token.
+    corpus = ["我爱北京天安门"] * 50
+    n = 256 + len(SPECIAL_TOKENS) + 40
+    with_jieba = Tokenizer.train(corpus, n, min_frequency=2)
+    without = Tokenizer.train(corpus, n, min_frequency=2, jieba=False)
+    assert [with_jieba.decode([i]) for i in with_jieba.encode("我爱北京天安门")] == ["我", "爱", "北京", "天安门"]
+    assert without.encode("我爱北京天安门") == [without.encode("我爱北京天安门")[0]]
+
+
+def test_required_tokens_are_single_ids(tok):
+    (hid,) = tok.encode("####")
+    assert hid in tok.encode("answer\n#### 57") and tok.train_stats["forced_merges"] == 2
+    with pytest.raises(ValueError, match="cannot be a single BPE token"):
+        Tokenizer.train(["hello"], 300, required_tokens=["<think>"])
+    with pytest.raises(ValueError, match="cannot be a single BPE token"):
+        Tokenizer.train(["hello"], 300, required_tokens=["42"])  # digits are always split
+
+
+def test_digits_are_single_tokens(tok):
+    for d in "0123456789":
+        assert len(tok.encode(d)) == 1
+    assert [tok.decode([i]) for i in tok.encode("2024")] == ["2", "0", "2", "4"]
+    learned = [tok.token_bytes(i) for i in range(256, tok.n_base)]
+    assert not any(regex.search(rb"[0-9]", t) for t in learned)
+
+
+def test_max_pairs_caps_the_pair_table():
+    corpus = _corpus()
+    full = Tokenizer.train(corpus, 600)  # tracks at most ~480 pairs on this corpus
+    capped = Tokenizer.train(corpus, 600, max_pairs=460)
+    st_ = capped.train_stats
+    assert st_["pairs_pruned"] > 0 and st_["vocab_size"] == 600
+    assert st_["exact"] and capped.merges == full.merges  # only pairs that never won were dropped
+    tiny = Tokenizer.train(corpus, 600, max_pairs=300)
+    assert not tiny.train_stats["exact"]  # here a dropped pair could have won: said so
+    assert tiny.vocab_size == 600 and tiny.decode(tiny.encode(ENGLISH)) == ENGLISH
+
+
+# -- bad input -------------------------------------------------------------------------
+
+def test_empty_corpus_is_an_error():
+    for texts in ([], [""], ["", ""]):
+        with pytest.raises(ValueError, match="empty corpus"):
+            Tokenizer.train(texts, 300)
+
+
+def test_too_small_corpus_stops_early_with_warning():
+    t = Tokenizer.train(["abab cdcd"], 4096, min_frequency=2)
+    st_ = t.train_stats
+    assert st_["early_stop"] and "corpus too small" in st_["warning"] and "4096" in st_["warning"]
+    assert t.vocab_size == 256 + len(t.merges) + len(SPECIAL_TOKENS) < 4096
+    assert t.special["<|end|>"] == t.vocab_size - 1  # specials still take the last ids
+
+
+def test_vocab_size_below_bytes_plus_specials():
+    with pytest.raises(ValueError, match="below 256"):
+        Tokenizer.train(["hello"], 256 + len(SPECIAL_TOKENS) - 1)
+    cfg = TokenizerConfig(vocab_size=261, max_pairs=10, min_frequency=2, required_tokens=["####"], max_train_chars=0)
+    assert cfg.check("tokenizer") and "tokenizer.vocab_size" in cfg.check("tokenizer")[0]
+
+
+def test_vocab_size_config_error_from_params(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("common: {seed: 1, device: cpu, dtype: fp32, nproc: 1, num_threads: 0}\n"
+                 "tokenizer: {vocab_size: 262, max_pairs: 1000, min_frequency: 2,"
+                 " required_tokens: ['####'], max_train_chars: 0}\n")
+    with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size.*263.*got 262"):
+        load_sections(["common", "tokenizer"], p)
+
+
+def test_lone_surrogate_is_a_clear_error(tok):
+    with pytest.raises(ValueError, match="surrogate"):
+        tok.encode("ok \ud800 no")
+    with pytest.raises(ValueError, match="text 1 is not valid Unicode"):
+        Tokenizer.train(["fine", "bad \udfff"], 300)
+
+
+# -- special tokens -------------------------------------------------------------------
+
+def test_specials_take_the_last_ids(tok):
+    assert list(tok.special) == SPECIAL_TOKENS
+    assert [tok.special[s] for s in SPECIAL_TOKENS] == list(range(tok.vocab_size - 6, tok.vocab_size))
+    assert (tok.eot_id, tok.pad_id, tok.end_id) == (tok.vocab_size - 6, tok.vocab_size - 5, tok.vocab_size - 1)
+
+
+def test_specials_only_when_allowed(tok):
+    s = "hi <|user|>x<|end|> <|endoftext|>"
+    specials = set(tok.special.values())
+    plain = tok.encode(s)
+    assert not specials & set(plain) and tok.decode(plain) == s
+    assert tok.encode(s, allowed_special="all").count(tok.end_id) == 1
+    only_end = tok.encode(s, allowed_special={"<|end|>"})
+    assert specials & set(only_end) == {tok.end_id}
+    assert tok.encode("<|end|>", allowed_special="all") == [tok.end_id]
+    with pytest.raises(ValueError, match="not special tokens"):
+        tok.encode(s, allowed_special={"<|bogus|>"})
+    with pytest.raises(ValueError, match="wrap one token in a set"):
+        tok.encode(s, allowed_special="<|end|>")
+
+
+def test_unknown_id_decodes_to_replacement(tok):
+    assert tok.decode([tok.vocab_size, -1, 10**9]) == "\ufffd" * 3
+    assert tok.decode(tok.encode("ok") + [tok.vocab_size + 5]) == "ok\ufffd"
+    assert tok.decode([0xE4]) == "\ufffd"  # a lone lead byte is not valid UTF-8 either
+    assert tok.decode([]) == ""
+
+
+def test_encode_batch_and_cache_eviction(tok):
+    texts = [ENGLISH, "小明有14个苹果。", "", "<|end|>"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    par = Tokenizer.loads(tok.dumps())
+    par.parallel_min_chars = 0  # normally only batches >= 1M characters start processes
+    assert par.encode_batch(texts * 3, "all", workers=2) == [tok.encode(t, "all") for t in texts * 3]
+    small = Tokenizer.loads(tok.dumps())
+    small.cache_size = 3  # forces the chunk and char caches to be cleared mid-text
+    assert small.encode(ENGLISH + "小明有14个苹果。") == tok.encode(ENGLISH + "小明有14个苹果。")
+
+
+# -- internals that must agree ---------------------------------------------------------
+
+def _bpe_minbpe(ranks, ids):
+    """Reference: minbpe's loop (merge every occurrence of the earliest merge)."""
+    while len(ids) >= 2:
+        pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, float("inf")))
+        if pair not in ranks:
+            break
+        new, out, i = ranks[pair], [], 0
+        while i < len(ids):
+            if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+                out.append(new)
+                i += 2
+            else:
+                out.append(ids[i])
+                i += 1
+        ids = out
+    return ids
+
+
+@HYP
+@given(mixed_text)
+def test_merge_loops_agree(tok, s):
+    for chunk in PAT.findall(s * 3):
+        b = list(chunk.encode("utf-8"))
+        ref = _bpe_minbpe(tok._ranks, list(b))
+        assert _bpe(tok._ranks, list(b)) == ref
+        assert _bpe_heap(tok._ranks, list(b)) == ref
+        assert tok._encode_chunk(chunk) == ref  # per-character start (non-ASCII)
+
+
+@HYP
+@given(st.lists(st.sampled_from(["a", "b", " ", "\n", "'", "s", "ll", "7", "!", ".\n", "\r\n", "\t", "中"]),
+                max_size=80).map("".join), st.integers(1, 12))
+def test_windowed_pre_split_equals_findall(s, window):
+    assert [c for part in _pre_split_windows(PAT, s, window) for c in part] == PAT.findall(s)
+
+
+# -- save / load -----------------------------------------------------------------------
+
+def test_save_load_roundtrip(tok, tmp_path):
+    tok.save(tmp_path / "t")
+    back = Tokenizer.load(tmp_path / "t")
+    assert back.merges == tok.merges and back.special == tok.special and back.pattern == tok.pattern
+    assert back.sha256() == tok.sha256()
+    s = ENGLISH + "小明有14个苹果。<|end|>"
+    assert back.encode(s, "all") == tok.encode(s, "all")
+    meta = json.loads((tmp_path / "t/tokenizer_meta.json").read_text())
+    assert meta["vocab_size"] == tok.vocab_size and meta["format_version"] == 1
+    assert meta["corpus_sha256"] == tok.train_stats["corpus_sha256"] and meta["compression"] > 1
+    text = (tmp_path / "t/tokenizer.txt").read_text()
+    assert text.startswith("llm-bpe v1\n") and '# 256 = "##"' in text  # human-readable merges
+
+
+def test_wrong_version_header_names_the_file(tok, tmp_path):
+    d = tmp_path / "t"
+    tok.save(d)
+    p = d / "tokenizer.txt"
+    p.write_text(p.read_text().replace("llm-bpe v1", "llm-bpe v2", 1))
+    with pytest.raises(ValueError, match=rf"{regex.escape(str(p))}:1: .*expected the header 'llm-bpe v1'"):
+        Tokenizer.load(d)
+
+
+def test_corrupt_merge_line_names_file_and_line(tok, tmp_path):
+    d = tmp_path / "t"
+    tok.save(d)
+    p = d / "tokenizer.txt"
+    lines = p.read_text().split("\n")
+    lines[12] = "banana"
+    p.write_text("\n".join(lines))
+    (d / "tokenizer_meta.json").unlink()
+    with pytest.raises(ValueError, match=rf"{regex.escape(str(p))}:13: expected a merge"):
+        Tokenizer.load(d)
+
+
+def test_meta_that_disagrees_is_an_error(tok, tmp_path):
+    d = tmp_path / "t"
+    tok.save(d)
+    other = Tokenizer.train(["something else entirely"] * 3, 270)
+    (d / "tokenizer_meta.json").write_text(json.dumps({"sha256": other.sha256(), "vocab_size": other.vocab_size}))
+    with pytest.raises(ValueError, match="describes a different tokenizer"):
+        Tokenizer.load(d)
+
+
+# -- Hugging Face export, with `tokenizers` as the reference client -----------------------
+
+@pytest.fixture(scope="module")
+def hf(tok):
+    tokenizers = pytest.importorskip("tokenizers")
+    return tokenizers.Tokenizer.from_str(json.dumps(tok.to_hf_json()))
+
+
+def test_hf_export_encodes_identically(tok, hf, tmp_path):
+    s = ("In 2024, 小明有14个苹果，吃了3个。How many are left?\n#### 11\n"
+         "She said: 'I'll pay $1,234.56' — naïve café 🙂 x² ½ ３４\t\r\n  end")
+    assert hf.encode(s).ids == tok.encode(s)
+    assert hf.decode(hf.encode(s).ids) == s
+    # specials: HF matches added tokens by default (= "all"); encode_special_tokens = "none"
+    chat = "<|user|>What is 2+3?<|end|><|assistant|>2 + 3 = 5\n#### 5<|end|>"
+    assert hf.encode(chat).ids == tok.encode(chat, allowed_special="all")
+    hf.encode_special_tokens = True
+    try:
+        assert hf.encode(chat).ids == tok.encode(chat)
+    finally:
+        hf.encode_special_tokens = False
+    tok.save_hf(tmp_path / "tokenizer.json")
+    import tokenizers
+    assert tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(s).ids == tok.encode(s)
+
+
+def _assigned(s: str) -> bool:
+    # HF's Oniguruma and the `regex` module ship different Unicode versions: characters
+    # assigned only in the newest versions may pre-split differently (documented in
+    # Tokenizer.to_hf_json). Python's own tables (unicodedata) are the older of the two.
+    return all(unicodedata.category(c) != "Cn" for c in s)
+
+
+@HYP
+@given(mixed_text.filter(_assigned))
+def test_hf_export_property(tok, hf, s):
+    assert hf.encode(s).ids == tok.encode(s, allowed_special="all")
