@@ -134,7 +134,10 @@ class TokenizeConfig:
 
 
 PRESETS: dict[str, dict[str, int]] = {
-    # MOD-6; the GPU sizes follow the reference from-scratch project.
+    # MOD-6; the GPU sizes follow the reference from-scratch project (their names are the
+    # parameter counts with GPT-2's 50257-token vocabulary and untied embeddings).
+    # tiny: 1.33M parameters at vocab 4096; ~7k tokens/s fwd+bwd+AdamW (16 x 256, fp32) on 2 CPU cores.
+    "tiny": {"n_embd": 128, "n_head": 4, "n_layer": 4},
     "13m": {"n_embd": 128, "n_head": 8, "n_layer": 1},
     "77m": {"n_embd": 512, "n_head": 8, "n_layer": 8},
     "406m": {"n_embd": 1024, "n_head": 16, "n_layer": 24},
@@ -179,8 +182,8 @@ class ModelConfig:
                 if getattr(self, k) != v:
                     out.append(f"{key}.{k}: preset {self.preset!r} has {k}={v}, got {getattr(self, k)};"
                                f" set {key}.preset: custom to use your own size")
-        elif self.preset not in ("tiny", "custom"):
-            out.append(f"{key}.preset: expected one of {['tiny', 'custom', *PRESETS]}, got {self.preset!r}")
+        elif self.preset != "custom":
+            out.append(f"{key}.preset: expected one of {['custom', *PRESETS]}, got {self.preset!r}")
         return out
 
 
@@ -221,9 +224,6 @@ class PretrainConfig(TrainConfig):
     model: ModelConfig = _f()
     distributed: Literal["ddp", "fsdp"] = _f(doc="strategy when common.nproc > 1")
 
-    def check(self, key: str) -> list[str]:
-        return TrainConfig.check(self, key) + self.model.check(f"{key}.model")
-
 
 @dataclass(kw_only=True)
 class CleanSFTConfig:
@@ -233,8 +233,10 @@ class CleanSFTConfig:
     max_tokens: int = _f(lo=1)
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights; empty = toxicity filter unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0)
-    decontam_ngram: int = _f(lo=1)
-    max_listed_drops: int = _f(lo=0)
+    decontam_ngram: int = _f(lo=1, doc="word n-gram length for decontamination against eval/test prompts")
+    decontam_min_overlap: float = _f(lo=0.0, hi=1.0, doc="share of an eval prompt's n-grams one training sample"
+                                     " must contain to be contaminated; 0.0 = any shared n-gram")
+    max_listed_drops: int = _f(lo=0, doc="dropped samples listed in the metrics, per split and step")
 
     def check(self, key: str) -> list[str]:
         if self.min_tokens > self.max_tokens:
@@ -260,6 +262,7 @@ class RewardConfig(TrainConfig):
 @dataclass(kw_only=True)
 class PairsConfig:
     n_prompts: int = _f(lo=1)
+    math_fraction: float = _f(lo=0.0, hi=1.0, doc="share of prompts that are math questions (the rest: SFT tasks)")
     temperatures: list[float] = _f()
     samples_per_temperature: int = _f(lo=1)
     max_new_tokens: int = _f(lo=1)
@@ -276,6 +279,8 @@ class DPOConfig(TrainConfig):
     loss_type: Literal["sigmoid", "ipo"] = _f()
     label_smoothing: float = _f(lo=0.0, hi=0.5, doc="> 0 with sigmoid = conservative DPO (cDPO)")
     max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
+    kl_prompts: int = _f(lo=1, doc="held-out prompts the KL to the SFT model is measured on")
+    max_new_tokens: int = _f(lo=1, doc="response length sampled from the policy for the KL")
 
 
 @dataclass(kw_only=True)
@@ -301,6 +306,11 @@ class RLConfig:
     keep_checkpoints: int = _f(lo=2)
     nonfinite_policy: Literal["raise", "skip"] = _f()
     nonfinite_budget: int = _f(lo=0)
+    correct_reward: float = _f(lo=0.0, doc="verifier reward for a correct final answer")
+    format_reward: float = _f(lo=0.0, doc="verifier reward for ending with a `#### N` line")
+
+    def check(self, key: str) -> list[str]:
+        return [f"{key}.levels: levels are 1..4, got {lvl}" for lvl in self.levels if lvl not in (1, 2, 3, 4)]
 
 
 @dataclass(kw_only=True)
@@ -321,6 +331,18 @@ class PPOConfig(RLConfig):
     kl_alert_low: float = _f(lo=0.0)
     kl_alert_high: float = _f(lo=0.0)
 
+    def check(self, key: str) -> list[str]:
+        out = RLConfig.check(self, key)
+        if self.kl_alert_low > self.kl_alert_high:
+            out.append(f"{key}.kl_alert_low: {self.kl_alert_low} is above kl_alert_high={self.kl_alert_high}")
+        if self.adaptive_kl and self.kl_target <= 0:
+            out.append(f"{key}.kl_target: adaptive_kl needs kl_target > 0, got {self.kl_target}")
+        if self.adaptive_kl and self.kl_horizon < self.rollout_prompts:
+            # coef *= 1 + clip(err, -0.2, 0.2) * rollout_prompts / kl_horizon must stay in [0.8, 1.2]
+            out.append(f"{key}.kl_horizon: must be >= rollout_prompts={self.rollout_prompts} (one update may"
+                       f" change the KL coefficient by at most 20%), got {self.kl_horizon}")
+        return out
+
 
 @dataclass(kw_only=True)
 class GRPOConfig(RLConfig):
@@ -328,11 +350,13 @@ class GRPOConfig(RLConfig):
     group_size: int = _f(lo=2)
     beta: float = _f(lo=0.0, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
-    correct_reward: float = _f(lo=0.0)
-    format_reward: float = _f(lo=0.0)
     curriculum_steps: int = _f(lo=0)
     curriculum_levels: list[int] = _f()
     max_zero_std_steps: int = _f(lo=1, doc="quality gate: consecutive steps with no informative group")
+
+    def check(self, key: str) -> list[str]:
+        return RLConfig.check(self, key) + [f"{key}.curriculum_levels: levels are 1..4, got {lvl}"
+                                            for lvl in self.curriculum_levels if lvl not in (1, 2, 3, 4)]
 
 
 @dataclass(kw_only=True)
@@ -348,6 +372,10 @@ class EvalConfig:
     sample_prompts: list[str] = _f()
     batch_size: int = _f(lo=1)
     confidence: float = _f(lo=0.5, hi=0.999)
+    num_threads: int = _f(lo=0, doc="torch CPU threads for eval; 0 = common.num_threads. Decoding a small model is"
+                          " per-op overhead bound: 1 thread was 9x faster than 2 on a shared 2-core box")
+    detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
+    toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
 
 
 @dataclass(kw_only=True)

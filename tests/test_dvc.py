@@ -68,11 +68,13 @@ def test_deps_cover_the_llm_modules_a_stage_imports(name, stage):
 def test_stage_reads_only_its_declared_sections(name, stage):
     script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
     declared = {(e if isinstance(e, str) else next(iter(e))).split(".")[0] for e in stage.get("params", [])}
-    src = script.read_text()
-    tree = ast.parse(src)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "load_sections":
-            arg = node.args[0]
-            assert isinstance(arg, ast.List)
-            used = {e.value for e in arg.elts}
-            assert used <= declared, f"stage {name} loads {used - declared} but dvc.yaml does not list it"
+    tree = ast.parse(script.read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "load_sections"]
+    assert calls, f"stage {name}: {script.name} never calls load_sections"
+    for node in calls:
+        arg = node.args[0]
+        assert isinstance(arg, ast.List), "load_sections takes a literal list of section names"
+        used = {e.value if isinstance(e, ast.Constant) else consts[e.id] for e in arg.elts}
+        assert used <= declared, f"stage {name} loads {used - declared} but dvc.yaml does not list it"

@@ -1,0 +1,160 @@
+"""Benchmark: the full training loop (llm/trainer.py) against a bare step, same model, same run.
+
+    python bench/train_loop.py [--rounds 3] [--steps 20] [--device auto] [--n-layer 4 --n-embd 128 ...]
+
+Both sides train the same GPT (same config, same initial weights) with the same AdamW
+(llm.optim.build_optimizer) on batches of the same shape:
+
+  bare   for each step: grad_accum x (forward, cross-entropy, backward) on one fixed batch
+         already on the device, optimizer.step(), zero_grad(); one synchronize at the end.
+  loop   llm.trainer.train(): sampling windows from a token array (WindowSampler), moving
+         them to the device, token-weighted accumulation, grad-norm clipping, the
+         non-finite check (one host sync per step), the LR schedule, the per-step TSV row,
+         TensorBoard every log_every steps, the tqdm bar (to /dev/null). No evaluation, and
+         one checkpoint at the end (both periodic and configured per stage).
+
+Both are timed over `steps` steps after W warm-up steps: the bare one with a clock around
+its loop, the full loop from the `elapsed_s` column of its per-step rows (wall time at the
+end of each step, after the previous row was written), so start-up (resume scan,
+TensorBoard import) and the final checkpoint are outside the window. Sides alternate
+(bare, loop, bare, loop, ...) `--rounds` times. Reported: overhead % = (loop - bare) /
+bare from the medians, and the median of the per-round (paired) overheads; on a shared,
+noisy machine use more rounds. Target: < 5 %.
+
+The last line of output is JSON with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from llm.batching import WindowSampler  # noqa: E402
+from llm.config import CommonConfig, ModelConfig, TrainConfig  # noqa: E402
+from llm.model import GPT  # noqa: E402
+from llm.optim import build_optimizer  # noqa: E402
+from llm.trainer import Runtime, resolve_device, resolve_dtype, train  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_steps(model: GPT, cfg: TrainConfig, rt: Runtime, batch: dict, warmup: int, steps: int) -> float:
+    """Seconds per bare step (fwd + bwd x grad_accum, optimizer.step), after `warmup` steps."""
+    opt = build_optimizer(model, cfg, rt.device)
+    x, y = batch["idx"].to(rt.device), batch["targets"].to(rt.device)
+    model.train()
+
+    def step():
+        for _ in range(cfg.grad_accum):
+            with rt.autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / cfg.grad_accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(rt.device)
+    return (time.perf_counter() - t0) / steps
+
+
+def loop_step_seconds(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndarray, seq_len: int,
+                      warmup: int) -> float:
+    """Seconds per loop iteration after `warmup` steps, from the rows' elapsed_s (one train() call)."""
+    with tempfile.TemporaryDirectory() as d, open(os.devnull, "w") as null, contextlib.redirect_stderr(null), \
+            contextlib.redirect_stdout(null):
+        src = WindowSampler(tokens, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=0)
+        res = train(model, cfg, rt, stage="bench", seed=0, batches=src, val_batches=None, run_dir=Path(d) / "run",
+                    fingerprint="bench", tsv_path=Path(d) / "bench.tsv", tb_dir=Path(d) / "tb", progress=True)
+    h = res.train_history  # row i is written after step i + 1 finished
+    return (h[-1]["elapsed_s"] - h[warmup - 1]["elapsed_s"]) / (len(h) - warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    common = CommonConfig(seed=0, device=args.device, dtype=args.dtype, nproc=1, num_threads=args.threads)
+    device = resolve_device(common)
+    rt = Runtime(device=device, dtype=resolve_dtype(common, device))
+    mcfg = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                       n_kv_head=args.n_head, n_embd=args.n_embd)
+    base = GPT(mcfg, seed=0)
+    tokens = np.random.default_rng(0).integers(0, args.vocab_size, 2_000_000).astype(np.uint16)
+    common_cfg = dict(batch_size=args.batch_size, grad_accum=args.grad_accum, lr=3e-4, min_lr=3e-5,
+                      warmup_steps=1, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_batches=1,
+                      log_every=10, keep_checkpoints=2, nonfinite_policy="skip", nonfinite_budget=10,
+                      activation_checkpointing=False, compile=False)
+    W = args.warmup
+
+    def tcfg(max_steps: int) -> TrainConfig:
+        return TrainConfig(max_steps=max_steps, eval_every=10**9, checkpoint_every=10**9, **common_cfg)
+
+    batch = WindowSampler(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=1).next_batch()
+    print(f"bench: {base.summary()}", flush=True)
+    print(f"bench: {device}, {rt.dtype}, batch {args.batch_size} x {args.seq_len}, grad_accum {args.grad_accum},"
+          f" {torch.get_num_threads()} threads; {args.rounds} rounds of {args.steps} steps", flush=True)
+    bare, loop = [], []
+    for r in range(args.rounds):
+        b = bare_steps(copy.deepcopy(base).to(device), tcfg(W + args.steps), rt, batch, W, args.steps)
+        per = loop_step_seconds(copy.deepcopy(base), tcfg(W + args.steps), rt, tokens, args.seq_len, W)
+        bare.append(b)
+        loop.append(per)
+        print(f"round {r + 1}: bare {1000 * b:.1f} ms/step, loop {1000 * per:.1f} ms/step"
+              f" ({100 * (per - b) / b:+.1f}%)", flush=True)
+    mb, ml = statistics.median(bare), statistics.median(loop)
+    tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
+    overhead = 100 * (ml - mb) / mb
+    paired = statistics.median(100 * (lp - b) / b for b, lp in zip(bare, loop))
+    print(f"median: bare {1000 * mb:.1f} ms/step ({tokens_per_step / mb:.0f} tokens/s),"
+          f" loop {1000 * ml:.1f} ms/step ({tokens_per_step / ml:.0f} tokens/s): overhead {overhead:+.2f}%"
+          f" (median of paired rounds {paired:+.2f}%; target < 5%)")
+    print(json.dumps({"bench": "train_loop", "device": str(device), "dtype": str(rt.dtype).replace("torch.", ""),
+                      "threads": torch.get_num_threads(), "n_params": base.n_params(),
+                      "batch_size": args.batch_size, "grad_accum": args.grad_accum, "seq_len": args.seq_len,
+                      "steps": args.steps, "rounds": args.rounds,
+                      "bare_ms_per_step": [round(1000 * x, 3) for x in bare],
+                      "loop_ms_per_step": [round(1000 * x, 3) for x in loop],
+                      "bare_ms_median": round(1000 * mb, 3), "loop_ms_median": round(1000 * ml, 3),
+                      "overhead_pct": round(overhead, 2),
+                      "paired_overhead_pct_median": round(paired, 2), "target_pct": 5.0, "meets_target": overhead < 5.0}))
+
+
+if __name__ == "__main__":
+    main()

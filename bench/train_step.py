@@ -1,0 +1,159 @@
+"""Benchmark (SPEC PERF-1): training-step throughput of our GPT against nanoGPT's, same run.
+
+    python bench/train_step.py --nanogpt /path/to/nanoGPT [--rounds 5] [--steps 3] [--threads 0] [--clock wall]
+
+nanoGPT is imported from a local checkout given on the command line (its model.py; never
+copied into this repository), e.g. `git clone https://github.com/karpathy/nanoGPT /tmp/nanogpt`.
+
+Size: 6 layers, 384 wide, 6 heads, vocab 8192, batch 8 x 256 tokens, fp32 on the CPU, no
+dropout, no biases. One step = forward + cross-entropy + backward + AdamW step. Models:
+  nanogpt       nanoGPT's GPT (LayerNorm, learned positions, GELU MLP 4x, tied embeddings)
+  ours_sdpa     our default architecture (RMSNorm, RoPE, SwiGLU 1024 = the same parameter
+                count as GELU 4x, tied), attn_impl sdpa
+  ours_manual   the same with the written-out attention
+  ours_nanolike our model configured as nanoGPT (layernorm, learned, gelu), sdpa: separates
+                architecture cost from implementation cost
+After one untimed warm-up step per model, each round measures the fp32 matmul ceiling (the
+best GFLOP/s of the step's GEMM shapes) and then interleaves single steps of all models
+(A B C D, B C D A, ... --steps times), so that a change in machine load hits every model
+alike. Reported: tokens/s min/median/max over rounds, the per-round paired ratio to nanoGPT
+(min/median/max), and MFU = flops_per_token * tokens/s / ceiling, with flops_per_token =
+6 N + 12 L H hd T for every model (nanoGPT's own formula; N without the position table).
+The machine is shared: trust the paired ratios, not single absolute times. `--clock cpu`
+times with process CPU time instead of wall time (meaningful with --threads 1: it ignores
+time the process spends preempted by other work). The last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llm.config import ModelConfig  # noqa: E402
+from llm.model import GPT  # noqa: E402
+
+L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
+
+
+def load_nanogpt(path: str):
+    f = Path(path) / "model.py"
+    if not f.is_file():
+        raise SystemExit(f"--nanogpt {path}: no model.py there; pass a nanoGPT checkout"
+                         f" (git clone https://github.com/karpathy/nanoGPT)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # a benchmark reference client, loaded from the user's checkout
+    return mod
+
+
+def build(nanogpt_path: str) -> dict:
+    """name -> (step function, flops per token, parameter count)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    ng = load_nanogpt(nanogpt_path)
+    torch.manual_seed(0)  # nanoGPT initialises from the global RNG
+    nano = ng.GPT(ng.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=C, dropout=0.0, bias=False))
+    models = {"nanogpt": (nano, lambda m: m(x, y)[1],
+                          6 * nano.get_num_params(non_embedding=True) + 12 * L * H * (C // H) * T,
+                          nano.get_num_params(non_embedding=False))}
+    base = dict(vocab_size=V, seq_len=T, n_layer=L, n_head=H, n_kv_head=H, n_embd=C)
+    variants = {"ours_sdpa": {}, "ours_manual": {"attn_impl": "manual"},
+                "ours_nanolike": {"norm": "layernorm", "pos": "learned", "mlp": "gelu"}}
+    for name, kw in variants.items():
+        m = GPT(ModelConfig(**base, **kw))
+        models[name] = (m, lambda m: F.cross_entropy(m(x).view(-1, V), y.view(-1)), m.flops_per_token(), m.n_params())
+    out = {}
+    for name, (m, loss_fn, fpt, n) in models.items():
+        m.train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+        def step(m=m, loss_fn=loss_fn, opt=opt):
+            loss = loss_fn(m)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[name] = (step, fpt, n)
+    return out
+
+
+def matmul_ceiling(clock=time.perf_counter, reps: int = 5) -> float:
+    """Best fp32 GEMM FLOP/s over the step's shapes (tokens x C @ C x {3C, 4C, 8/3C x 2, V})."""
+    best = 0.0
+    for n in (3 * C, 4 * C, 2048, V):
+        a, b = torch.randn(B * T, C), torch.randn(C, n)
+        a @ b
+        t0 = clock()
+        for _ in range(reps):
+            a @ b
+        best = max(best, 2 * B * T * C * n * reps / (clock() - t0))
+    return best
+
+
+def summary(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nanogpt", required=True, help="path to a nanoGPT checkout (its model.py is imported)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    ap.add_argument("--skip", nargs="*", default=[], help="models to leave out, e.g. ours_nanolike")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = {k: v for k, v in build(args.nanogpt).items() if k not in args.skip}
+    names = list(models)
+    for step, _, _ in models.values():
+        step()  # warm-up
+    tps: dict[str, list[float]] = {k: [] for k in names}
+    ceilings: list[float] = []
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    for r in range(args.rounds):
+        ceilings.append(matmul_ceiling(clock))
+        spent = {k: 0.0 for k in names}
+        for s in range(args.steps):
+            for i in range(len(names)):
+                name = names[(i + s + r) % len(names)]  # rotate who goes first
+                t0 = clock()
+                models[name][0]()
+                spent[name] += clock() - t0
+        for name in names:
+            tps[name].append(args.steps * B * T / spent[name])
+        print(f"round {r + 1}/{args.rounds}: ceiling {ceilings[-1] / 1e9:.1f} GFLOP/s; "
+              + ", ".join(f"{k} {tps[k][-1]:.0f} tok/s" for k in names), flush=True)
+
+    result = {"bench": "train_step", "shape": {"n_layer": L, "n_head": H, "n_embd": C, "vocab_size": V,
+                                               "batch": B, "seq_len": T},
+              "threads": torch.get_num_threads(), "clock": args.clock, "rounds": args.rounds,
+              "steps_per_round": args.steps,
+              "matmul_ceiling_gflops": {k: v / 1e9 for k, v in summary(ceilings).items()}, "models": {}}
+    print(f"\n{'model':<14} {'params':>10} {'tok/s min/med/max':>22} {'MFU med':>8} {'vs nanoGPT min/med/max':>24}")
+    for name in names:
+        _, fpt, n = models[name]
+        mfu = [fpt * t / c for t, c in zip(tps[name], ceilings)]
+        ratio = [a / b for a, b in zip(tps[name], tps["nanogpt"])] if "nanogpt" in tps else []
+        s, rs = summary(tps[name]), summary(ratio) if ratio else None
+        result["models"][name] = {"n_params": n, "flops_per_token": fpt, "tokens_per_s": s,
+                                  "mfu": summary(mfu), "ratio_vs_nanogpt": rs}
+        rtxt = f"{rs['min']:.2f}/{rs['median']:.2f}/{rs['max']:.2f}x" if rs else "-"
+        print(f"{name:<14} {n:>10,} {s['min']:>6.0f}/{s['median']:>6.0f}/{s['max']:>6.0f}"
+              f" {statistics.median(mfu):>8.1%} {rtxt:>24}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Batches for the training loop: token windows for pretraining, length buckets for examples (SPEC TRN-4, DATA-7).
+
+Every sampler here is a *batch source* for `llm.trainer.train`: `next_batch()` returns
+a dict of CPU tensors, `state_dict()` / `load_state_dict()` capture the cursor in plain
+JSON, so a resumed run sees exactly the batches it would have seen.
+
+Randomness is counter-based: the batch for a given position is drawn from a
+`torch.Generator` seeded by (seed, group index), never from a generator whose state has
+to be saved. Under DDP every rank computes the same *global* batch and takes its share
+(DistributedSampler-style), so N processes with batch B see exactly the samples one
+process with batch N*B (or grad_accum N) would see.
+
+1. Pretraining (`data/tokens/{train,val}.bin`, uint16 or uint32 memmaps):
+   - `WindowSampler`: random windows of seq_len+1 tokens -> {"idx": (B, T), "targets": (B, T)}.
+   - `fixed_windows`: evenly spaced windows for validation, the same every evaluation.
+2. Variable-length examples (SFT, reward model, DPO; stages bring their own examples):
+   - `BucketBatchSampler`: batches of indices whose lengths fall in the same bucket of
+     `bucket_width` tokens (less padding), shuffled per epoch, resumable.
+   - `pad_collate`: right-pads token lists into idx / targets / attention_mask, with
+     targets = -100 (IGNORE_INDEX) where the loss mask is off or on padding.
+   - `ExampleBatches`: a bucket sampler + a function building a batch from indices.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any JSON-able parts, e.g. derive_seed(common.seed, "pretrain", step)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _generator(*parts: Any) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+# ---------------------------------------------------------------------------
+# Token memmaps
+
+def open_tokens(path: str | Path, dtype: str) -> np.memmap:
+    """A read-only memmap of a token shard; `dtype` is meta.json's ("uint16" or "uint32")."""
+    path = Path(path)
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"{path}: token dtype must be uint16 or uint32 (from meta.json), got {dtype!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: token shard not found; run `dvc repro tokenize` first")
+    size = path.stat().st_size
+    itemsize = np.dtype(dtype).itemsize
+    if size == 0 or size % itemsize:
+        raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (truncated file?)")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _windows(tokens: np.ndarray, offsets: Sequence[int], seq_len: int) -> dict[str, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[o:o + seq_len + 1]) for o in offsets]).astype(np.int64)  # (B, T+1)
+    rows = torch.from_numpy(rows)
+    # two separate tensors: a stage masking targets in place must not touch idx
+    return {"idx": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}  # (B, T) each
+
+
+class WindowSampler:
+    """Random windows of `seq_len + 1` tokens from a token array, as a resumable batch source.
+
+    Micro-batches are grouped by optimizer step: group g (= draws // grad_accum) is a
+    global set of world_size * grad_accum * batch_size window offsets drawn from a
+    generator seeded by (seed, g); micro-batch j of rank r takes the slice
+    [(j * world_size + r) * B, ... + B). So (world_size, grad_accum, batch_size) settings
+    with the same product see the same windows in every optimizer step.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, grad_accum: int = 1,
+                 seed: int, rank: int = 0, world_size: int = 1):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(f"token array has {len(tokens)} tokens; need more than seq_len + 1 = {seq_len + 1}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.grad_accum, self.seed, self.rank, self.world_size = grad_accum, seed, rank, world_size
+        self.draws = 0  # micro-batches taken by this rank so far
+
+    def offsets(self, draw: int) -> list[int]:
+        group, micro = divmod(draw, self.grad_accum)
+        n = self.world_size * self.grad_accum * self.batch_size
+        high = len(self.tokens) - (self.seq_len + 1) + 1  # last valid start + 1
+        offs = torch.randint(0, high, (n,), generator=_generator("windows", self.seed, group))
+        start = (micro * self.world_size + self.rank) * self.batch_size
+        return offs[start:start + self.batch_size].tolist()
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """{"idx": (B, T) int64, "targets": (B, T) int64}; targets are idx shifted by one."""
+        batch = _windows(self.tokens, self.offsets(self.draws), self.seq_len)
+        self.draws += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "grad_accum": self.grad_accum, "batch_size": self.batch_size, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "world_size", "grad_accum", "batch_size", "seq_len"):
+            if state.get(k) != getattr(self, k):
+                raise ValueError(f"WindowSampler state: {k}={state.get(k)!r} in the checkpoint,"
+                                 f" {getattr(self, k)!r} now; resuming would change the data order")
+        self.draws = int(state["draws"])
+
+
+def fixed_windows(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int,
+                  ) -> list[dict[str, torch.Tensor]]:
+    """`n_batches` validation batches of evenly spaced windows (the same on every call).
+
+    They cover the array from start to end; if it is too short for non-overlapping
+    windows they overlap.
+    """
+    if len(tokens) < seq_len + 1:
+        raise ValueError(f"validation tokens: {len(tokens)}, fewer than one window of seq_len + 1 = {seq_len + 1}")
+    n = batch_size * n_batches
+    last = len(tokens) - (seq_len + 1)
+    offsets = np.linspace(0, last, n).round().astype(np.int64).tolist()
+    return [_windows(tokens, offsets[i * batch_size:(i + 1) * batch_size], seq_len) for i in range(n_batches)]
+
+
+# ---------------------------------------------------------------------------
+# Variable-length examples
+
+class BucketBatchSampler:
+    """Length-bucketed batches of example indices, shuffled per epoch; endless and resumable.
+
+    Each epoch (generator seeded by (seed, epoch)): indices are shuffled, grouped by
+    `length // bucket_width`, cut into global batches of batch_size * world_size, and the
+    batches shuffled. Rank r takes global_batch[r::world_size]. A bucket's last, short
+    batch is kept (smaller batch) unless it has fewer examples than there are ranks.
+    `state_dict()` is (epoch, position within the epoch).
+    """
+
+    def __init__(self, lengths: Sequence[int], *, batch_size: int, bucket_width: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        if len(lengths) == 0:
+            raise ValueError("BucketBatchSampler: no examples")
+        if bucket_width < 1 or batch_size < 1:
+            raise ValueError(f"bucket_width and batch_size must be >= 1, got {bucket_width}, {batch_size}")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size, self.bucket_width, self.seed = batch_size, bucket_width, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0
+        self._batches: list[list[int]] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global batches (all ranks) of `epoch`, in order."""
+        g = _generator("buckets", self.seed, epoch)
+        order = torch.randperm(len(self.lengths), generator=g).numpy()
+        buckets: dict[int, list[int]] = {}
+        for i in order:
+            buckets.setdefault(int(self.lengths[i]) // self.bucket_width, []).append(int(i))
+        size = self.batch_size * self.world_size
+        batches = [b[s:s + size] for _, b in sorted(buckets.items()) for s in range(0, len(b), size)]
+        batches = [b for b in batches if len(b) >= self.world_size]
+        if not batches:
+            raise ValueError(f"BucketBatchSampler: {len(self.lengths)} examples cannot give each of"
+                             f" {self.world_size} ranks one example per batch")
+        perm = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[p] for p in perm]
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.epoch_batches(0))
+
+    def next_indices(self) -> list[int]:
+        """This rank's example indices for the next batch."""
+        if self._batches is None:
+            self._batches = self.epoch_batches(self.epoch)
+        if self.position >= len(self._batches):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._batches = self.epoch_batches(self.epoch)
+        batch = self._batches[self.position][self.rank::self.world_size]
+        self.position += 1
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_indices()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size, "bucket_width": self.bucket_width,
+                "world_size": self.world_size, "n_examples": len(self.lengths)}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = self.state_dict()
+        for k in ("seed", "batch_size", "bucket_width", "world_size", "n_examples"):
+            if state.get(k) != now[k]:
+                raise ValueError(f"BucketBatchSampler state: {k}={state.get(k)!r} in the checkpoint,"
+                                 f" {now[k]!r} now; resuming would change the data order")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._batches = None
+
+
+def pad_collate(sequences: Sequence[Sequence[int]], *, pad_id: int,
+                loss_masks: Sequence[Sequence[bool]] | None = None, shift: bool = True,
+                ) -> dict[str, torch.Tensor]:
+    """Right-pad token lists into one batch.
+
+    shift=True (language-model loss): for a sequence s of length L, idx = s[:-1] and
+    targets = s[1:], with targets = IGNORE_INDEX where loss_masks[i][1:] is False and on
+    padding; T = max(L) - 1. Returns idx (B, T) int64, targets (B, T) int64,
+    attention_mask (B, T) bool (True on real tokens).
+    shift=False (reward model, whole sequences): idx (B, T) and attention_mask (B, T), T = max(L).
+    """
+    if len(sequences) == 0:
+        raise ValueError("pad_collate: empty batch")
+    if loss_masks is not None and len(loss_masks) != len(sequences):
+        raise ValueError(f"pad_collate: {len(sequences)} sequences but {len(loss_masks)} loss masks")
+    cut = 1 if shift else 0
+    lengths = [len(s) - cut for s in sequences]
+    if min(lengths) < 1:
+        raise ValueError(f"pad_collate: every sequence needs at least {1 + cut} tokens")
+    B, T = len(sequences), max(lengths)
+    idx = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.bool)
+    targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        s = torch.as_tensor(s, dtype=torch.long)
+        if loss_masks is not None and len(loss_masks[i]) != len(s):
+            raise ValueError(f"pad_collate: sequence {i} has {len(s)} tokens but a loss mask of {len(loss_masks[i])}")
+        n = len(s) - cut
+        idx[i, :n] = s[:n]
+        attention_mask[i, :n] = True
+        if shift:
+            tgt = s[1:].clone()
+            if loss_masks is not None:
+                keep = torch.as_tensor(loss_masks[i], dtype=torch.bool)[1:]
+                tgt[~keep] = IGNORE_INDEX
+            targets[i, :n] = tgt
+    out = {"idx": idx, "attention_mask": attention_mask}
+    if shift:
+        out["targets"] = targets
+    return out
+
+
+class ExampleBatches:
+    """A batch source over a stage's own examples: `make_batch(indices) -> dict of tensors`.
+
+    Example (SFT):
+        sampler = BucketBatchSampler([len(ids) for ids, _ in data], batch_size=16, bucket_width=50, seed=s)
+        source = ExampleBatches(sampler, lambda ix: pad_collate([data[i][0] for i in ix], pad_id=tok.pad_id,
+                                                               loss_masks=[data[i][1] for i in ix]))
+    """
+
+    def __init__(self, sampler: BucketBatchSampler, make_batch: Callable[[list[int]], dict[str, torch.Tensor]]):
+        self.sampler, self.make_batch = sampler, make_batch
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        return self.make_batch(self.sampler.next_indices())
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,405 @@
+"""Evaluation: perplexity, math exact match and pass@k, RM score and win rate, KL to a
+reference, confidence intervals (SPEC EVAL-1, EVAL-4).
+
+- `wilson_interval(k, n, confidence)`: the Wilson score interval for a proportion; it
+  stays inside [0, 1] and is sensible at k = 0 or k = n, unlike the normal approximation.
+- `pass_at_k(n, c, k)`: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+- `bootstrap_interval(values)`: percentile bootstrap of a mean, seeded.
+- `lm_eval(model, batches, bytes_per_token)`: mean token loss, perplexity and bits per byte.
+- `math_eval(model, tokenizer, problems, ...)`: greedy answers to held-out problems,
+  scored by the safe parser of llm/rewards.py; per-level accuracy; sample outputs.
+- `rm_scores(rm, tokenizer, questions, responses)`: the reward model's score of each answer,
+  read at the closing <|end|> of the rendered conversation (as the RM is trained).
+- `win_rate(scores, ref_scores, ties)`: wins + ties/2 over n, with a Wilson interval.
+- `kl_to_reference(model, ref, ...)`: sample from `model`, then the mean over sequences of
+  sum_t log p_model - log p_ref (the k1 estimator: unbiased for KL(model || ref)).
+- `evaluate_model(model, tokenizer, cfg, ...)`: all of the above for one model, as flat
+  metrics (numbers only, for `dvc metrics diff`) plus samples and timings kept apart.
+
+Library code only: the `eval` stage decides which models, data and params.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from llm.batching import derive_seed, pad_collate
+from llm.chat import render, user_prompt
+from llm.config import EvalConfig
+from llm.generate import generate
+from llm.losses import sequence_logprob
+from llm.rewards import is_correct, parse_answer
+
+_Z = {0.9: 1.6448536269514722, 0.95: 1.959963984540054, 0.99: 2.5758293035489004}
+
+
+def z_score(confidence: float) -> float:
+    """Two-sided normal quantile for a confidence level (exact for 0.9/0.95/0.99, else computed)."""
+    if confidence in _Z:
+        return _Z[confidence]
+    # Inverse of the normal CDF by bisection on erf: no SciPy needed for one number.
+    target = 0.5 + confidence / 2
+    lo, hi = 0.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for k successes out of n trials."""
+    if n == 0:
+        return 0.0, 1.0
+    z = z_score(confidence)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # exact at the edges: centre - half is 0 in exact arithmetic when k = 0, 1e-17 in floats
+    lo = 0.0 if k <= 0 else max(0.0, centre - half)
+    hi = 1.0 if k >= n else min(1.0, centre + half)
+    return lo, hi
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples (out of n drawn, c correct) is correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, n_boot: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (for averaged scores like pass@k)."""
+    if not values:
+        return 0.0, 0.0
+    g = torch.Generator().manual_seed(seed)
+    x = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(len(values), (n_boot, len(values)), generator=g)
+    means = x[idx].mean(1).sort().values
+    lo = means[int((1 - confidence) / 2 * n_boot)].item()
+    hi = means[min(n_boot - 1, int((1 + confidence) / 2 * n_boot))].item()
+    return lo, hi
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
+                     temperature: float = 0.0, generator: torch.Generator | None = None
+                     ) -> tuple[list[str], list[int]]:
+    """The model's answer to each question (chat template, stop at <|end|> or <|endoftext|>),
+    in input order: (texts, generated token counts incl. the stop token).
+
+    Prompts are batched by length: similar prompts have similar answer lengths here (a level-4
+    problem is long and so is its solution), and a batch decodes until its longest answer ends.
+    """
+    model.eval()
+    prompts = [user_prompt(q, tokenizer) for q in questions]
+    stop = (tokenizer.special["<|end|>"], tokenizer.special["<|endoftext|>"])
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: repeats stay together
+    texts: list[str] = [""] * len(prompts)
+    counts: list[int] = [0] * len(prompts)
+    for s in range(0, len(order), batch_size):
+        ix = order[s:s + batch_size]
+        chunk = [prompts[i] for i in ix]
+        room = model.config.seq_len - max(map(len, chunk))
+        if room < 1:
+            raise ValueError(f"a prompt of {max(map(len, chunk))} tokens leaves no room in seq_len"
+                             f" {model.config.seq_len}")
+        gen = generate(model, chunk, min(max_new_tokens, room), temperature=temperature, stop_ids=stop,
+                       pad_id=tokenizer.pad_id, generator=generator)
+        for i, r, n in zip(ix, gen.responses(), gen.response_mask.sum(-1).tolist()):
+            texts[i], counts[i] = tokenizer.decode(r), n
+    return texts, counts
+
+
+def answer_questions(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
+                     temperature: float = 0.0, generator: torch.Generator | None = None) -> list[str]:
+    """The model's answer text for each question (see `generate_answers`)."""
+    return generate_answers(model, tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            temperature=temperature, generator=generator)[0]
+
+
+def score_math(problems: Sequence[dict], answers: Sequence[str], confidence: float = 0.95,
+               n_samples_kept: int = 5) -> dict:
+    """Exact match of `answers` against problems ({"question", "answer", "level"}): overall and
+    per level, each with a Wilson interval; the share ending in a `#### N` line; a few samples."""
+    correct = [is_correct(a, p["answer"]) for a, p in zip(answers, problems)]
+    formatted = [parse_answer(a)[1] for a in answers]
+    n, k = len(problems), sum(correct)
+    lo, hi = wilson_interval(k, n, confidence)
+    by_level: dict[int, list[bool]] = defaultdict(list)
+    for p, c in zip(problems, correct):
+        by_level[int(p.get("level", 0))].append(c)
+    out = {"math_exact_match": k / max(n, 1), "math_exact_match_lo": lo, "math_exact_match_hi": hi,
+           "math_n": n, "math_format_rate": sum(formatted) / max(n, 1)}
+    for level, cs in sorted(by_level.items()):
+        l_lo, l_hi = wilson_interval(sum(cs), len(cs), confidence)
+        out[f"math_exact_match_level{level}"] = sum(cs) / len(cs)
+        out[f"math_exact_match_level{level}_lo"] = l_lo
+        out[f"math_exact_match_level{level}_hi"] = l_hi
+    out["samples"] = [{"question": p["question"], "answer": p["answer"], "response": a, "correct": c}
+                      for p, a, c in list(zip(problems, answers, correct))[:n_samples_kept]]
+    return out
+
+
+def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
+              confidence: float = 0.95, n_samples_kept: int = 5) -> dict:
+    """Greedy exact match on problems ({"question", "answer", "level"}), with a Wilson interval."""
+    answers = answer_questions(model, tokenizer, [p["question"] for p in problems],
+                               max_new_tokens=max_new_tokens, batch_size=batch_size)
+    return score_math(problems, answers, confidence, n_samples_kept)
+
+
+def math_pass_at_k(model, tokenizer, problems: Sequence[dict], *, k: int, temperature: float,
+                   max_new_tokens: int, batch_size: int, generator: torch.Generator,
+                   confidence: float = 0.95) -> dict:
+    """pass@k with n = k samples per problem, and a bootstrap interval over problems."""
+    questions = [p["question"] for p in problems for _ in range(k)]
+    answers = answer_questions(model, tokenizer, questions, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, temperature=temperature, generator=generator)
+    per_problem = []
+    for i, p in enumerate(problems):
+        c = sum(is_correct(a, p["answer"]) for a in answers[i * k:(i + 1) * k])
+        per_problem.append(pass_at_k(k, c, k))
+    lo, hi = bootstrap_interval(per_problem, confidence)
+    return {f"math_pass_at_{k}": sum(per_problem) / max(len(per_problem), 1),
+            f"math_pass_at_{k}_lo": lo, f"math_pass_at_{k}_hi": hi}
+
+
+@torch.no_grad()
+def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None) -> dict:
+    """Mean next-token loss over `batches` ({"idx", "targets"}: (B, T) long, -100 = unscored),
+    its perplexity, and bits per byte = loss / ln 2 / (bytes per token) when given."""
+    was_training = model.training
+    model.eval()
+    device = model.wte.weight.device
+    total, n = 0.0, 0
+    try:
+        for b in batches:
+            logits = model(b["idx"].to(device))                      # (B, T, V) float32
+            targets = b["targets"].to(device)                         # (B, T)
+            total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                     reduction="sum").item()
+            n += int((targets != -100).sum())
+    finally:
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("lm_eval: no scored tokens in the batches")
+    loss = total / n
+    out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": n}
+    if bytes_per_token:
+        out["val_bpb"] = loss / math.log(2) / bytes_per_token
+    return out
+
+
+@torch.no_grad()
+def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str], *, batch_size: int) -> list[float]:
+    """The reward model's score of each (question, response): the conversation is rendered with
+    the chat template (llm/chat.py render: BOS, user turn, assistant turn, closing <|end|>),
+    cut to the RM's seq_len, and read at its last real token (GPT.reward)."""
+    if len(questions) != len(responses):
+        raise ValueError(f"rm_scores: {len(questions)} questions but {len(responses)} responses")
+    rm.eval()
+    device = rm.wte.weight.device
+    seqs = []
+    for i, (q, r) in enumerate(zip(questions, responses)):
+        rendered = render([{"role": "user", "content": q}, {"role": "assistant", "content": r}], tokenizer,
+                          max_tokens=rm.config.seq_len)
+        if rendered is None:
+            raise ValueError(f"rm_scores: question {i} alone fills the RM's seq_len={rm.config.seq_len}")
+        seqs.append(rendered[0])
+    out: list[float] = []
+    for i in range(0, len(seqs), batch_size):
+        batch = pad_collate(seqs[i:i + batch_size], pad_id=tokenizer.pad_id, shift=False)
+        out += rm.reward(batch["idx"].to(device), batch["attention_mask"].to(device)).tolist()  # (B,)
+    return out
+
+
+def win_rate(scores: Sequence[float], ref_scores: Sequence[float], ties: Sequence[bool] | None = None,
+             confidence: float = 0.95) -> dict:
+    """Share of prompts where `scores` beat `ref_scores`, ties counting half, with a Wilson
+    interval (on the half-integer count). `ties[i]` forces a tie (e.g. identical responses,
+    whose scores could differ in the last bit through different padding)."""
+    if len(scores) != len(ref_scores):
+        raise ValueError(f"win_rate: {len(scores)} scores but {len(ref_scores)} reference scores")
+    wins = tied = losses = 0
+    for i, (a, b) in enumerate(zip(scores, ref_scores)):
+        if (ties is not None and ties[i]) or a == b:
+            tied += 1
+        elif a > b:
+            wins += 1
+        else:
+            losses += 1
+    n = len(scores)
+    k = wins + 0.5 * tied
+    lo, hi = wilson_interval(k, n, confidence)
+    return {"win_rate": k / max(n, 1), "win_rate_lo": lo, "win_rate_hi": hi,
+            "wins": wins, "ties": tied, "losses": losses}
+
+
+@torch.no_grad()
+def kl_to_reference(model, ref, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
+                    generator: torch.Generator) -> dict:
+    """KL(model || ref) on the response distribution of held-out prompts, by sampling.
+
+    Responses are sampled from `model` at temperature 1 (its own distribution), up to and
+    including the stop token; for each, sum_t log p_model(y_t) - log p_ref(y_t) over the
+    response tokens (full forwards of both models on the same left-padded batch). Returns
+    the mean over sequences ("kl", nats per response), the per-token mean ("kl_per_token"),
+    the per-sequence values, the mean response length and the decoded responses.
+    """
+    model.eval()
+    ref.eval()
+    stop = (tokenizer.special["<|end|>"], tokenizer.special["<|endoftext|>"])
+    all_prompts = [user_prompt(q, tokenizer) for q in questions]
+    order = sorted(range(len(all_prompts)), key=lambda i: len(all_prompts[i]))  # batched by length, as above
+    per_seq: list[float] = [0.0] * len(all_prompts)
+    n_tokens: list[int] = [0] * len(all_prompts)
+    texts: list[str] = [""] * len(all_prompts)
+    for s in range(0, len(order), batch_size):
+        ix = order[s:s + batch_size]
+        prompts = [all_prompts[i] for i in ix]
+        room = min(model.config.seq_len, ref.config.seq_len) - max(map(len, prompts))
+        if room < 1:
+            raise ValueError(f"kl_to_reference: a prompt of {max(map(len, prompts))} tokens leaves no room")
+        gen = generate(model, prompts, min(max_new_tokens, room), temperature=1.0, stop_ids=stop,
+                       pad_id=tokenizer.pad_id, generator=generator)
+        P = gen.prompt_len
+        loss_mask = torch.cat([torch.zeros_like(gen.attention_mask[:, :P]), gen.response_mask], 1)  # (B, P+N)
+        lp = sequence_logprob(model, gen.tokens, gen.attention_mask, loss_mask, per_token=True)  # (B, P+N-1)
+        lr = sequence_logprob(ref, gen.tokens, gen.attention_mask, loss_mask, per_token=True)    # (B, P+N-1)
+        for i, d, n, r in zip(ix, (lp - lr).sum(-1).tolist(), gen.response_mask.sum(-1).tolist(),
+                              gen.responses()):  # lp, lr are 0 off the response tokens
+            per_seq[i], n_tokens[i], texts[i] = d, n, tokenizer.decode(r)
+    total = sum(n_tokens)
+    return {"kl": sum(per_seq) / max(len(per_seq), 1), "kl_per_token": sum(per_seq) / max(total, 1),
+            "per_sequence": per_seq, "response_tokens_mean": total / max(len(n_tokens), 1), "responses": texts}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
+
+
+def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
+                   val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
+                   ref=None, rm=None, toxicity: Callable[[list[str]], list[float]] | None = None,
+                   toxicity_threshold: float = 0.5, n_samples_kept: int = 5) -> tuple[dict, dict]:
+    """Every EVAL-1 measurement of one model -> (metrics, extras).
+
+    metrics: flat, numbers only except `"toxicity": "unavailable"` when no scorer is given.
+    extras: sample generations, math samples and per-part timings (seconds): what is not a
+    metric, so `dvc metrics diff` stays clean and two runs compare equal.
+
+    problems: held-out math ({"question", "answer", "level"}); the first cfg.math_problems
+    are answered greedily, the first cfg.pass_k_problems sampled cfg.pass_k times at
+    cfg.temperature, the first cfg.rm_prompts scored by `rm` against `ref`'s greedy answers,
+    the first cfg.kl_prompts sampled for KL to `ref`. `ref` is the SFT model; pass `ref=model`
+    when evaluating SFT itself (KL 0, win rate 0.5 by definition, nothing recomputed); None
+    skips win rate and KL. `rm` None skips the RM metrics. Sampling uses generators seeded
+    from (seed, part), so the same seed gives the same numbers.
+    """
+    device = model.wte.weight.device
+    timing: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+
+    def gen(part: str) -> torch.Generator:
+        return torch.Generator(device).manual_seed(derive_seed(seed, "eval", part))
+
+    @contextlib.contextmanager
+    def timed(part: str):
+        t = time.perf_counter()
+        yield
+        timing[part] = round(time.perf_counter() - t, 3)
+
+    if val_batches:
+        with timed("ppl"):
+            metrics.update(lm_eval(model, val_batches, bytes_per_token))
+
+    math_set = list(problems[:cfg.math_problems])
+    with timed("math"):
+        answers, n_tokens = generate_answers(model, tokenizer, [p["question"] for p in math_set],
+                                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+    scored = score_math(math_set, answers, cfg.confidence, n_samples_kept)
+    extras["math_samples"] = scored.pop("samples")
+    metrics.update(scored)
+    metrics["math_response_tokens_mean"] = _mean(n_tokens)
+
+    if cfg.pass_k_problems:
+        with timed("pass_k"):
+            pk = math_pass_at_k(model, tokenizer, problems[:cfg.pass_k_problems], k=cfg.pass_k,
+                                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                batch_size=cfg.batch_size, generator=gen("pass_k"), confidence=cfg.confidence)
+        k = cfg.pass_k
+        metrics.update({"math_pass_at_k": pk[f"math_pass_at_{k}"], "math_pass_at_k_lo": pk[f"math_pass_at_{k}_lo"],
+                        "math_pass_at_k_hi": pk[f"math_pass_at_{k}_hi"], "math_pass_k": k,
+                        "math_pass_k_problems": min(cfg.pass_k_problems, len(problems))})
+
+    if rm is not None and cfg.rm_prompts:
+        rm_set = list(problems[:cfg.rm_prompts])
+        qs = [p["question"] for p in rm_set]
+        with timed("rm"):
+            mine = answers[:len(rm_set)]
+            if len(mine) < len(rm_set):
+                mine += answer_questions(model, tokenizer, qs[len(mine):], max_new_tokens=cfg.max_new_tokens,
+                                         batch_size=cfg.batch_size)
+            scores = rm_scores(rm, tokenizer, qs, mine, batch_size=cfg.batch_size)
+            lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
+            metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
+                            "rm_prompts": len(rm_set)})
+            if ref is not None:
+                if ref is model:
+                    theirs, ref_scores = mine, scores
+                else:
+                    theirs = answer_questions(ref, tokenizer, qs, max_new_tokens=cfg.max_new_tokens,
+                                              batch_size=cfg.batch_size)
+                    ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size)
+                wr = win_rate(scores, ref_scores, [a == b for a, b in zip(mine, theirs)], cfg.confidence)
+                metrics.update({"rm_score_sft": _mean(ref_scores), "win_rate_vs_sft": wr["win_rate"],
+                                "win_rate_vs_sft_lo": wr["win_rate_lo"], "win_rate_vs_sft_hi": wr["win_rate_hi"],
+                                "win_rate_wins": wr["wins"], "win_rate_ties": wr["ties"],
+                                "win_rate_losses": wr["losses"]})
+                extras["rm_samples"] = [{"question": q, "response": a, "score": s, "sft_response": b, "sft_score": t}
+                                        for q, a, s, b, t in list(zip(qs, mine, scores, theirs, ref_scores))[:n_samples_kept]]
+
+    kl_texts: list[str] = []
+    if ref is not None and cfg.kl_prompts:
+        if ref is model:  # the same weights: every log-ratio is exactly 0
+            metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0})
+        else:
+            with timed("kl"):
+                kl = kl_to_reference(model, ref, tokenizer, [p["question"] for p in problems[:cfg.kl_prompts]],
+                                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                     generator=gen("kl"))
+            lo, hi = bootstrap_interval(kl["per_sequence"], cfg.confidence,
+                                        seed=derive_seed(seed, "eval", "kl_boot"))
+            metrics.update({"kl_to_sft": kl["kl"], "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
+                            "kl_to_sft_per_token": kl["kl_per_token"],
+                            "kl_response_tokens_mean": kl["response_tokens_mean"]})
+            kl_texts = kl["responses"]
+        metrics["kl_prompts"] = min(cfg.kl_prompts, len(problems))
+
+    with timed("samples"):
+        sample_answers = answer_questions(model, tokenizer, list(cfg.sample_prompts), max_new_tokens=cfg.max_new_tokens,
+                                          batch_size=cfg.batch_size) if cfg.sample_prompts else []
+    extras["sample_prompts"] = [{"prompt": p, "response": a} for p, a in zip(cfg.sample_prompts, sample_answers)]
+
+    if toxicity is None:
+        metrics["toxicity"] = "unavailable"
+    else:
+        texts = answers + sample_answers + kl_texts
+        with timed("toxicity"):
+            tox = toxicity(texts)
+        metrics.update({"toxicity_rate": sum(t > toxicity_threshold for t in tox) / max(len(tox), 1),
+                        "toxicity_mean": _mean(tox), "toxicity_n": len(tox)})
+    extras["timing_s"] = {**timing, "total": round(sum(timing.values()), 3)}
+    return metrics, extras

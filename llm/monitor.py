@@ -1,0 +1,208 @@
+"""What a training run shows and records while it runs (SPEC TRN-6).
+
+- a tqdm bar: loss, lr, tokens/s, MFU (where the device's peak is known), ETA;
+- TensorBoard event files (SummaryWriter imported lazily; on resume, events after the
+  resumed step are purged);
+- per-step TSV files for `dvc plots`: `<stage>.tsv` (one row per optimizer step) and
+  `<stage>_val.tsv` (one row per evaluation), header row, `step` first; on resume they are
+  rewritten from the checkpoint's history, so rows after the resumed step are dropped and
+  the file never holds a step twice;
+- a PNG of the training curves (matplotlib, Agg backend, imported lazily);
+- CUDA memory allocated / peak where CUDA is in use.
+
+Only rank 0 creates a Monitor with `enabled=True`; other ranks get a silent one.
+"""
+from __future__ import annotations
+
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm.fileio import atomic_write_bytes, atomic_write_text
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU. fp16 is the same
+# on these parts. Unknown devices (and CPUs) report no MFU rather than a made-up one.
+_PEAK_BF16 = [("H200", 989.4e12), ("H100", 989.4e12), ("H800", 989.4e12), ("GH200", 989.4e12),
+              ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12),
+              ("A10", 125e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12), ("V100", 125e12),
+              ("T4", 65e12), ("B200", 2250e12)]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s for `dtype` if known, else None (CPU: None)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for frag, peak in _PEAK_BF16:
+        if frag in name:
+            return peak
+    return None
+
+
+def cuda_memory(device: torch.device) -> dict[str, float]:
+    """{"mem_allocated_gb", "mem_peak_gb"} on CUDA, {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    return {"mem_allocated_gb": torch.cuda.memory_allocated(device) / 2**30,
+            "mem_peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else str(v)  # repr: exact round trip
+    return str(v)
+
+
+class TSVLog:
+    """Append-only TSV with a fixed header (`step` first), rebuilt from history on resume.
+
+    `rows` (a resumed run's history, from its checkpoint) are written first, atomically,
+    replacing whatever the file held: rows a killed run wrote after its checkpoint go, and
+    a file deleted in between (DVC removes outputs before re-running a stage) comes back
+    whole. The header is the first row's keys; keys missing from a row are written empty,
+    keys not in the header are ignored.
+    """
+
+    def __init__(self, path: str | Path, rows: list[dict[str, Any]] = ()):
+        self.path = Path(path)
+        self.columns: list[str] | None = None
+        self._f = None
+        lines = []
+        if rows:
+            self.columns = self._header(rows[0])
+            lines = ["\t".join(self.columns)] + [self._line(r) for r in rows]
+        atomic_write_text(self.path, "".join(line + "\n" for line in lines))
+
+    @staticmethod
+    def _header(row: dict[str, Any]) -> list[str]:
+        return ["step"] + [k for k in row if k != "step"]
+
+    def _line(self, row: dict[str, Any]) -> str:
+        return "\t".join(_fmt(row.get(c)) for c in self.columns)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._f is None:
+            self._f = open(self.path, "a", encoding="utf-8", newline="\n")
+        if self.columns is None:
+            self.columns = self._header(row)
+            self._f.write("\t".join(self.columns) + "\n")
+        self._f.write(self._line(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class Monitor:
+    """Progress bar + TensorBoard + TSV + PNG for one training run."""
+
+    def __init__(self, stage: str, *, max_steps: int, start_step: int = 0, enabled: bool = True,
+                 tsv_path: str | Path | None = None, png_path: str | Path | None = None,
+                 tb_dir: str | Path | None = None, progress: bool = True,
+                 train_history: list[dict] = (), val_history: list[dict] = ()):
+        self.stage, self.enabled = stage, enabled
+        self.png_path = Path(png_path) if png_path else None
+        self.bar = self.tb = self.tsv = self.val_tsv = None
+        if not enabled:
+            return
+        if tsv_path:
+            tsv_path = Path(tsv_path)
+            self.tsv = TSVLog(tsv_path, train_history)
+            self.val_tsv = TSVLog(tsv_path.with_name(tsv_path.stem + "_val.tsv"), val_history)
+        if tb_dir:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in tensorboard
+            # TensorBoard drops older events at steps >= purge_step: a resumed run hides what the
+            # killed run logged after its checkpoint; a fresh start hides an earlier run's events
+            self.tb = SummaryWriter(log_dir=str(tb_dir), purge_step=start_step + 1 if start_step else 0)
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=max_steps, initial=start_step, desc=stage, dynamic_ncols=True,
+                            file=sys.stderr, mininterval=1.0)
+
+    def step(self, row: dict[str, Any], show: bool) -> None:
+        """Record one optimizer step's row (TSV every step; bar and TensorBoard when `show`)."""
+        if not self.enabled:
+            return
+        if self.tsv:
+            self.tsv.write(row)
+        if self.bar is not None:
+            self.bar.update(row["step"] - self.bar.n)
+        if show:
+            if self.bar is not None:
+                post = {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}",
+                        "tok/s": f"{row['tokens_per_s']:.0f}"}
+                if row.get("mfu") is not None:
+                    post["mfu"] = f"{100 * row['mfu']:.1f}%"
+                self.bar.set_postfix(post, refresh=False)
+            if self.tb:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)) and v is not None:
+                        self.tb.add_scalar(f"train/{k}", v, row["step"])
+
+    def eval(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.val_tsv:
+            self.val_tsv.write(row)
+        if self.tb:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"val/{k}", v, row["step"])
+        self.print(f"{self.stage} step {row['step']}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in row.items() if k != "step" and isinstance(v, float)))
+
+    def print(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self, train_history: list[dict] | None = None, val_history: list[dict] | None = None) -> None:
+        if not self.enabled:
+            return
+        for t in (self.tsv, self.val_tsv):
+            if t:
+                t.close()
+        if self.tb:
+            self.tb.flush()
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.png_path and train_history:
+            write_curves_png(self.png_path, self.stage, train_history, val_history or [])
+
+
+def write_curves_png(path: str | Path, stage: str, train: list[dict], val: list[dict]) -> None:
+    """training_curves: loss (train and val) and lr against step, written atomically."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])
+    steps = [r["step"] for r in train]
+    ax.plot(steps, [r["loss"] for r in train], lw=0.8, alpha=0.7, label="train loss")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{stage}: training curves")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax_lr.plot(steps, [r["lr"] for r in train], color="tab:green")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

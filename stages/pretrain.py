@@ -1,0 +1,176 @@
+"""Stage `pretrain`: train the base language model on the token shards (SPEC TRN-1..6, PIPE-6).
+
+    python -m stages.pretrain [--params params.yaml]
+
+With `common.nproc > 1` it re-runs itself under `torchrun --standalone
+--nproc_per_node=<nproc>` (DDP, or FSDP with `pretrain.distributed: fsdp`); the code path
+is the same as with one process.
+
+Reads the `common` and `pretrain` sections of params.yaml and
+
+    data/tokens/train.bin, val.bin, meta.json   token shards (llm.batching.open_tokens)
+    models/tokenizer/                           vocab_size comes from here
+
+Writes (rank 0):
+
+    runs/pretrain/ckpt-<step>/    training checkpoints (a persisted DVC out: a killed or
+                                  interrupted run resumes from the newest verified one whose
+                                  fingerprint = params + input hashes matches)
+    runs/pretrain/tb/             TensorBoard events
+    models/base/                  model.safetensors, config.json, tokenizer/, meta.json
+    metrics/pretrain.json         final train/val loss, val perplexity, val bits-per-byte and
+                                  the unigram baseline's bits-per-byte, tokens seen, tokens/s,
+                                  MFU (null where the device's peak FLOP/s is unknown, e.g. CPU),
+                                  non-finite skips, n_params
+    metrics/plots/pretrain.tsv, pretrain_val.tsv, pretrain.png   curves for `dvc plots`
+
+SIGTERM/SIGINT write a checkpoint and exit with 128 + the signal number; the outputs
+above are written only when training completes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
+from llm.checkpoint import CheckpointError
+from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint, load_sections
+from llm.fileio import DataError, atomic_write_json, sha256_file
+from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
+                         under_torchrun)
+
+STAGE = "pretrain"
+TOKENS = Path("data/tokens")
+TOKENIZER = Path("models/tokenizer")
+RUN_DIR = Path("runs/pretrain")
+MODEL_OUT = Path("models/base")
+METRICS = Path("metrics/pretrain.json")
+PLOTS = Path("metrics/plots")
+
+
+def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, vocab_size: int, val_bytes: int,
+                          chunk: int = 1 << 24) -> float:
+    """Bits per byte of `val` under the train set's unigram distribution (add-one smoothed).
+
+    The floor a model must beat to have learned anything beyond token frequencies.
+    """
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    val_counts = np.zeros(vocab_size, dtype=np.int64)
+    for arr, out in ((train, counts), (val, val_counts)):
+        for s in range(0, len(arr), chunk):  # bounded memory on big memmaps
+            out += np.bincount(np.asarray(arr[s:s + chunk]), minlength=vocab_size)[:vocab_size]
+    logp = np.log2(counts + 1.0) - math.log2(counts.sum() + vocab_size)
+    return float(-(val_counts * logp).sum() / val_bytes)
+
+
+def _read_meta(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; run `dvc repro tokenize` first")
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    need = ("dtype", "train_tokens", "val_tokens", "val_bytes", "tokenizer_sha256", "vocab_size")
+    missing = [k for k in need if k not in meta]
+    if missing:
+        raise DataError(f"{path}: missing keys {missing}; re-run `dvc repro tokenize`")
+    return meta
+
+
+def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path = TOKENS,
+        tokenizer_dir: Path = TOKENIZER, run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT,
+        metrics_path: Path = METRICS, plots: Path = PLOTS, progress: bool = True) -> dict | None:
+    """Train, then (rank 0) write models/base and the metrics; returns the metrics on rank 0."""
+    from llm.model import GPT
+    from llm.tokenizer import Tokenizer
+
+    meta = _read_meta(tokens / "meta.json")
+    tok = Tokenizer.load(tokenizer_dir)
+    if tok.sha256() != meta["tokenizer_sha256"]:
+        raise DataError(f"{tokens}/meta.json: the shards were made with another tokenizer than {tokenizer_dir}"
+                        f" (sha256 {meta['tokenizer_sha256'][:12]}... vs {tok.sha256()[:12]}...);"
+                        f" run `dvc repro tokenize`")
+    if cfg.model.vocab_size not in (0, tok.vocab_size):
+        raise ConfigError([f"pretrain.model.vocab_size: {cfg.model.vocab_size}, but the tokenizer has"
+                           f" {tok.vocab_size}; set it to 0 to take the tokenizer's"])
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tok.vocab_size)
+    train_tok = open_tokens(tokens / "train.bin", meta["dtype"])
+    val_tok = open_tokens(tokens / "val.bin", meta["dtype"])
+    inputs = {"train.bin": sha256_file(tokens / "train.bin"), "val.bin": sha256_file(tokens / "val.bin"),
+              "tokenizer": tok.sha256()}
+    fp = fingerprint(common, cfg, inputs)
+    seed = derive_seed(common.seed, STAGE)
+
+    model = GPT(model_cfg, seed=derive_seed(common.seed, STAGE, "init"))
+    if rt.is_main:
+        print(f"{STAGE}: {model.summary()}; {rt.world_size} process(es) on {rt.device}, {rt.dtype}", flush=True)
+    batches = WindowSampler(train_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size,
+                            grad_accum=cfg.grad_accum, seed=seed, rank=rt.rank, world_size=rt.world_size)
+    val = fixed_windows(val_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, n_batches=cfg.eval_batches)
+    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val, run_dir=run_dir,
+                   fingerprint=fp, tsv_path=plots / f"{STAGE}.tsv", png_path=plots / f"{STAGE}.png",
+                   tb_dir=run_dir / "tb", bytes_per_token=meta["val_bytes"] / meta["val_tokens"],
+                   distributed=cfg.distributed, progress=progress)
+
+    state = full_model_state(model, rt)  # every rank joins (FSDP gathers); a dict on rank 0 only
+    if not rt.is_main:
+        return None
+    from llm.artifacts import save_model_dir
+    out_model = GPT(model_cfg, seed=0)
+    out_model.load_state_dict(state)
+    save_model_dir(model_out, out_model, tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
+                                               "steps": result.step})
+    m = result.metrics
+    metrics = {
+        "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
+        "val_bpb": m.get("val_bpb"),
+        "unigram_bpb": unigram_bits_per_byte(train_tok, val_tok, tok.vocab_size, meta["val_bytes"]),
+        "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "mfu": m["mfu"],
+        "nonfinite_skips": m["nonfinite_skips"], "amp_overflows": m["amp_overflows"],
+        "n_params": out_model.n_params(), "n_params_non_embedding": out_model.n_params(non_embedding=True),
+        "flops_per_token": out_model.flops_per_token(), "steps": m["steps"], "train_time_s": m["train_time_s"],
+        "world_size": m["world_size"], "device": m["device"], "dtype": m["dtype"],
+        **{k: v for k, v in m.items() if k.startswith("mem_")},
+    }
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    args = ap.parse_args(argv)
+    try:
+        sections = load_sections(["common", STAGE], args.params)
+    except ConfigError as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    common, cfg = sections["common"], sections[STAGE]
+    if common.nproc > 1 and not under_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
+               "-m", f"stages.{STAGE}", *argv]
+        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun: {' '.join(cmd[1:])}", flush=True)
+        os.execv(sys.executable, cmd)  # does not return
+    rt = setup_runtime(common)
+    try:
+        metrics = run(common, cfg, rt)
+    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown_runtime()
+    if metrics is not None:
+        print(f"{STAGE}: val loss {metrics['val_loss']:.4f}, val bits/byte {metrics['val_bpb']:.4f}"
+              f" (unigram baseline {metrics['unigram_bpb']:.4f}), {metrics['tokens_per_s']:.0f} tokens/s;"
+              f" wrote {MODEL_OUT}/ and {METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Stage `sft`: supervised fine-tuning of the base model on chat data (SPEC SFT-1, SFT-2, DATA-7).
+
+    python -m stages.sft [--params params.yaml]
+
+Reads the `common` and `sft` sections of params.yaml and
+
+    models/base/                    the pretrained model (and its tokenizer)
+    data/clean_sft/{train,val}.jsonl  cleaned conversations {"id", "messages", "source"}
+    data/prepared/rl/val.jsonl      held-out math problems for the final exact-match check
+
+Each conversation is rendered with the chat template (llm/chat.py); the loss covers only
+assistant tokens and their closing <|end|>. Conversations longer than the context are
+cut at the end; one left with no supervised token is dropped and counted. Batches come
+from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
+mask is combined with the causal mask inside attention. The loop is llm/trainer.py's,
+with the same checkpoints, resume, non-finite policy and `torchrun` support as pretrain.
+
+Writes models/sft/, metrics/sft.json (train/val masked loss, assistant tokens trained,
+held-out math exact match with a 95% interval), metrics/plots/sft{.tsv,_val.tsv,.png},
+runs/sft/ (checkpoints; a persisted DVC out).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate
+from llm.chat import render
+from llm.checkpoint import CheckpointError
+from llm.config import CommonConfig, ConfigError, SFTConfig, fingerprint, load_sections
+from llm.fileio import DataError, atomic_write_json, read_jsonl, sha256_tree
+from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
+                         under_torchrun)
+
+STAGE = "sft"
+BASE = Path("models/base")
+DATA = Path("data/clean_sft")
+MATH_VAL = Path("data/prepared/rl/val.jsonl")
+RUN_DIR = Path("runs/sft")
+MODEL_OUT = Path("models/sft")
+METRICS = Path("metrics/sft.json")
+PLOTS = Path("metrics/plots")
+
+
+def render_all(records: list[dict], tokenizer, max_tokens: int) -> tuple[list[tuple[list[int], list[bool]]], int]:
+    """(ids, loss_mask) per usable conversation, and how many were dropped by truncation."""
+    out, dropped = [], 0
+    for r in records:
+        x = render(r["messages"], tokenizer, max_tokens=max_tokens)
+        if x is None:
+            dropped += 1
+        else:
+            out.append(x)
+    return out, dropped
+
+
+def make_batch(examples, pad_id: int):
+    return lambda ix: pad_collate([examples[i][0] for i in ix], pad_id=pad_id,
+                                  loss_masks=[examples[i][1] for i in ix])
+
+
+def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path = BASE, data: Path = DATA,
+        math_val: Path = MATH_VAL, run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT,
+        metrics_path: Path = METRICS, plots: Path = PLOTS, progress: bool = True) -> dict | None:
+    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.evaluate import math_eval
+    from llm.model import GPT
+
+    model, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
+    seq_len = model.config.seq_len
+    train_recs = list(read_jsonl(data / "train.jsonl"))
+    val_recs = list(read_jsonl(data / "val.jsonl"))
+    train_ex, dropped_train = render_all(train_recs, tok, seq_len + 1)
+    val_ex, dropped_val = render_all(val_recs, tok, seq_len + 1)
+    if not train_ex:
+        raise DataError(f"{data}/train.jsonl: no conversation has a supervised token within seq_len={seq_len}")
+    inputs = {"base": base_meta.get("fingerprint", ""), "data": sha256_tree(data)}
+    fp = fingerprint(common, cfg, inputs)
+    seed = derive_seed(common.seed, STAGE)
+
+    sampler = BucketBatchSampler([len(ids) for ids, _ in train_ex], batch_size=cfg.batch_size,
+                                 bucket_width=cfg.bucket_width, seed=seed, rank=rt.rank, world_size=rt.world_size)
+    batches = ExampleBatches(sampler, make_batch(train_ex, tok.pad_id))
+    # fixed validation batches: a seeded sample of the val conversations (shortest-first would
+    # pick only the short instruction tasks), sorted by length within the sample to pad less
+    g = torch.Generator().manual_seed(derive_seed(common.seed, STAGE, "val"))
+    pick = torch.randperm(len(val_ex), generator=g)[: cfg.eval_batches * cfg.batch_size].tolist()
+    val_sorted = sorted((val_ex[i] for i in pick), key=lambda x: len(x[0]))
+    val_batches = [make_batch(val_sorted, tok.pad_id)(list(range(i, min(i + cfg.batch_size, len(val_sorted)))))
+                   for i in range(0, len(val_sorted), cfg.batch_size)]
+    if rt.is_main:
+        print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
+              f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
+              f" {model.summary()}", flush=True)
+
+    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val_batches,
+                   run_dir=run_dir, fingerprint=fp, tsv_path=plots / f"{STAGE}.tsv",
+                   png_path=plots / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+
+    state = full_model_state(model, rt)
+    if not rt.is_main:
+        return None
+    out_model = GPT(model.config, seed=0)
+    out_model.load_state_dict(state)
+    out_model.eval()
+    m = result.metrics
+    metrics = {
+        "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
+        "assistant_tokens_trained": int(sum(r.get("weight", 0) for r in result.train_history)),
+        "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "steps": m["steps"],
+        "train_conversations": len(train_ex), "dropped_truncated": dropped_train + dropped_val,
+        "masked_fraction": 1 - sum(sum(mk) for _, mk in train_ex) / sum(len(mk) for _, mk in train_ex),
+        "nonfinite_skips": m["nonfinite_skips"], "train_time_s": m["train_time_s"],
+    }
+    if cfg.eval_math_problems:
+        problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
+        ev = math_eval(out_model.to(rt.device), tok, problems, max_new_tokens=cfg.max_new_tokens,
+                       batch_size=64)
+        metrics.update({k: v for k, v in ev.items() if k != "samples"})
+        metrics["math_samples"] = ev["samples"][:3]
+    save_model_dir(model_out, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
+                                                     "parent": str(base), "steps": result.step})
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    args = ap.parse_args(argv)
+    try:
+        sections = load_sections(["common", STAGE], args.params)
+    except ConfigError as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    common, cfg = sections["common"], sections[STAGE]
+    if common.nproc > 1 and not under_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
+               "-m", f"stages.{STAGE}", *argv]
+        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun", flush=True)
+        os.execv(sys.executable, cmd)
+    rt = setup_runtime(common)
+    try:
+        metrics = run(common, cfg, rt)
+    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown_runtime()
+    if metrics is not None:
+        em = metrics.get("math_exact_match")
+        print(f"{STAGE}: val loss {metrics['val_loss']:.4f}"
+              + (f", held-out math exact match {em:.1%} [{metrics['math_exact_match_lo']:.1%},"
+                 f" {metrics['math_exact_match_hi']:.1%}]" if em is not None else "")
+              + f"; wrote {MODEL_OUT}/ and {METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

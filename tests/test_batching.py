@@ -1,0 +1,156 @@
+"""Batch sources: token windows, validation windows, length buckets, padding collate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, WindowSampler, derive_seed,
+                          fixed_windows, open_tokens, pad_collate)
+
+TOKENS = (np.arange(10_000) % 997).astype(np.uint16)  # token at i is i % 997: windows are checkable
+
+
+def _starts(batch):
+    return sorted(batch["idx"][:, 0].tolist())
+
+
+def test_windows_are_contiguous_and_targets_are_shifted():
+    s = WindowSampler(TOKENS, seq_len=16, batch_size=4, seed=1)
+    b = s.next_batch()
+    assert b["idx"].shape == b["targets"].shape == (4, 16) and b["idx"].dtype == torch.long
+    for row, tgt in zip(b["idx"], b["targets"]):
+        assert torch.equal(tgt[:-1], row[1:])
+        assert all((int(y) - int(x)) % 997 == 1 for x, y in zip(row, tgt))
+
+
+def test_same_seed_same_batches_other_seed_other_batches():
+    a = [WindowSampler(TOKENS, seq_len=8, batch_size=4, seed=1).next_batch()["idx"] for _ in range(2)]
+    assert torch.equal(a[0], a[1])
+    c = WindowSampler(TOKENS, seq_len=8, batch_size=4, seed=2).next_batch()["idx"]
+    assert not torch.equal(a[0], c)
+
+
+def test_resume_from_state_dict_gives_the_same_next_batches():
+    s = WindowSampler(TOKENS, seq_len=8, batch_size=3, grad_accum=2, seed=5)
+    for _ in range(5):
+        s.next_batch()
+    state = s.state_dict()
+    expect = [s.next_batch()["idx"] for _ in range(4)]
+    t = WindowSampler(TOKENS, seq_len=8, batch_size=3, grad_accum=2, seed=5)
+    t.load_state_dict(state)
+    assert all(torch.equal(e, t.next_batch()["idx"]) for e in expect)
+
+
+def test_state_from_other_settings_is_refused():
+    s = WindowSampler(TOKENS, seq_len=8, batch_size=3, seed=5)
+    t = WindowSampler(TOKENS, seq_len=8, batch_size=4, seed=5)
+    with pytest.raises(ValueError, match="batch_size"):
+        t.load_state_dict(s.state_dict())
+
+
+def test_ranks_and_accumulation_see_the_same_global_batch():
+    # one process, batch 8  ==  one process, 2 x 4 accumulated  ==  two ranks x 4
+    one = WindowSampler(TOKENS, seq_len=8, batch_size=8, seed=3)
+    accum = WindowSampler(TOKENS, seq_len=8, batch_size=4, grad_accum=2, seed=3)
+    ranks = [WindowSampler(TOKENS, seq_len=8, batch_size=4, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(3):  # three optimizer steps
+        big = _starts(one.next_batch())
+        assert sorted(_starts(accum.next_batch()) + _starts(accum.next_batch())) == big
+        assert sorted(_starts(ranks[0].next_batch()) + _starts(ranks[1].next_batch())) == big
+
+
+def test_fixed_windows_are_fixed_and_span_the_array():
+    a = fixed_windows(TOKENS, seq_len=16, batch_size=4, n_batches=3)
+    b = fixed_windows(TOKENS, seq_len=16, batch_size=4, n_batches=3)
+    assert len(a) == 3 and all(torch.equal(x["idx"], y["idx"]) for x, y in zip(a, b))
+    assert a[0]["idx"][0, 0] == 0  # starts at the beginning
+    assert a[-1]["targets"][-1, -1] == TOKENS[-1]  # ends at the last token
+
+
+def test_open_tokens_uint32_and_errors(tmp_path):
+    p = tmp_path / "t.bin"
+    np.arange(100, dtype=np.uint32).tofile(p)
+    m = open_tokens(p, "uint32")
+    assert len(m) == 100 and int(m[99]) == 99
+    with pytest.raises(ValueError, match="uint16 or uint32"):
+        open_tokens(p, "int64")
+    (tmp_path / "odd.bin").write_bytes(b"\0\0\0")
+    with pytest.raises(ValueError, match="odd.bin.*truncated"):
+        open_tokens(tmp_path / "odd.bin", "uint16")
+    with pytest.raises(FileNotFoundError, match="missing.bin"):
+        open_tokens(tmp_path / "missing.bin", "uint16")
+
+
+LENGTHS = [3, 5, 7, 12, 14, 18, 25, 27, 29, 31, 33, 35, 44, 49, 51, 60, 61, 62, 63, 95]
+
+
+def test_buckets_group_lengths_and_cover_each_example_once_per_epoch():
+    s = BucketBatchSampler(LENGTHS, batch_size=3, bucket_width=10, seed=0)
+    n = len(s)
+    batches = [s.next_indices() for _ in range(n)]
+    assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
+    for b in batches:
+        assert len({LENGTHS[i] // 10 for i in b}) == 1, b
+    assert s.state_dict()["epoch"] == 0
+    s.next_indices()
+    assert s.state_dict()["epoch"] == 1  # endless: the next epoch starts
+
+
+def test_buckets_resume_mid_epoch_and_across_epochs():
+    s = BucketBatchSampler(LENGTHS, batch_size=4, bucket_width=20, seed=7)
+    for _ in range(len(s) - 1):
+        s.next_indices()
+    state = s.state_dict()
+    expect = [s.next_indices() for _ in range(5)]  # crosses into epoch 1
+    t = BucketBatchSampler(LENGTHS, batch_size=4, bucket_width=20, seed=7)
+    t.load_state_dict(state)
+    assert [t.next_indices() for _ in range(5)] == expect
+
+
+def test_bucket_epochs_are_shuffled_by_seed():
+    a = BucketBatchSampler(LENGTHS, batch_size=2, bucket_width=10, seed=1)
+    b = BucketBatchSampler(LENGTHS, batch_size=2, bucket_width=10, seed=2)
+    ea, eb = a.epoch_batches(0), b.epoch_batches(0)
+    assert ea != eb and ea == a.epoch_batches(0) and ea != a.epoch_batches(1)
+
+
+def test_bucket_ranks_split_each_global_batch():
+    kw = dict(batch_size=2, bucket_width=10, seed=3, world_size=2)
+    r0, r1 = BucketBatchSampler(LENGTHS, rank=0, **kw), BucketBatchSampler(LENGTHS, rank=1, **kw)
+    for glob in r0.epoch_batches(0):
+        a, b = r0.next_indices(), r1.next_indices()
+        assert a and b and sorted(a + b) == sorted(glob) and not set(a) & set(b)
+
+
+def test_pad_collate_hand_built():
+    seqs = [[10, 11, 12, 13], [20, 21]]
+    masks = [[False, False, True, True], [False, True]]
+    out = pad_collate(seqs, pad_id=0, loss_masks=masks)
+    assert out["idx"].tolist() == [[10, 11, 12], [20, 0, 0]]
+    assert out["targets"].tolist() == [[IGNORE_INDEX, 12, 13], [21, IGNORE_INDEX, IGNORE_INDEX]]
+    assert out["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    whole = pad_collate(seqs, pad_id=0, shift=False)
+    assert whole["idx"].tolist() == [[10, 11, 12, 13], [20, 21, 0, 0]] and "targets" not in whole
+    assert whole["attention_mask"].sum().item() == 6
+    with pytest.raises(ValueError, match="loss mask"):
+        pad_collate(seqs, pad_id=0, loss_masks=[[True], [True, True]])
+
+
+def test_example_batches_is_a_resumable_source():
+    data = [list(range(n)) for n in LENGTHS]
+    make = lambda ix: pad_collate([data[i] for i in ix], pad_id=0)  # noqa: E731
+    src = ExampleBatches(BucketBatchSampler(LENGTHS, batch_size=3, bucket_width=10, seed=0), make)
+    src.next_batch()
+    state = src.state_dict()
+    a = src.next_batch()
+    src2 = ExampleBatches(BucketBatchSampler(LENGTHS, batch_size=3, bucket_width=10, seed=0), make)
+    src2.load_state_dict(state)
+    b = src2.next_batch()
+    assert torch.equal(a["idx"], b["idx"]) and torch.equal(a["targets"], b["targets"])
+
+
+def test_derive_seed_is_stable_and_distinct():
+    assert derive_seed(1, "pretrain", 3) == derive_seed(1, "pretrain", 3)
+    assert derive_seed(1, "pretrain", 3) != derive_seed(1, "sft", 3)
+    assert 0 <= derive_seed("x") < 2**63
