@@ -364,6 +364,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                                               batch_size=cfg.batch_size)
                     ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size)
                 wr = win_rate(scores, ref_scores, [a == b for a, b in zip(mine, theirs)], cfg.confidence)
+                if ref is model:  # 0.5 by definition, not an estimate: no interval around it
+                    wr["win_rate_lo"] = wr["win_rate_hi"] = 0.5
                 metrics.update({"rm_score_sft": _mean(ref_scores), "win_rate_vs_sft": wr["win_rate"],
                                 "win_rate_vs_sft_lo": wr["win_rate_lo"], "win_rate_vs_sft_hi": wr["win_rate_hi"],
                                 "win_rate_wins": wr["wins"], "win_rate_ties": wr["ties"],

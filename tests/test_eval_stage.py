@@ -1,0 +1,228 @@
+"""The eval stage and its library functions on tiny trained models (SPEC EVAL-1, EVAL-2, EVAL-4).
+
+A module fixture trains a byte-level tokenizer and a 1-layer GPT for a few steps on math
+conversations, and lays out models/{base,sft,reward,ppo}, data/prepared/rl/test.jsonl and
+data/tokens/{val.bin,meta.json} in a temp dir, as the DVC stage sees them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm.artifacts import MissingArtifactError, save_model_dir
+from llm.batching import pad_collate
+from llm.chat import render
+from llm.config import EvalConfig, ModelConfig, load_sections
+from llm.evaluate import evaluate_model, kl_to_reference, lm_eval, rm_scores, win_rate
+from llm.generators import math_problem
+from llm.model import GPT
+from llm.tokenizer import Tokenizer
+from tests.conftest import ROOT
+
+EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
+                   rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
+                   confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5)
+
+
+def _train(model: GPT, examples, tok, steps: int, seed: int) -> GPT:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        ix = torch.randint(len(examples), (16,), generator=g).tolist()
+        b = pad_collate([examples[i][0] for i in ix], pad_id=tok.pad_id, loss_masks=[examples[i][1] for i in ix])
+        logits = model(b["idx"], attention_mask=b["attention_mask"])
+        loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # these models are tiny: a second thread only adds synchronisation, and on a shared
+    # 2-core machine an oversubscribed thread pool made the module 10x slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, one_thread):
+    root = tmp_path_factory.mktemp("evalworld")
+    rng = random.Random(0)
+    probs = [math_problem(rng, rng.randint(1, 2), "en") for _ in range(120)]
+    tok = Tokenizer.train([p.question + "\n" + p.solution for p in probs], 300, max_pairs=10_000,
+                          min_frequency=2, required_tokens=["####"])
+    convs = [[{"role": "user", "content": p.question}, {"role": "assistant", "content": p.solution}] for p in probs]
+    examples = [render(c, tok, max_tokens=128) for c in convs]
+    cfg = ModelConfig(vocab_size=tok.vocab_size, seq_len=128, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    base = _train(GPT(cfg, seed=1), examples, tok, 5, seed=1)
+    sft = _train(copy.deepcopy(base), examples, tok, 40, seed=2)
+    ppo = copy.deepcopy(sft)
+    with torch.no_grad():  # a nearby policy: KL > 0, answers mostly shared
+        g = torch.Generator().manual_seed(3)
+        for p in ppo.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    reward = GPT(cfg, heads=("lm", "reward"), seed=0)
+    reward.load_state_dict(sft.state_dict(), strict=False)
+    for name, m in (("base", base), ("sft", sft), ("ppo", ppo), ("reward", reward)):
+        save_model_dir(root / "models" / name, m, tok, {"stage": name, "fingerprint": name})
+
+    test = [{"id": f"t{i}", "question": p.question, "answer": str(p.answer), "level": p.level, "lang": "en"}
+            for i, p in enumerate(probs[100:])]
+    (root / "data/prepared/rl").mkdir(parents=True)
+    (root / "data/prepared/rl/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
+    ids = tok.encode(text, allowed_special="all")
+    (root / "data/tokens").mkdir(parents=True)
+    np.asarray(ids, dtype=np.uint16).tofile(root / "data/tokens/val.bin")
+    meta = {"dtype": "uint16", "val_tokens": len(ids), "val_bytes": len(text.encode()), "vocab_size": tok.vocab_size,
+            "tokenizer_sha256": tok.sha256(), "train_tokens": 0, "train_bytes": 0}
+    (root / "data/tokens/meta.json").write_text(json.dumps(meta))
+    params = {"common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1},
+              "eval": EVAL_PARAMS}
+    import yaml
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return {"root": root, "tok": tok, "base": base, "sft": sft, "ppo": ppo, "reward": reward, "test": test,
+            "cfg": EvalConfig(**EVAL_PARAMS)}
+
+
+def test_eval_metrics_are_deterministic_under_a_seed(world):
+    w = world
+    kw = dict(seed=11, problems=w["test"], ref=w["sft"], rm=w["reward"])
+    m1, x1 = evaluate_model(w["ppo"], w["tok"], w["cfg"], **kw)
+    m2, x2 = evaluate_model(w["ppo"], w["tok"], w["cfg"], **kw)
+    assert m1 == m2
+    assert x1["sample_prompts"] == x2["sample_prompts"] and x1["math_samples"] == x2["math_samples"]
+    assert m1["kl_to_sft"] > 0 and math.isfinite(m1["kl_to_sft"])
+    for key in ("math_exact_match", "math_pass_at_k", "win_rate_vs_sft", "kl_to_sft"):
+        assert m1[f"{key}_lo"] <= m1[key] <= m1[f"{key}_hi"], key
+    assert m1["win_rate_wins"] + m1["win_rate_ties"] + m1["win_rate_losses"] == w["cfg"].rm_prompts
+    assert 0 < m1["math_response_tokens_mean"] <= w["cfg"].max_new_tokens
+
+
+def test_the_reference_against_itself(world):
+    w = world
+    m, _ = evaluate_model(w["sft"], w["tok"], w["cfg"], seed=0, problems=w["test"], ref=w["sft"], rm=w["reward"])
+    assert m["kl_to_sft"] == 0.0 and m["rm_score"] == m["rm_score_sft"]
+    assert m["win_rate_vs_sft"] == m["win_rate_vs_sft_lo"] == m["win_rate_vs_sft_hi"] == 0.5  # by definition
+
+
+def test_kl_is_zero_between_copies_and_positive_for_a_perturbed_model(world):
+    w = world
+    qs = [p["question"] for p in w["test"][:6]]
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    same = kl_to_reference(w["sft"], copy.deepcopy(w["sft"]), w["tok"], qs, max_new_tokens=16, batch_size=4,
+                           generator=g())
+    assert same["kl"] == 0.0 and all(v == 0.0 for v in same["per_sequence"])
+    moved = kl_to_reference(w["ppo"], w["sft"], w["tok"], qs, max_new_tokens=16, batch_size=4, generator=g())
+    assert moved["kl"] > 0 and moved["kl_per_token"] > 0
+    assert len(moved["per_sequence"]) == len(qs) == len(moved["responses"])
+
+
+def test_win_rate_counts_ties_half():
+    r = win_rate([1.0, 2.0, 0.0, 5.0], [0.5, 3.0, 0.0, 1.0], ties=[False, False, False, True])
+    assert (r["wins"], r["ties"], r["losses"]) == (1, 2, 1)
+    assert r["win_rate"] == pytest.approx(0.5)
+    assert r["win_rate_lo"] < 0.5 < r["win_rate_hi"]
+
+
+def test_rm_scores_do_not_depend_on_batching(world):
+    w = world
+    qs = [p["question"] for p in w["test"][:5]]
+    rs = ["12 + 7 = 19\n#### 19", "#### 3", "I do not know", "1 + 1 = 2\n2 + 2 = 4\n#### 4", ""]
+    batched = rm_scores(w["reward"], w["tok"], qs, rs, batch_size=5)
+    single = [rm_scores(w["reward"], w["tok"], [q], [r], batch_size=1)[0] for q, r in zip(qs, rs)]
+    assert batched == pytest.approx(single, abs=1e-5)
+
+
+def test_lm_eval_of_a_uniform_model_is_log_vocab():
+    cfg = ModelConfig(vocab_size=50, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)
+    model = GPT(cfg)
+    with torch.no_grad():
+        model.wte.weight.zero_()  # tied: every logit is 0
+    batch = {"idx": torch.randint(50, (2, 16)), "targets": torch.randint(50, (2, 16))}
+    out = lm_eval(model, [batch], bytes_per_token=2.0)
+    assert out["val_loss"] == pytest.approx(math.log(50), rel=1e-6)
+    assert out["val_bpb"] == pytest.approx(math.log2(50) / 2.0, rel=1e-6)
+    assert out["val_tokens"] == 32
+
+
+def test_toxicity_is_unavailable_without_a_scorer_and_measured_with_one(world):
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
+    m, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"])
+    assert m["toxicity"] == "unavailable" and "toxicity_rate" not in m
+    m, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"],
+                          toxicity=lambda texts: [1.0 if i % 2 else 0.0 for i in range(len(texts))])
+    assert "toxicity" not in m and m["toxicity_n"] == cfg.math_problems + len(cfg.sample_prompts)
+    assert m["toxicity_rate"] == pytest.approx(0.5)
+
+
+def _check_outputs(out, name: str) -> dict:
+    metrics = json.loads((out / f"{name}.json").read_text())
+    samples = json.loads((out / f"{name}_samples.json").read_text())
+    for key in ("val_bpb", "val_ppl", "math_exact_match", "math_exact_match_lo", "math_exact_match_hi",
+                "math_pass_at_k", "rm_score", "win_rate_vs_sft", "kl_to_sft", "kl_to_sft_per_token"):
+        assert isinstance(metrics[key], (int, float)), key
+    assert {k for k, v in metrics.items() if not isinstance(v, (int, float))} == {"toxicity"}
+    assert metrics["toxicity"] == "unavailable"
+    assert [s["prompt"] for s in samples["sample_prompts"]] == EVAL_PARAMS["sample_prompts"]
+    assert samples["model"] == name and samples["timing_s"]["total"] > 0
+    return metrics
+
+
+def test_eval_stage_run_writes_flat_metrics_and_samples(world):
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    kw = dict(models=root / "models", test=root / "data/prepared/rl/test.jsonl", tokens=root / "data/tokens")
+    m, _ = run("ppo", sections["common"], sections["eval"], out=root / "run", **kw)
+    assert _check_outputs(root / "run", "ppo") == m
+    m, _ = run("sft", sections["common"], sections["eval"], out=root / "run", **kw)
+    assert _check_outputs(root / "run", "sft")["kl_to_sft"] == 0.0 and m["win_rate_vs_sft"] == 0.5
+
+
+@pytest.mark.slow
+def test_eval_stage_cli_in_a_fresh_directory(world):
+    """`python -m stages.eval ppo` with cwd = the temp layout, as DVC runs it: same numbers as in-process."""
+    root = world["root"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "stages.eval", "ppo"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    metrics = _check_outputs(root / "metrics/eval", "ppo")
+    from stages.eval import run
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    m, _ = run("ppo", sections["common"], sections["eval"], models=root / "models",
+               test=root / "data/prepared/rl/test.jsonl", tokens=root / "data/tokens", out=root / "again")
+    assert m == metrics
+    r = subprocess.run([sys.executable, "-m", "stages.eval", "nope"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_eval_stage_names_a_missing_reward_model(world, tmp_path):
+    from stages.eval import run
+    root = world["root"]
+    models = tmp_path / "models"
+    for name in ("sft",):
+        (models / name).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(root / "models" / name, models / name)
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    with pytest.raises(MissingArtifactError, match="models/reward"):
+        run("sft", sections["common"], sections["eval"], models=models, test=root / "data/prepared/rl/test.jsonl",
+            tokens=root / "data/tokens", out=tmp_path / "out")
