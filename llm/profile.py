@@ -3,6 +3,7 @@
     python -m llm.profile list              # the profiles and what each is for
     python -m llm.profile use smoke         # write params.yaml from env/profiles/smoke.yaml
     python -m llm.profile diff gpu-77m      # keys where that profile differs from params.yaml
+    python -m llm.profile memory gpu-406m   # estimated training memory of that profile's pretraining
 
 `env/profiles/cpu.yaml` is a complete params file (the default, 2 CPU cores, <= 30 min).
 Every other profile starts with `extends: cpu` and lists only the keys it changes, so a
@@ -94,6 +95,35 @@ def validate(name: str, profiles: Path = PROFILES) -> str:
     return text
 
 
+def memory_estimate(params: dict) -> dict[str, float]:
+    """Estimated peak training memory (GiB) of a profile's pretraining, per GPU.
+
+    An estimate, not a measurement: fp32 master weights, gradients and two AdamW moments
+    (16 bytes per parameter), activations of bf16 training with fused attention and no
+    activation checkpointing (~34 bytes per token per layer per channel, Korthikanti et
+    al. 2022, without the attention-score term that fused kernels never store), the logits
+    (bf16 logits, their fp32 copy for the loss, and its gradient: ~10 bytes per token per
+    vocabulary entry), and ~1 GiB for the CUDA context and allocator slack.
+    """
+    from llm.config import ModelConfig
+    from llm.model import GPT
+
+    pre = params["pretrain"]
+    m = dict(pre["model"])
+    m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
+    cfg = ModelConfig(**m)
+    n = GPT(cfg, device="meta").n_params()
+    tokens = pre["batch_size"] * cfg.seq_len
+    gib = 1024 ** 3
+    states = 16 * n / gib
+    acts = 34 * tokens * cfg.n_layer * cfg.n_embd / gib
+    if pre["activation_checkpointing"]:
+        acts = acts / cfg.n_layer + 2 * tokens * cfg.n_layer * cfg.n_embd / gib  # one layer live + inputs
+    logits = 10 * tokens * cfg.vocab_size / gib
+    return {"n_params_m": n / 1e6, "weights_grads_adam_gib": states, "activations_gib": acts,
+            "logits_gib": logits, "total_gib": states + acts + logits + 1.0}
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
         out: dict[str, Any] = {}
@@ -114,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("diff", help="keys where a profile differs from params.yaml")
     d.add_argument("name")
     d.add_argument("--params", default="params.yaml")
+    m = sub.add_parser("memory", help="estimated pretraining memory per GPU (not a measurement)")
+    m.add_argument("name")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -125,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_text(args.params, text)
             print(f"{args.params}: now profile {args.name!r}; `dvc repro` reruns what changed"
                   f" (`dvc status` shows which stages)")
+            return 0
+        if args.cmd == "memory":
+            params = render(args.name)[0]
+            est = memory_estimate(params)
+            pre = params["pretrain"]
+            print(f"{args.name}: {est['n_params_m']:.1f}M parameters, batch {pre['batch_size']} x"
+                  f" {pre['model']['seq_len']} tokens: ESTIMATED {est['total_gib']:.1f} GiB"
+                  f" (weights+grads+AdamW {est['weights_grads_adam_gib']:.1f}, activations"
+                  f" {est['activations_gib']:.1f}, logits {est['logits_gib']:.1f}, context ~1.0)")
             return 0
         new = _flat(render(args.name)[0])
         old = _flat(yaml.safe_load(Path(args.params).read_text(encoding="utf-8")))

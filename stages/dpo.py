@@ -1,0 +1,195 @@
+"""Stage `dpo`: direct preference optimisation of the SFT model on the generated pairs (SPEC DPO-1, DPO-2, PIPE-5).
+
+    python -m stages.dpo [--params params.yaml] [--no-progress]
+
+Reads the `common` and `dpo` sections of params.yaml and
+
+    models/sft/                  the policy's initialisation and the frozen reference
+    data/pairs/{train,val}.jsonl   pairs from stage `pairs` {"prompt", "chosen", "rejected", "kind", ...}
+
+The reference is the SFT model, frozen: its sequence log-probs of every train and val answer
+(`llm.losses.sequence_logprob`, the masked sum over the answer tokens and the closing <|end|>)
+are computed once up front and ride in the batches, so the training loop runs the policy only.
+Loss `dpo.loss_type`: `sigmoid` = DPO `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`,
+with `dpo.label_smoothing` > 0 conservative DPO (cDPO); `ipo` = IPO. Trained with
+llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
+
+Metrics on every held-out pair (DPO-2, TRL's rewards/* named with `_` because `/` is awkward
+in DVC metric paths): rewards_chosen, rewards_rejected (mean beta * (log pi - log ref)),
+rewards_margin, rewards_accuracy (share of pairs with rewards_chosen > rewards_rejected), per
+pair kind too. KL to SFT (`kl`): for the first `dpo.kl_prompts` unique held-out prompts, one
+response per prompt is sampled from the policy at temperature 1 (up to `dpo.max_new_tokens`
+tokens); kl is the mean over those response tokens of the exact per-token
+KL(pi(. | context) || ref(. | context)) summed over the vocabulary (nats per token);
+kl_seq is the mean per-response sum (see `llm.preference.policy_kl`).
+
+Quality gate (PIPE-5): kl above `dpo.max_kl` fails the stage with exit code 1 and the numbers;
+then models/dpo/, metrics/dpo.json and the plots are not written (the previous outputs stay;
+the run's numbers are in runs/dpo/failed_metrics.json).
+
+Writes models/dpo/, metrics/dpo.json, metrics/plots/dpo{.tsv,_val.tsv,.png}, runs/dpo/.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from llm.batching import derive_seed
+from llm.checkpoint import CheckpointError
+from llm.config import CommonConfig, ConfigError, DPOConfig, fingerprint, load_sections
+from llm.fileio import DataError, atomic_write_bytes, atomic_write_json, read_jsonl, sha256_tree
+from llm.preference import (dpo_loss_fn, dpo_metrics, encode_pairs, fixed_pair_batches, pair_batches, policy_kl,
+                            reference_logprobs, validate_pair)
+from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
+                         under_torchrun)
+
+STAGE = "dpo"
+SFT = Path("models/sft")
+DATA = Path("data/pairs")
+RUN_DIR = Path("runs/dpo")
+MODEL_OUT = Path("models/dpo")
+METRICS = Path("metrics/dpo.json")
+PLOTS = Path("metrics/plots")
+
+
+class QualityGateError(RuntimeError):
+    """The trained model is not fit to hand on (PIPE-5)."""
+
+
+def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
+        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
+        progress: bool = True) -> dict | None:
+    import torch
+
+    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.chat import render_prompt
+    from llm.model import GPT
+
+    t_start = time.perf_counter()
+    policy, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
+    reference, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
+    reference.requires_grad_(False).eval()
+    seq_len = policy.config.seq_len
+    train_recs = list(read_jsonl(data / "train.jsonl", validate=validate_pair))
+    val_recs = list(read_jsonl(data / "val.jsonl", validate=validate_pair))
+    train_pairs, _, dropped_train = encode_pairs(train_recs, tok, seq_len)
+    val_pairs, val_kept, dropped_val = encode_pairs(val_recs, tok, seq_len)
+    if not train_pairs or not val_pairs:
+        raise DataError(f"{data}: no {'train' if not train_pairs else 'val'} pair fits in seq_len={seq_len}"
+                        f" ({dropped_train} train and {dropped_val} val pairs are longer)")
+    inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
+    fp = fingerprint(common, cfg, inputs)
+    seed = derive_seed(common.seed, STAGE)
+
+    # the frozen reference, once: (N,) sequence log-probs of every chosen and rejected answer
+    t0 = time.perf_counter()
+    ref_train = reference_logprobs(reference, train_pairs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
+                                   device=rt.device, autocast=rt.autocast)
+    ref_val = reference_logprobs(reference, val_pairs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
+                                 device=rt.device, autocast=rt.autocast)
+    t_ref = time.perf_counter() - t0
+    if rt.is_main:
+        print(f"{STAGE}: {len(train_pairs)} train / {len(val_pairs)} val pairs ({dropped_train} + {dropped_val}"
+              f" dropped: longer than seq_len={seq_len}); reference log-probs in {t_ref:.1f}s; {policy.summary()}",
+              flush=True)
+    batches = pair_batches(train_pairs, batch_size=cfg.batch_size, bucket_width=cfg.bucket_width, seed=seed,
+                           pad_id=tok.pad_id, rank=rt.rank, world_size=rt.world_size, ref=ref_train)
+    val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
+                                     n_batches=cfg.eval_batches, ref=ref_val)
+    curves = run_dir / "plots"  # copied to metrics/plots only when the gate passes
+    result = train(policy, cfg, rt, stage=STAGE, seed=seed, batches=batches,
+                   loss_fn=dpo_loss_fn(cfg.beta, cfg.loss_type, cfg.label_smoothing), val_batches=val_batches,
+                   run_dir=run_dir, fingerprint=fp, tsv_path=curves / f"{STAGE}.tsv",
+                   png_path=curves / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+
+    state = full_model_state(policy, rt)
+    if not rt.is_main:
+        return None
+    out_model = GPT(policy.config, seed=0)
+    out_model.load_state_dict(state)
+    out_model.to(rt.device).eval()
+
+    held = dpo_metrics(out_model, val_pairs, ref_val, beta=cfg.beta, loss_type=cfg.loss_type,
+                       label_smoothing=cfg.label_smoothing, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
+                       device=rt.device, autocast=rt.autocast)
+    # KL to the SFT model on held-out prompts (unique, in file order)
+    prompts, seen = [], set()
+    for i in val_kept:
+        ids = tuple(render_prompt(val_recs[i]["prompt"], tok))
+        if ids not in seen and len(ids) < seq_len:
+            seen.add(ids)
+            prompts.append(list(ids))
+    prompts = prompts[:cfg.kl_prompts]
+    t0 = time.perf_counter()
+    g = torch.Generator(device=rt.device).manual_seed(derive_seed(common.seed, STAGE, "kl"))
+    kl = policy_kl(out_model, reference, prompts, max_new_tokens=cfg.max_new_tokens, batch_size=2 * cfg.batch_size,
+                   pad_id=tok.pad_id, stop_ids=(tok.end_id, tok.eot_id), generator=g, autocast=rt.autocast)
+    t_kl = time.perf_counter() - t0
+    m = result.metrics
+    metrics = {
+        **{k: v for k, v in held.items() if k != "by_kind"},
+        "kl": kl["kl"], "kl_seq": kl["kl_seq"], "kl_tokens": kl["kl_tokens"], "kl_prompts": len(prompts),
+        "max_kl": cfg.max_kl,
+        "by_kind": held["by_kind"],
+        "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "steps": m["steps"],
+        "train_pairs": len(train_pairs), "dropped_too_long": dropped_train + dropped_val,
+        "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
+        "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
+        "stage_time_s": time.perf_counter() - t_start,
+    }
+    if kl["kl"] > cfg.max_kl:
+        atomic_write_json(run_dir / "failed_metrics.json", metrics)
+        raise QualityGateError(
+            f"quality gate failed: KL to the SFT model {kl['kl']:.4f} nats/token (on {kl['kl_tokens']} sampled"
+            f" tokens of {len(prompts)} held-out prompts) is above dpo.max_kl={cfg.max_kl}; held-out"
+            f" rewards_accuracy {held['rewards_accuracy']:.3f}. {model_out}/ and {metrics_path} were NOT written;"
+            f" the run's numbers are in {run_dir / 'failed_metrics.json'}. Raise dpo.beta, lower dpo.lr or"
+            f" dpo.max_steps, or raise dpo.max_kl if this drift is intended.")
+    save_model_dir(model_out, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
+                                                     "parent": str(sft), "steps": result.step})
+    for name in (f"{STAGE}.tsv", f"{STAGE}_val.tsv", f"{STAGE}.png"):
+        if (curves / name).is_file():
+            atomic_write_bytes(plots / name, (curves / name).read_bytes())
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    args = ap.parse_args(argv)
+    try:
+        sections = load_sections(["common", STAGE], args.params)
+    except ConfigError as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    common, cfg = sections["common"], sections[STAGE]
+    if common.nproc > 1 and not under_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
+               "-m", f"stages.{STAGE}", *argv]
+        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun", flush=True)
+        os.execv(sys.executable, cmd)
+    rt = setup_runtime(common)
+    try:
+        metrics = run(common, cfg, rt, progress=not args.no_progress)
+    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError,
+            QualityGateError) as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown_runtime()
+    if metrics is not None:
+        print(f"{STAGE}: held-out rewards_accuracy {metrics['rewards_accuracy']:.3f} on {metrics['n_pairs']} pairs,"
+              f" margin {metrics['rewards_margin']:.3f}; KL to SFT {metrics['kl']:.4f} nats/token"
+              f" (gate {cfg.max_kl}); wrote {MODEL_OUT}/ and {METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

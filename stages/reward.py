@@ -1,0 +1,180 @@
+"""Stage `reward`: the reward model, a scalar head on the SFT trunk trained on preference pairs (SPEC RM-1, PIPE-5).
+
+    python -m stages.reward [--params params.yaml] [--no-progress]
+
+Reads the `common` and `reward` sections of params.yaml and
+
+    models/sft/                          the SFT model: trunk, LM head and tokenizer
+    data/prepared/prefs/{train,val}.jsonl  pairs {"id", "prompt": [messages], "chosen", "rejected", "kind"}
+
+The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the last real token
+(`GPT.reward`, right for any padding side). Each answer is rendered with the chat template as
+prompt + answer + <|end|>; pairs longer than the context are dropped and counted. Loss:
+Bradley-Terry `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by
+`reward.label_smoothing`, trained with llm/trainer.py (one batch = B pairs, weight B;
+checkpoints, resume, non-finite policy and `torchrun` as in every training stage).
+
+After training, every held-out pair is scored: accuracy (r_chosen > r_rejected), mean margin,
+reward mean/std of chosen and rejected, and the same per pair kind (wrong_answer,
+broken_format, the task kinds). Quality gate (PIPE-5): held-out accuracy below
+`reward.min_accuracy` fails the stage with exit code 1 and the numbers; then neither
+models/reward/ nor metrics/reward.json nor the plots are written (the previous outputs stay;
+the failed run's metrics are in runs/reward/failed_metrics.json).
+
+Writes models/reward/ (heads lm + reward; meta.json carries the held-out reward mean/std for
+reward normalisation downstream), metrics/reward.json, metrics/plots/reward{.tsv,_val.tsv,.png},
+runs/reward/ (checkpoints; a persisted DVC out).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from llm.batching import derive_seed
+from llm.checkpoint import CheckpointError
+from llm.config import CommonConfig, ConfigError, RewardConfig, fingerprint, load_sections
+from llm.fileio import DataError, atomic_write_bytes, atomic_write_json, read_jsonl, sha256_tree
+from llm.preference import (RewardModel, encode_pairs, fixed_pair_batches, pair_batches, pair_metrics,
+                            reward_loss_fn, score_sequences, validate_pair)
+from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
+                         under_torchrun)
+
+STAGE = "reward"
+SFT = Path("models/sft")
+DATA = Path("data/prepared/prefs")
+RUN_DIR = Path("runs/reward")
+MODEL_OUT = Path("models/reward")
+METRICS = Path("metrics/reward.json")
+PLOTS = Path("metrics/plots")
+
+
+class QualityGateError(RuntimeError):
+    """The trained model is not good enough to feed downstream stages (PIPE-5)."""
+
+
+def load_pairs(path: Path) -> list[dict]:
+    return list(read_jsonl(path, validate=validate_pair))
+
+
+def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
+        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
+        progress: bool = True) -> dict | None:
+    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.model import GPT
+
+    t0 = time.perf_counter()
+    gpt, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
+    gpt.add_head("reward", seed=derive_seed(common.seed, STAGE, "head"))
+    seq_len = gpt.config.seq_len
+    train_recs, val_recs = load_pairs(data / "train.jsonl"), load_pairs(data / "val.jsonl")
+    train_pairs, _, dropped_train = encode_pairs(train_recs, tok, seq_len)
+    val_pairs, _, dropped_val = encode_pairs(val_recs, tok, seq_len)
+    if not train_pairs or not val_pairs:
+        raise DataError(f"{data}: no {'train' if not train_pairs else 'val'} pair fits in seq_len={seq_len}"
+                        f" ({dropped_train} train and {dropped_val} val pairs are longer)")
+    inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
+    fp = fingerprint(common, cfg, inputs)
+    seed = derive_seed(common.seed, STAGE)
+    batches = pair_batches(train_pairs, batch_size=cfg.batch_size, bucket_width=cfg.bucket_width, seed=seed,
+                           pad_id=tok.pad_id, rank=rt.rank, world_size=rt.world_size)
+    val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
+                                     n_batches=cfg.eval_batches)
+    if rt.is_main:
+        print(f"{STAGE}: {len(train_pairs)} train / {len(val_pairs)} val pairs ({dropped_train} + {dropped_val}"
+              f" dropped: longer than seq_len={seq_len}); {gpt.summary()}", flush=True)
+
+    model = RewardModel(gpt)
+    # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
+    curves = run_dir / "plots"
+    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches,
+                   loss_fn=reward_loss_fn(cfg.label_smoothing, cfg.margin), val_batches=val_batches,
+                   run_dir=run_dir, fingerprint=fp, tsv_path=curves / f"{STAGE}.tsv",
+                   png_path=curves / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+
+    state = full_model_state(model, rt)
+    if not rt.is_main:
+        return None
+    out_model = GPT(gpt.config, heads=("lm", "reward"), seed=0)
+    out_model.load_state_dict({k.removeprefix("gpt."): v for k, v in state.items()})
+    out_model.to(rt.device).eval()
+
+    # every held-out pair, not only the eval_batches the loop watched
+    seqs = [p.chosen for p in val_pairs] + [p.rejected for p in val_pairs]
+    r = score_sequences(out_model, seqs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size, device=rt.device,
+                        autocast=rt.autocast)
+    n = len(val_pairs)
+    held = pair_metrics(r[:n], r[n:], [p.kind for p in val_pairs])
+    m = result.metrics
+    metrics = {
+        **{k: v for k, v in held.items() if k != "by_kind"},
+        "min_accuracy": cfg.min_accuracy,
+        "by_kind": held["by_kind"],
+        "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "train_accuracy": _last(result, "accuracy"),
+        "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": dropped_train + dropped_val,
+        "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
+        "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
+    }
+    if held["accuracy"] < cfg.min_accuracy:
+        atomic_write_json(run_dir / "failed_metrics.json", metrics)
+        worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
+        raise QualityGateError(
+            f"quality gate failed: held-out accuracy {held['accuracy']:.3f} on {n} pairs is below"
+            f" reward.min_accuracy={cfg.min_accuracy} (margin {held['margin']:.3f}; weakest kinds: "
+            + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst)
+            + f"). {model_out}/ and {metrics_path} were NOT written; the run's numbers are in"
+              f" {run_dir / 'failed_metrics.json'}. Train longer (reward.max_steps), adjust reward.lr,"
+              f" or lower reward.min_accuracy if this is expected.")
+    save_model_dir(model_out, out_model.cpu(), tok, {
+        "stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft), "steps": result.step,
+        "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"], "on": f"{data}/val.jsonl"}})
+    for name in (f"{STAGE}.tsv", f"{STAGE}_val.tsv", f"{STAGE}.png"):
+        if (curves / name).is_file():
+            atomic_write_bytes(plots / name, (curves / name).read_bytes())
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def _last(result, key: str) -> float | None:
+    """Mean of `key` over the last log_every-ish rows of the training history."""
+    rows = [r[key] for r in result.train_history[-10:] if r.get(key) is not None]
+    return sum(rows) / len(rows) if rows else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    args = ap.parse_args(argv)
+    try:
+        sections = load_sections(["common", STAGE], args.params)
+    except ConfigError as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    common, cfg = sections["common"], sections[STAGE]
+    if common.nproc > 1 and not under_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
+               "-m", f"stages.{STAGE}", *argv]
+        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun", flush=True)
+        os.execv(sys.executable, cmd)
+    rt = setup_runtime(common)
+    try:
+        metrics = run(common, cfg, rt, progress=not args.no_progress)
+    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError,
+            QualityGateError) as e:
+        print(f"{STAGE}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        teardown_runtime()
+    if metrics is not None:
+        print(f"{STAGE}: held-out accuracy {metrics['accuracy']:.3f} on {metrics['n_pairs']} pairs"
+              f" (gate {cfg.min_accuracy}), margin {metrics['margin']:.3f}; wrote {MODEL_OUT}/ and {METRICS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

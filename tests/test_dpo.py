@@ -1,0 +1,174 @@
+"""DPO (SPEC DPO-1, DPO-2, PIPE-5): the shared sequence log-prob, reference precompute, the DPO
+loss_fn at initialisation (log 2), learning a toy preference, the KL to the reference, and
+the `dpo` stage end to end with its KL gate."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from llm.config import ModelConfig, TrainConfig
+from llm.losses import sequence_logprob
+from llm.model import GPT
+from llm.preference import (collate_pairs, dpo_loss_fn, dpo_metrics, fixed_pair_batches, pair_batches,
+                            policy_kl, reference_logprobs)
+from llm.trainer import Runtime, train
+from tests.test_reward import _toy_pairs, _write_jsonl, make_workspace, run_stage, tcfg, write_params
+
+CPU = Runtime(torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(seed: int = 0, vocab: int = 41) -> GPT:
+    return GPT(ModelConfig(vocab_size=vocab, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), seed=seed)
+
+
+def test_sequence_logprob_is_the_masked_sum_over_response_tokens():
+    class Fixed(torch.nn.Module):  # logits that do not depend on the input: log p = log_softmax(row)
+        def forward(self, idx, attention_mask=None):
+            return torch.log(torch.tensor([0.5, 0.25, 0.25])).expand(idx.shape[0], idx.shape[1], 3)
+    idx = torch.tensor([[0, 1, 2, 0], [2, 2, 0, 0]])
+    att = torch.tensor([[True] * 4, [True, True, True, False]])
+    resp = torch.tensor([[False, False, True, True], [False, True, True, False]])
+    lp = sequence_logprob(Fixed(), idx, att, resp)
+    # row 0: tokens 2 and 0 are the response: log 0.25 + log 0.5; row 1: tokens 2 and 0
+    assert lp.tolist() == pytest.approx([math.log(0.25) + math.log(0.5), math.log(0.25) + math.log(0.5)])
+    per_tok = sequence_logprob(Fixed(), idx, att, resp, per_token=True)
+    assert per_tok.shape == (2, 3) and per_tok[0, 0] == 0 and per_tok[1, 2] == 0  # the mask zeroes the rest
+
+
+def test_reference_logprobs_do_not_depend_on_batching_or_padding():
+    m = tiny(1)
+    pairs = _toy_pairs(10, 5)
+    ref_c, ref_r = reference_logprobs(m, pairs, pad_id=40, batch_size=3)
+    for i, p in enumerate(pairs):
+        for seq, ref in ((p.chosen, ref_c[i]), (p.rejected, ref_r[i])):
+            idx = torch.tensor([seq])
+            resp = torch.tensor([[j >= p.prompt_len for j in range(len(seq))]])
+            with torch.no_grad():
+                alone = sequence_logprob(m, idx, torch.ones_like(idx, dtype=torch.bool), resp)
+            assert ref.item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_is_log2_when_the_policy_is_the_reference_end_to_end(loss_type):
+    m = tiny(2)
+    pairs = _toy_pairs(12, 6)
+    ref = reference_logprobs(m, pairs, pad_id=40, batch_size=5)  # batched differently from the loss batch
+    b = collate_pairs(pairs, pad_id=40, ref_chosen=ref[0], ref_rejected=ref[1])
+    m.train()
+    loss, w, extras = dpo_loss_fn(0.1, loss_type, 0.0)(m, b)
+    expected = math.log(2) if loss_type == "sigmoid" else (1 / (2 * 0.1)) ** 2
+    assert float(w) == 12 and loss.item() / 12 == pytest.approx(expected, abs=1e-5)
+    # equal rewards up to float noise from the different batching (so "accuracy" is noise here)
+    assert abs(extras["rewards_margin"].item()) < 1e-5 and abs(extras["rewards_chosen"].item()) < 1e-5
+    loss.backward()  # and it has a gradient: chosen up, rejected down
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+def test_dpo_loss_with_label_smoothing_is_still_log2_at_the_start():
+    m = tiny(3)
+    pairs = _toy_pairs(6, 7)
+    ref = reference_logprobs(m, pairs, pad_id=40, batch_size=6)
+    b = collate_pairs(pairs, pad_id=40, ref_chosen=ref[0], ref_rejected=ref[1])
+    loss, _, _ = dpo_loss_fn(0.5, "sigmoid", 0.2)(m, b)
+    assert loss.item() / 6 == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_policy_kl_is_zero_against_itself_and_positive_against_another_model():
+    a, b = tiny(4), tiny(5)
+    prompts = [[0, 1, 5, 3], [0, 2, 3], [0, 1, 7, 8, 9, 3]]
+    g = lambda: torch.Generator().manual_seed(0)
+    same = policy_kl(a, a, prompts, max_new_tokens=6, batch_size=2, pad_id=40, stop_ids=(), generator=g())
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["kl_tokens"] == 3 * 6
+    diff = policy_kl(a, b, prompts, max_new_tokens=6, batch_size=2, pad_id=40, stop_ids=(), generator=g())
+    assert diff["kl"] > 1e-3 and diff["kl_seq"] == pytest.approx(diff["kl"] * 6, rel=1e-5)
+
+
+def test_policy_kl_matches_a_hand_computation_for_one_token():
+    a, b = tiny(6), tiny(7)
+    prompt = [0, 1, 2, 3]
+    out = policy_kl(a, b, [prompt], max_new_tokens=1, batch_size=1, pad_id=40, stop_ids=(),
+                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lp = torch.log_softmax(a(torch.tensor([prompt]))[0, -1], -1)
+        lq = torch.log_softmax(b(torch.tensor([prompt]))[0, -1], -1)
+    assert out["kl"] == pytest.approx(float((lp.exp() * (lp - lq)).sum()), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_dpo_learns_a_toy_preference_on_held_out_pairs(tmp_path):
+    m = tiny(8)
+    train_pairs, val_pairs = _toy_pairs(512, 10), _toy_pairs(128, 11)
+    ref_train = reference_logprobs(m, train_pairs, pad_id=40, batch_size=64)
+    ref_val = reference_logprobs(m, val_pairs, pad_id=40, batch_size=64)
+    before = dpo_metrics(m, val_pairs, ref_val, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, pad_id=40,
+                         batch_size=64)
+    cfg = TrainConfig(**tcfg(max_steps=120, batch_size=16, lr=3e-3, min_lr=3e-4, warmup_steps=10, eval_every=60,
+                             checkpoint_every=120))
+    res = train(m, cfg, CPU, stage="dpo-toy", seed=3,
+                batches=pair_batches(train_pairs, batch_size=16, bucket_width=4, seed=3, pad_id=40, ref=ref_train),
+                loss_fn=dpo_loss_fn(0.1, "sigmoid", 0.0),
+                val_batches=fixed_pair_batches(val_pairs, batch_size=64, pad_id=40, ref=ref_val),
+                run_dir=tmp_path / "run", fingerprint="fp", progress=False)
+    after = dpo_metrics(m, val_pairs, ref_val, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, pad_id=40,
+                        batch_size=64)
+    assert before["rewards_accuracy"] == 0.0 and before["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert after["rewards_accuracy"] >= 0.9 and after["rewards_margin"] > 0 and after["loss"] < math.log(2)
+    assert after["rewards_chosen"] > after["rewards_rejected"]
+    assert res.metrics["val_rewards_accuracy"] == pytest.approx(after["rewards_accuracy"])
+    assert set(after["by_kind"]) == {"high", "low"}
+
+
+# ---------------------------------------------------------------------------
+# The stage
+
+def _pairs_workspace(ws):
+    make_workspace(ws)
+    for split in ("train", "val"):
+        recs = [json.loads(x) for x in (ws / f"data/prepared/prefs/{split}.jsonl").read_text().splitlines()]
+        for r in recs:
+            r.update(scorer="verifier", adversarial=False, preference_score=0.77)
+        _write_jsonl(ws / f"data/pairs/{split}.jsonl", recs)
+    return ws
+
+
+@pytest.mark.slow
+def test_dpo_stage_end_to_end(tmp_path):
+    ws = _pairs_workspace(tmp_path)
+    run = run_stage(ws, "dpo")
+    assert run.returncode == 0, run.stderr
+    m = json.loads((ws / "metrics/dpo.json").read_text())
+    for k in ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "kl", "kl_seq", "loss",
+              "train_loss", "steps"):
+        assert m[k] is not None and math.isfinite(m[k]), k
+    assert m["n_pairs"] == 16 and m["steps"] == 4 and m["kl_prompts"] == 4 and m["kl"] >= 0
+    assert m["rewards_margin"] == pytest.approx(m["rewards_chosen"] - m["rewards_rejected"], abs=1e-6)
+    assert sum(v["n"] for v in m["by_kind"].values()) == 16
+    from llm.artifacts import load_model_dir
+    model, _, meta = load_model_dir(ws / "models/dpo")
+    assert meta["stage"] == "dpo" and model.head_names == ("lm",)
+    header = (ws / "metrics/plots/dpo.tsv").read_text().splitlines()[0].split("\t")
+    assert header[0] == "step" and {"rewards_accuracy", "rewards_margin", "rewards_chosen"} <= set(header)
+    assert "val_rewards_accuracy" in (ws / "metrics/plots/dpo_val.tsv").read_text().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_dpo_kl_gate_fails_and_writes_nothing(tmp_path):
+    ws = _pairs_workspace(tmp_path)
+    write_params(ws, dpo=dict(max_kl=1.0e-9, lr=1.0e-2, min_lr=1.0e-3))
+    run = run_stage(ws, "dpo")
+    assert run.returncode == 1, run.stderr
+    assert "dpo.max_kl=1e-09" in run.stderr and "NOT written" in run.stderr
+    assert not (ws / "models/dpo").exists() and not (ws / "metrics/dpo.json").exists()
+    assert not (ws / "metrics/plots/dpo.tsv").exists()
+    assert json.loads((ws / "runs/dpo/failed_metrics.json").read_text())["kl"] > 1e-9

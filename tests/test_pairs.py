@@ -1,0 +1,155 @@
+"""RM-2 preference generation: pair choice and ties, preference_score bounds, adversarial
+format-broken pairs, and the `pairs` stage end to end (SPEC RM-2)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from llm.config import CommonConfig, PairsConfig
+from llm.generate import Generation
+from llm.preference import break_format, choose_pair, preference_score, validate_pair
+from llm.rewards import math_reward, parse_answer
+from tests.test_reward import make_workspace, params, run_stage
+
+
+def test_choose_pair_takes_best_and_worst_and_calls_near_equal_scores_a_tie():
+    assert choose_pair([0.2, 1.2, 0.0, 1.2], 1e-3) == (1, 2)  # first best, first worst
+    assert choose_pair([1.0, 1.0, 1.0], 1e-3) is None          # exact tie
+    assert choose_pair([0.5, 0.5004, 0.5009], 1e-3) is None    # within tie_epsilon
+    assert choose_pair([0.5, 0.5011], 1e-3) == (1, 0)
+    assert choose_pair([0.5, 0.5 + 1e-9], 0.0) == (1, 0)       # epsilon 0: any difference counts
+    assert choose_pair([3.0], 0.0) is None                     # one sample is no pair
+
+
+@pytest.mark.parametrize("d", [1e-300, 1e-17, 1e-3, 0.2, 1.2, 10.0, 37.0, 50.0, 1e6])
+def test_preference_score_lies_strictly_between_one_half_and_one(d):
+    s = preference_score(1.0 + d, 1.0) if d > 1e-15 else preference_score(d, 0.0)
+    assert 0.5 < s < 1.0
+    if 1e-3 <= d <= 10:
+        assert s == pytest.approx(1 / (1 + math.exp(-d)))
+
+
+def test_preference_score_refuses_a_non_positive_difference():
+    for rc, rr in ((1.0, 1.0), (0.0, 0.5)):
+        with pytest.raises(ValueError, match="not above"):
+            preference_score(rc, rr)
+
+
+def test_break_format_keeps_the_content_and_breaks_only_the_format():
+    good = "12 + 7 = 19\n19 * 2 = 38\n#### 38"
+    seen = set()
+    for seed in range(40):
+        bad = break_format(good, "38", random.Random(seed))
+        value, formatted = parse_answer(bad)
+        assert value == 38 and not formatted and "#### 38" != bad.splitlines()[-1].strip()
+        assert math_reward(bad, "38") == 1.0 and math_reward(good, "38") == 1.2
+        seen.add(bad)
+    assert len(seen) >= 4  # several ways to break it
+    assert break_format("12 + 7 = 19\n#### 20", "19", random.Random(0)) is None   # wrong: not adversarial material
+    assert break_format("12 + 7 = 19", "19", random.Random(0)) is None            # already unformatted
+    assert break_format("#### 19", "19", random.Random(0)) is not None            # no body: still breakable
+
+
+# ---------------------------------------------------------------------------
+# The stage
+
+def _check_outputs(ws, cfg: dict) -> tuple[dict, list[dict], list[dict]]:
+    m = json.loads((ws / "metrics/pairs.json").read_text())
+    train = [json.loads(x) for x in (ws / "data/pairs/train.jsonl").read_text().splitlines()]
+    val = [json.loads(x) for x in (ws / "data/pairs/val.jsonl").read_text().splitlines()]
+    recs = train + val
+    assert len(recs) == m["pairs"] and len(train) == m["train_pairs"] and len(val) == m["val_pairs"]
+    for r in recs:
+        assert validate_pair(r) is None, r
+        assert 0.5 < r["preference_score"] < 1.0
+        assert r["reward_chosen"] - r["reward_rejected"] > cfg["tie_epsilon"]  # ties never make it out
+        assert r["preference_score"] == pytest.approx(1 / (1 + math.exp(r["reward_rejected"] - r["reward_chosen"])))
+        assert (r["scorer"] == "verifier") == (r["kind"] in ("math", "adversarial_format"))
+    assert not {r["prompt_id"] for r in train} & {r["prompt_id"] for r in val}  # split by prompt
+    natural = m["pairs"] - m["adversarial"]
+    assert natural + m["ties_dropped"] == m["prompts"]  # every prompt gives one pair or one tie
+    assert (ws / "metrics/plots/pairs.tsv").read_text().startswith("preference_score\tpairs")
+    return m, train, val
+
+
+@pytest.mark.slow
+def test_pairs_stage_drops_ties_and_keeps_scores_in_the_open_interval(tmp_path):
+    ws = make_workspace(tmp_path, reward_model=True)
+    run = run_stage(ws, "pairs")
+    assert run.returncode == 0, run.stderr
+    m, train, val = _check_outputs(ws, params()["pairs"])
+    # a random SFT model never answers the math right: every math prompt is a verifier tie
+    assert m["ties_dropped_by_scorer"]["verifier"] == m["prompt_sources"]["math"] == 6
+    assert m["ties_dropped"] >= 6 and m["pairs_by_scorer"]["rm"] == m["pairs"] > 0
+    assert m["responses"] == 12 * 2 * 2
+    assert set(m["by_temperature"]) == {"0.7", "1.1"}
+    assert m["preference_score"]["min"] > 0.5 and m["preference_score"]["max"] < 1.0
+
+
+def _fake_generate(tok, solutions: dict[str, tuple[str, str]]):
+    """A stand-in for llm.generate.generate: math prompts get the right solution at temperature
+    0.7, and at 1.1 the right one for even-answer questions and a wrong one otherwise; task
+    prompts get a temperature-dependent word."""
+    def gen(model, prompts, max_new_tokens, *, temperature, stop_ids, pad_id, generator, **kw):
+        texts = []
+        for ids in prompts:
+            q = tok.decode([i for i in ids if i not in tok.special.values()])
+            if q in solutions:
+                sol, ans = solutions[q]
+                right = temperature < 1.0 or int(ans) % 2 == 0
+                texts.append(sol if right else sol.rsplit("#### ", 1)[0] + f"#### {int(ans) + 1}")
+            else:
+                texts.append("castle" if temperature < 1.0 else "garden garden")
+        rows = [tok.encode(t) + [tok.end_id] for t in texts]
+        P, N = max(map(len, prompts)), max(map(len, rows))
+        tokens = torch.tensor([[pad_id] * (P - len(p)) + list(p) + r + [pad_id] * (N - len(r))
+                               for p, r in zip(prompts, rows)])
+        resp = torch.tensor([[True] * len(r) + [False] * (N - len(r)) for r in rows])
+        prompt_mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in prompts])
+        return Generation(tokens=tokens, attention_mask=torch.cat([prompt_mask, resp], 1), prompt_len=P,
+                          response_mask=resp, logprobs=torch.zeros(resp.shape),
+                          stopped=torch.ones(len(rows), dtype=torch.bool))
+    return gen
+
+
+def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
+    import stages.pairs as pairs_stage
+    from llm.artifacts import load_model_dir
+    ws = make_workspace(tmp_path, reward_model=True)
+    _, tok, _ = load_model_dir(ws / "models/sft")
+    rl = [json.loads(x) for x in (ws / "data/prepared/rl/train.jsonl").read_text().splitlines()]
+    solutions = {}
+    for r in rl:
+        a = int(r["answer"])
+        solutions[r["question"]] = (f"{a} = {a}\n#### {a}", r["answer"])
+    monkeypatch.setattr("llm.generate.generate", _fake_generate(tok, solutions))
+    p = params(pairs={"n_prompts": 30, "math_fraction": 0.6, "adversarial_fraction": 0.2, "val_fraction": 0.2})
+    cfg = PairsConfig(**p["pairs"])
+    m = pairs_stage.run(CommonConfig(**p["common"]), cfg, "cpu", sft=ws / "models/sft", rm=ws / "models/reward",
+                        math_path=ws / "data/prepared/rl/train.jsonl", sft_path=ws / "data/clean_sft/train.jsonl",
+                        out_dir=ws / "data/pairs", metrics_path=ws / "metrics/pairs.json", plots=ws / "metrics/plots",
+                        progress=False)
+    m2, train, val = _check_outputs(ws, p["pairs"])
+    assert m2 == json.loads(json.dumps(m))
+    recs = train + val
+    math_recs = [r for r in recs if r["kind"] == "math"]
+    odd = [q for q, (_, a) in solutions.items() if int(a) % 2]
+    # odd answers: right at 0.7, wrong at 1.1 -> a verifier pair (1.2 vs 0.2); even: all right -> a tie
+    assert math_recs and all(r["reward_chosen"] == 1.2 and r["reward_rejected"] == 0.2 for r in math_recs)
+    assert all(r["prompt"][0]["content"] in odd for r in math_recs)
+    assert m["ties_dropped_by_scorer"]["verifier"] == m["prompt_sources"]["math"] - len(math_recs)
+    adv = [r for r in recs if r["adversarial"]]
+    natural = m["pairs"] - m["adversarial"]
+    assert len(adv) == m["adversarial"] == round(0.2 * natural / 0.8) > 0
+    for r in adv:
+        assert r["kind"] == "adversarial_format" and r["scorer"] == "verifier"
+        ans = solutions[r["prompt"][0]["content"]][1]
+        assert math_reward(r["chosen"], ans) == 1.2 and math_reward(r["rejected"], ans) == 1.0
+        assert r["preference_score"] == pytest.approx(1 / (1 + math.exp(-0.2)))
+    # tied prompts are used first: adversarial prompts come from even answers, not from the natural pairs
+    assert not {r["prompt_id"] for r in adv} & {r["prompt_id"] for r in math_recs}
+    assert m["rm_accuracy_on_adversarial_pairs"] is not None
