@@ -82,9 +82,25 @@ def to_yaml(params: dict, name: str, desc: str) -> str:
               f"# re-run that command, or change single values with `dvc exp run -S section.key=value`.\n"
               f"# Floats are written with a dot and a signed exponent (3.0e-4): DVC reads YAML 1.2,\n"
               f"# PyYAML 1.1, and llm/config.py rejects scalars the two read differently.\n")
-    body = yaml.safe_dump(params, sort_keys=False, default_flow_style=None, allow_unicode=True, width=100)
-    # PyYAML writes 0.0003 as 0.0003 and 1e-05 as 1.0e-05: both are read alike by YAML 1.1 and 1.2.
-    return header + body
+    # Block style for mappings (one key per line, easy to diff and to edit), flow style for
+    # lists of scalars, a blank line between sections. PyYAML writes 0.0003 as 0.0003 and 1e-05
+    # as 1.0e-05: both are read alike by YAML 1.1 and 1.2.
+    sections = [yaml.dump({k: v}, Dumper=_ParamsDumper, sort_keys=False, allow_unicode=True, width=100)
+                for k, v in params.items()]
+    return header + "\n".join(sections)
+
+
+class _ParamsDumper(yaml.SafeDumper):
+    def represent_list(self, data):
+        flow = all(not isinstance(x, (dict, list)) for x in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+    def represent_dict(self, data):
+        return self.represent_mapping("tag:yaml.org,2002:map", data, flow_style=False)
+
+
+_ParamsDumper.add_representer(list, _ParamsDumper.represent_list)
+_ParamsDumper.add_representer(dict, _ParamsDumper.represent_dict)
 
 
 def validate(name: str, profiles: Path = PROFILES) -> str:

@@ -343,7 +343,9 @@ def test_stage_end_to_end(tmp_path):
          "answer": "3", "level": 1, "lang": "en", "source": "generated/math"}])
     texts = [m["content"] for r in train + val for m in r["messages"]]
     Tokenizer.train(texts * 3, vocab_size=300, max_pairs=1000, min_frequency=2).save(tmp_path / "models/tokenizer")
-    params = (ROOT / "params.yaml").read_text().replace("  min_tokens: 8\n", "  min_tokens: 12\n", 1)
+    params = (ROOT / "params.yaml").read_text()
+    assert "  min_tokens: 8\n" in params and "detoxify_checkpoint: ''" in params
+    params = params.replace("  min_tokens: 8\n", "  min_tokens: 12\n", 1)
     (tmp_path / "params.yaml").write_text(params)
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -365,7 +367,7 @@ def test_stage_end_to_end(tmp_path):
 
     # a checkpoint that is not there: a clear failure, and the previous outputs stay as they were
     before = (tmp_path / "data/clean_sft/train.jsonl").read_bytes()
-    (tmp_path / "params.yaml").write_text(params.replace('detoxify_checkpoint: ""',
+    (tmp_path / "params.yaml").write_text(params.replace("detoxify_checkpoint: ''",
                                                          'detoxify_checkpoint: "weights/none.ckpt"'))
     run = subprocess.run([sys.executable, "-m", "stages.clean_sft", "--no-progress"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)

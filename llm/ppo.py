@@ -1,0 +1,146 @@
+"""PPO for language models, one rollout batch per step (SPEC PPO-1..5).
+
+    algo = PPO(policy, ref, cfg, prompts_fn=..., reward_fn=..., stop_ids=(tok.end_id,), pad_id=tok.pad_id, seed=s)
+    llm.rl.run_rl(algo, cfg, rt, stage="ppo", ...)
+
+The policy is the SFT model with a value head on the same trunk (`GPT.add_head("value")`);
+the reference is a frozen copy of the SFT model. One step:
+
+  1. rollout (llm/rollout.py): rollout_prompts prompts, one sampled response each, KV cache,
+     behaviour log-probs recorded;
+  2. scoring, all under no_grad: one forward of the policy for the old log-probs and old
+     values (V_t read at the state before response token t), one of the reference for its
+     log-probs, and the score of each response (reward model or verifier);
+  3. rewards per token: -kl_coef * KL_t with KL_t the k1 or k3 estimate of
+     log pi_old(a_t) vs log ref(a_t), plus the score at the last response token (the stop
+     token, or the last one generated when cut at max_new_tokens);
+  4. GAE (gamma, lam) over response tokens -> advantages and returns; advantages whitened
+     over the batch's response tokens;
+  5. `epochs` passes over shuffled minibatches of minibatch_size rollouts, each one an
+     optimizer step on
+        policy_loss + vf_coef * value_loss - ent_coef * entropy
+     with the clipped surrogate (clip_epsilon), the clipped value loss (value_clip), both
+     token means (llm/losses.py);
+  6. the adaptive KL controller sees this batch's mean per-token KL (llm.rl.KLController),
+     and a KL outside [kl_alert_low, kl_alert_high] is reported (llm.rl.KLAlert).
+
+Per-step row (TRL names where TRL has one): reward (mean score), reward_std, non_score_reward
+(mean per-response KL penalty), kl (mean per-token), kl_seq, kl_coef, entropy, clip_ratio,
+approxkl, policy_loss, value_loss, vf_clipfrac, loss, grad_norm, response_length,
+stop_rate, accuracy / format_rate (verifier statistics of the rollouts, when known),
+rollout_s / scoring_s / update_s, tokens_per_s.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from llm.config import PPOConfig
+from llm.losses import gae, kl_estimate, masked_mean, ppo_policy_loss, ppo_value_loss, whiten
+from llm.rl import KLAlert, KLController, Mean, RewardFn, Updater, minibatches, step_generator
+from llm.rollout import response_forward, rollout
+
+PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
+
+
+def token_rewards(score: Tensor, kl: Tensor, kl_coef: float, lengths: Tensor) -> Tensor:
+    """Per-token rewards: -kl_coef * kl (B, N) everywhere, plus score (B,) at each row's last
+    response token (index lengths - 1; every response has at least one token)."""
+    rewards = -kl_coef * kl
+    rows = torch.arange(len(score), device=score.device)
+    rewards[rows, lengths - 1] += score
+    return rewards
+
+
+class PPO:
+    def __init__(self, policy: nn.Module, ref: nn.Module, cfg: PPOConfig, *, prompts_fn: PromptsFn,
+                 reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int,
+                 log: Callable[[str], None] = print):
+        if policy.value_head is None:
+            raise ValueError("PPO: the policy needs a value head; call policy.add_head('value') first")
+        self.model, self.ref, self.cfg = policy, ref, cfg
+        self.prompts_fn, self.reward_fn = prompts_fn, reward_fn
+        self.stop_ids, self.pad_id, self.seed, self.log = tuple(stop_ids), pad_id, seed, log
+        self.kl_ctl = KLController(cfg.init_kl_coef, adaptive=cfg.adaptive_kl, target=cfg.kl_target,
+                                   horizon=cfg.kl_horizon)
+        self.alert = KLAlert(cfg.kl_alert_low, cfg.kl_alert_high)
+        ref.eval().requires_grad_(False)
+
+    def state_dict(self) -> dict:
+        return {"kl_ctl": self.kl_ctl.state_dict(), "alert": self.alert.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.alert.load_state_dict(state["alert"])
+
+    def step(self, step: int, updater: Updater) -> dict[str, float]:
+        cfg, policy = self.cfg, self.model
+        device = next(policy.parameters()).device
+        T = cfg.temperature
+
+        # 1. rollout ---------------------------------------------------------------------
+        t0 = time.perf_counter()
+        prompts, problems = self.prompts_fn(step)
+        ro = rollout(policy, prompts, max_new_tokens=cfg.max_new_tokens, temperature=T, stop_ids=self.stop_ids,
+                     pad_id=self.pad_id, generator=step_generator(self.seed, "rollout", step, device))
+        t1 = time.perf_counter()
+
+        # 2. scoring -----------------------------------------------------------------------
+        mask = ro.response_mask                                             # (B, N)
+        B = len(ro)
+        with torch.no_grad():
+            old = response_forward(policy, ro, T, values=True)
+            ref_lp = response_forward(self.ref, ro, T).logprobs            # (B, N)
+            score, rstats = self.reward_fn(ro, problems)                   # (B,)
+            score = score.to(device)
+            old_lp = old.logprobs.masked_fill(~mask, 0.0)
+            old_values = old.values.masked_fill(~mask, 0.0)
+            # 3. per-token rewards: KL penalty everywhere, the score at the last response token
+            kl_tok = kl_estimate(old_lp, ref_lp, cfg.kl_estimator).masked_fill(~mask, 0.0)   # (B, N)
+            kl_coef = self.kl_ctl.value
+            rewards = token_rewards(score, kl_tok, kl_coef, ro.lengths)     # (B, N)
+            # 4. GAE and whitening
+            adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                adv = whiten(adv, mask)
+        t2 = time.perf_counter()
+
+        # 5. epochs of minibatch updates -----------------------------------------------------
+        stats = Mean()
+        for epoch in range(cfg.epochs):
+            g = step_generator(self.seed, f"minibatch-{epoch}", step)
+            for idx in minibatches(B, cfg.minibatch_size, g):
+                idx = idx.to(device)
+                mb, m = ro.select(idx), mask[idx]
+                out = response_forward(policy, mb, T, values=True, entropy=True, entropy_grad=cfg.ent_coef > 0)
+                pg_tok, pst = ppo_policy_loss(out.logprobs, old_lp[idx], adv[idx], m, cfg.clip_epsilon)
+                policy_loss = masked_mean(pg_tok, m)
+                value_loss, vf_clipfrac = ppo_value_loss(out.values, old_values[idx], returns[idx], m, cfg.value_clip)
+                entropy = masked_mean(out.entropy, m)
+                loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
+                applied, gnorm = updater.apply(loss)
+                stats.add(policy_loss=policy_loss.detach(), value_loss=value_loss.detach(),
+                          entropy=entropy.detach(), clip_ratio=pst["clip_ratio"], approxkl=pst["approxkl"],
+                          vf_clipfrac=vf_clipfrac, loss=loss.detach(), grad_norm=gnorm, skipped=float(not applied))
+        t3 = time.perf_counter()
+
+        # 6. KL control and alerts -------------------------------------------------------------
+        kl = float(masked_mean(kl_tok, mask))
+        self.kl_ctl.update(kl, n_steps=B)
+        msg = self.alert.check(kl, step + 1)
+        if msg:
+            self.log(f"ppo: {msg}")
+        lengths = ro.lengths.float()
+        n_tokens = int(ro.attention_mask.sum())
+        return {"reward": float(score.mean()), "reward_std": float(score.std()) if B > 1 else 0.0,
+                "non_score_reward": float(-kl_coef * kl_tok.sum(1).mean()),
+                "kl": kl, "kl_seq": float(kl_tok.sum(1).mean()), "kl_coef": kl_coef,
+                **stats.result(), "response_length": float(lengths.mean()),
+                "stop_rate": float(ro.stopped.float().mean()),
+                **rstats,
+                "kl_alerts": self.alert.alerts,
+                "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
+                "tokens_per_s": n_tokens / (t3 - t0)}

@@ -1,0 +1,178 @@
+"""PPO (llm/ppo.py), the KL controller and alerts (llm/rl.py), and stage `ppo`.
+
+GAE, the clipped surrogate, the clipped value loss and the KL estimators are tested in
+tests/test_losses.py; here: how PPO assembles them, learning a synthetic reward, resume,
+and the stage end to end with a reward model and with the verifier.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llm.config import PPOConfig
+from llm.losses import gae
+from llm.ppo import PPO, token_rewards
+from llm.rl import KLAlert, KLController, run_rl
+from tests.test_grpo import (CPU, PAD, PROMPTS, RL_BASE, STOP, Killed, _killing, _same_rows, make_workspace, mean,
+                             run_stage, target_fraction, tiny)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ppo_cfg(**kw) -> PPOConfig:
+    base = dict(RL_BASE, epochs=2, minibatch_size=16, rollout_prompts=32, reward_source="verifier", vf_coef=0.5,
+                value_clip=0.2, ent_coef=0.0, gamma=1.0, lam=0.95, whiten_advantages=True, kl_estimator="k1",
+                init_kl_coef=0.01, adaptive_kl=False, kl_target=0.1, kl_horizon=1000, kl_alert_low=0.0,
+                kl_alert_high=100.0)
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+def ppo(cfg: PPOConfig, reward_fn=target_fraction, log=print) -> PPO:
+    prompts = (PROMPTS * 8)[: cfg.rollout_prompts]
+    return PPO(tiny(("lm", "value")), tiny(), cfg, prompts_fn=lambda step: (prompts, [{}] * len(prompts)),
+               reward_fn=reward_fn, stop_ids=(STOP,), pad_id=PAD, seed=0, log=log)
+
+
+def test_ppo_learns_a_synthetic_reward_within_a_few_dozen_steps(tmp_path):
+    cfg = ppo_cfg(steps=15)
+    res = run_rl(ppo(cfg), cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
+    r = [row["reward"] for row in res.history]
+    assert mean(r[:3]) < 0.2
+    assert mean(r[-3:]) > 0.6 and mean(r[-3:]) > mean(r[:3]) + 0.4, r
+    row = res.history[-1]
+    for k in ("reward", "reward_std", "kl", "kl_seq", "kl_coef", "non_score_reward", "entropy", "clip_ratio",
+              "approxkl", "policy_loss", "value_loss", "vf_clipfrac", "response_length", "lr", "rollout_s",
+              "scoring_s", "update_s"):
+        assert k in row and row[k] == row[k], k
+    assert row["clip_ratio"] > 0  # the second epoch sees a moved policy
+
+
+def test_ppo_with_the_entropy_bonus_and_k3_trains(tmp_path):
+    cfg = ppo_cfg(steps=2, ent_coef=0.05, kl_estimator="k3", whiten_advantages=False, minibatch_size=5)
+    res = run_rl(ppo(cfg), cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
+    assert all(r["kl"] >= 0 and r["entropy"] > 0 for r in res.history)
+
+
+def test_score_goes_on_the_last_response_token_and_gae_carries_it_back():
+    score = torch.tensor([1.0, -2.0])
+    kl = torch.tensor([[0.1, 0.2, 0.0, 0.0], [0.3, 0.1, 0.2, 0.4]])
+    lengths = torch.tensor([2, 4])
+    r = token_rewards(score, kl, 0.5, lengths)
+    torch.testing.assert_close(r, torch.tensor([[-0.05, 0.9, 0.0, 0.0], [-0.15, -0.05, -0.1, -2.2]]))
+    mask = torch.arange(4)[None] < lengths[:, None]
+    adv, ret = gae(r, torch.zeros(2, 4), mask, gamma=1.0, lam=1.0)
+    # with zero values and gamma = lambda = 1 the return is the reward-to-go
+    torch.testing.assert_close(ret[0, :2], torch.tensor([0.85, 0.9]))
+    torch.testing.assert_close(ret[1], torch.tensor([-2.5, -2.35, -2.3, -2.2]))
+
+
+def test_adaptive_kl_controller_follows_ziegler():
+    c = KLController(0.1, adaptive=True, target=0.1, horizon=100)
+    c.update(0.2, n_steps=10)            # error clipped to +0.2: coef *= 1 + 0.2 * 10/100
+    assert c.value == pytest.approx(0.1 * 1.02)
+    c.update(0.075, n_steps=10)          # error -0.25 -> -0.2
+    assert c.value == pytest.approx(0.1 * 1.02 * 0.98)
+    c.update(0.11, n_steps=50)           # error 0.1: *= 1.05
+    assert c.value == pytest.approx(0.1 * 1.02 * 0.98 * 1.05)
+    fixed = KLController(0.1, adaptive=False, target=0.1, horizon=100)
+    fixed.update(5.0, n_steps=100)
+    assert fixed.value == 0.1
+    with pytest.raises(ValueError, match="kl_target > 0"):
+        KLController(0.1, adaptive=True, target=0.0, horizon=1)
+
+
+def test_kl_alert_reports_leaving_the_band_once_per_excursion():
+    a = KLAlert(0.05, 0.2, window=1)
+    assert a.check(0.0, 1) is None               # starting at 0 is not an alert
+    assert a.check(0.1, 2) is None
+    msg = a.check(0.3, 3)
+    assert msg and "above kl_alert_high=0.2" in msg and "step 3" in msg
+    assert a.check(0.4, 4) is None               # still out: reported once
+    assert a.check(0.1, 5) is None
+    assert "below kl_alert_low=0.05" in a.check(0.01, 6)
+    assert a.alerts == 2
+    b = KLAlert(0.05, 0.2, window=1)
+    assert b.check(0.5, 1) is not None           # too high is an alert even at the start
+
+
+def test_kl_alert_smooths_over_a_window():
+    a = KLAlert(0.05, 0.2, window=3)
+    for i, kl in enumerate([0.1, 0.1, 0.1, 0.04, 0.1, 0.04, 0.1], 1):  # flickers below 0.05 alone
+        assert a.check(kl, i) is None
+    assert a.check(0.01, 8) is None and "below" in a.check(0.01, 9)     # mean (0.1+0.01+0.01)/3 < 0.05
+    assert a.alerts == 1
+
+
+def test_ppo_logs_kl_alerts_and_adapts_the_coefficient(tmp_path):
+    logs = []
+    cfg = ppo_cfg(steps=3, kl_alert_low=0.0, kl_alert_high=1e-6, adaptive_kl=True, kl_target=1e-3, kl_horizon=32)
+    algo = ppo(cfg, log=logs.append)
+    res = run_rl(algo, cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
+    assert any("ALERT" in m for m in logs)
+    kls, coefs = [r["kl"] for r in res.history], [r["kl_coef"] for r in res.history]
+    assert kls[0] == 0.0 and kls[1] > 1e-3        # step 1 samples from the reference itself
+    assert coefs[0] == 0.01
+    assert coefs[1] == pytest.approx(0.01 * 0.8)  # KL below target: the penalty shrinks (clipped)
+    assert coefs[2] == pytest.approx(0.01 * 0.8 * 1.2)  # above: it grows
+
+
+def test_a_killed_ppo_run_resumes_and_matches_the_uninterrupted_run(tmp_path):
+    cfg = ppo_cfg(steps=4, checkpoint_every=2, adaptive_kl=True, kl_target=0.01, kl_horizon=50)
+    full = ppo(cfg)
+    a = run_rl(full, cfg, CPU, stage="ppo", run_dir=tmp_path / "a", fingerprint="fp", progress=False)
+    with pytest.raises(Killed):
+        run_rl(ppo(cfg, reward_fn=_killing(target_fraction, 4)), cfg, CPU, stage="ppo", run_dir=tmp_path / "b",
+               fingerprint="fp", progress=False)
+    again = ppo(cfg)
+    b = run_rl(again, cfg, CPU, stage="ppo", run_dir=tmp_path / "b", fingerprint="fp", progress=False)
+    assert b.resumed_from == 2
+    _same_rows(b.history, a.history)  # includes kl_coef: the controller's state was restored
+    assert again.kl_ctl.value == full.kl_ctl.value
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(v, again.model.state_dict()[k]), k
+
+
+def test_ppo_needs_a_value_head():
+    with pytest.raises(ValueError, match="value head"):
+        PPO(tiny(), tiny(), ppo_cfg(), prompts_fn=None, reward_fn=None, stop_ids=(STOP,), pad_id=PAD, seed=0)
+
+
+# ---------------------------------------------------------------------------
+# the stage, end to end in a temp dir
+
+
+@pytest.mark.slow
+def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path):
+    make_workspace(tmp_path, "ppo", rm=True)
+    p = run_stage(tmp_path, "ppo")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "reward from the reward model" in p.stdout
+    m = json.loads((tmp_path / "metrics/ppo.json").read_text())
+    for k in ("reward_start", "reward_end", "final_kl", "kl_coef_final", "kl_alerts", "math_exact_match",
+              "math_exact_match_start", "math_exact_match_delta", "heldout_reward", "heldout_reward_start",
+              "heldout_reward_delta", "heldout_kl", "generation_fraction"):
+        assert k in m, k
+    assert m["reward_source"] == "rm" and m["steps"] == 4
+    head = (tmp_path / "metrics/plots/ppo.tsv").read_text().splitlines()[0].split("\t")
+    assert head[0] == "step" and {"value_loss", "vf_clipfrac", "kl_coef", "kl", "reward"} <= set(head)
+    from llm.artifacts import load_model_dir
+    model, _, meta = load_model_dir(tmp_path / "models/ppo")
+    assert model.head_names == ("lm", "value") and meta["inputs"]["reward"] == "rm-fp"
+
+
+@pytest.mark.slow
+def test_ppo_stage_with_the_verifier_and_the_kl_gate(tmp_path):
+    make_workspace(tmp_path, "ppo", {"max_kl": 1.0e-9})
+    p = run_stage(tmp_path, "ppo")
+    assert p.returncode == 1 and "reward from the verifier" in p.stdout
+    assert "ppo: quality gate failed: final KL" in p.stderr and "no model was written" in p.stderr
+    assert not (tmp_path / "models/ppo").exists()
