@@ -113,7 +113,7 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
         room = model.config.seq_len - max(map(len, chunk))
         if room < 1:
             raise ValueError(f"a prompt of {max(map(len, chunk))} tokens leaves no room in seq_len"
-                             f" {model.config.seq_len}")
+                             f" {model.config.seq_len}: raise pretrain.model.seq_len in params.yaml")
         gen = generate(model, chunk, min(max_new_tokens, room), temperature=temperature, stop_ids=stop,
                        pad_id=tokenizer.pad_id, generator=generator)
         for i, r, n in zip(ix, gen.responses(), gen.response_mask.sum(-1).tolist()):
