@@ -61,7 +61,7 @@ from llm.monitor import Monitor
 from llm.optim import build_optimizer, lr_at, set_lr
 from llm.rewards import math_reward, parse_answer, to_number
 from llm.rollout import Rollout, exact_kl, response_forward, rollout
-from llm.trainer import NonFiniteError, Runtime, _StopFlag
+from llm.trainer import NonFiniteError, Runtime, StopFlag
 
 RewardFn = Callable[[Rollout, list[dict]], tuple[Tensor, dict[str, float]]]
 
@@ -287,7 +287,7 @@ def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: 
     model.eval()  # no dropout in RL: the ratio pi/pi_old must compare the same function (as TRL)
     saved = -1
     try:
-        with _StopFlag() as stop:
+        with StopFlag() as stop:
             if not val_hist:
                 run_eval(0)
             while step < cfg.steps:

@@ -28,13 +28,18 @@ checkpoint and exit with 128 + signal number.
 Distributed: under torchrun (WORLD_SIZE > 1) `setup_runtime` initialises the process group
 (gloo on CPU, nccl on CUDA); `train` wraps the model in DDP, or FSDP2 (`fully_shard`) with
 distributed="fsdp"; only rank 0 writes files.
+
+`stage_main` is the `main()` of every stage that trains or generates on a device: argparse,
+params, the torchrun re-exec, runtime setup/teardown and the one-line error or summary.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,8 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.batching import IGNORE_INDEX, derive_seed
-from llm.checkpoint import checkpoint_path, find_resume, quarantine_stale, save_checkpoint
-from llm.config import CommonConfig, TrainConfig
+from llm.checkpoint import CheckpointError, checkpoint_path, find_resume, quarantine_stale, save_checkpoint
+from llm.config import CommonConfig, ConfigError, TrainConfig
+from llm.fileio import DataError
 from llm.monitor import Monitor, cuda_memory, peak_flops
 from llm.optim import build_optimizer, lr_for, set_lr
 
@@ -358,7 +364,7 @@ def _seed_step(rt: Runtime, seed: int) -> None:
 # ---------------------------------------------------------------------------
 # Signals
 
-class _StopFlag:
+class StopFlag:
     """SIGTERM/SIGINT set a flag that the loop checks between steps; a second signal aborts."""
 
     def __init__(self):
@@ -508,7 +514,7 @@ def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: 
     checked_weights = False
     t_start = time.perf_counter()  # elapsed_s: loop wall time (evals, checkpoints included), over sessions
     try:
-        with _StopFlag() as stop:
+        with StopFlag() as stop:
             if step == 0 and val_batches and not val_hist:
                 run_eval(0)  # the untrained baseline
             while step < cfg.max_steps:
@@ -607,3 +613,67 @@ def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: 
     }
     return TrainResult(step=step, metrics=metrics, train_history=train_hist, val_history=val_hist,
                        resumed_from=resumed_from)
+
+
+# ---------------------------------------------------------------------------
+# A stage's main()
+
+# What a user or an input file can cause; anything else is a bug and keeps its traceback.
+STAGE_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError, ValueError, FileNotFoundError,
+                                             CheckpointError, NonFiniteError)
+
+
+def _stage_error(stage: str, e: Exception) -> int:
+    msg = str(e)  # some messages (llm.rl's quality gates) already start with the stage's name
+    print(msg if msg.startswith(f"{stage}: ") else f"{stage}: {msg}", file=sys.stderr)
+    return 1
+
+
+def stage_main(stage: str, doc: str, argv: list[str] | None, *, load: Callable[[str], dict],
+               work: Callable[[argparse.Namespace, Any, Any, Runtime], str | None], torchrun: bool = False,
+               errors: tuple[type[Exception], ...] = (),
+               options: Callable[[argparse.ArgumentParser], object] | None = None) -> int:
+    """`python -m stages.<stage> [--params params.yaml]`: the whole main() of a stage; returns the exit status.
+
+    doc       the stage's docstring: its first paragraph is --help's description, all of it the epilog
+    load      load(params_path) -> {"common": CommonConfig, stage: <its config>}; the stage's own
+              `load_sections([...])` call, so the sections it reads are visible in its file
+    work      work(args, common, cfg, rt) -> the summary line to print, or None (ranks > 0)
+    torchrun  with common.nproc > 1, re-exec under `torchrun --standalone` (the trainer's stages);
+              without, say that the stage runs in one process
+    errors    exceptions besides STAGE_ERRORS that end the stage with a message (quality gates)
+    options   options(parser) adds the stage's own command-line options
+
+    A ConfigError from `load`, or STAGE_ERRORS + `errors` from `work`, prints "<stage>: <message>"
+    on stderr and returns 1. The process group is torn down whatever happens.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    ap.add_argument("--params", default="params.yaml")
+    if options is not None:
+        options(ap)
+    args = ap.parse_args(argv)
+    try:
+        sections = load(args.params)
+    except ConfigError as e:
+        return _stage_error(stage, e)
+    common, cfg = sections["common"], sections[stage]
+    if common.nproc > 1 and not torchrun:
+        print(f"{stage}: runs in one process (common.nproc={common.nproc} applies to the pretrain/SFT/RM/DPO"
+              f" trainer)", flush=True)
+    elif common.nproc > 1 and not under_torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
+               "-m", f"stages.{stage}", *argv]
+        print(f"{stage}: common.nproc={common.nproc}: re-running under torchrun: {' '.join(cmd[1:])}", flush=True)
+        os.execv(sys.executable, cmd)  # does not return
+    rt = setup_runtime(common)
+    try:
+        summary = work(args, common, cfg, rt)
+    except (*STAGE_ERRORS, *errors) as e:
+        return _stage_error(stage, e)
+    finally:
+        teardown_runtime()
+    if summary is not None:
+        print(summary)
+    return 0

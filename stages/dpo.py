@@ -31,20 +31,15 @@ Writes models/dpo/, metrics/dpo.json, metrics/plots/dpo{.tsv,_val.tsv,.png}, run
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 from pathlib import Path
 
 from llm.batching import derive_seed
-from llm.checkpoint import CheckpointError
-from llm.config import CommonConfig, ConfigError, DPOConfig, fingerprint, load_sections
+from llm.config import CommonConfig, DPOConfig, fingerprint, load_sections
 from llm.fileio import DataError, atomic_write_bytes, atomic_write_json, read_jsonl, sha256_tree
 from llm.preference import (dpo_loss_fn, dpo_metrics, encode_pairs, fixed_pair_batches, pair_batches, policy_kl,
                             reference_logprobs, validate_pair)
-from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
-                         under_torchrun)
+from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "dpo"
 SFT = Path("models/sft")
@@ -158,37 +153,18 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    common, cfg = sections["common"], sections[STAGE]
-    if common.nproc > 1 and not under_torchrun():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
-               "-m", f"stages.{STAGE}", *argv]
-        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun", flush=True)
-        os.execv(sys.executable, cmd)
-    rt = setup_runtime(common)
-    try:
-        metrics = run(common, cfg, rt, progress=not args.no_progress)
-    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError,
-            QualityGateError) as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        teardown_runtime()
-    if metrics is not None:
-        print(f"{STAGE}: held-out rewards_accuracy {metrics['rewards_accuracy']:.3f} on {metrics['n_pairs']} pairs,"
-              f" margin {metrics['rewards_margin']:.3f}; KL to SFT {metrics['kl']:.4f} nats/token"
-              f" (gate {cfg.max_kl}); wrote {MODEL_OUT}/ and {METRICS}")
-    return 0
+    def work(args, common: CommonConfig, cfg: DPOConfig, rt: Runtime) -> str | None:
+        m = run(common, cfg, rt, progress=not args.no_progress)
+        if m is None:  # ranks > 0
+            return None
+        return (f"{STAGE}: held-out rewards_accuracy {m['rewards_accuracy']:.3f} on {m['n_pairs']} pairs,"
+                f" margin {m['rewards_margin']:.3f}; KL to SFT {m['kl']:.4f} nats/token"
+                f" (gate {cfg.max_kl}); wrote {MODEL_OUT}/ and {METRICS}")
+
+    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
+                      work=work, torchrun=True, errors=(QualityGateError,),
+                      options=lambda ap: ap.add_argument("--no-progress", action="store_true",
+                                                         help="no progress bar (logs, CI)"))
 
 
 if __name__ == "__main__":

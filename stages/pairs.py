@@ -38,7 +38,6 @@ quality, timing) and metrics/plots/pairs.tsv (a histogram of preference_score).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -50,10 +49,11 @@ import torch
 from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
 from llm.chat import render_prompt
-from llm.config import CommonConfig, ConfigError, PairsConfig, load_sections
+from llm.config import CommonConfig, PairsConfig, load_sections
 from llm.fileio import DataError, atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, write_jsonl
 from llm.preference import break_format, choose_pair, encode_response, preference_score, score_sequences
 from llm.rewards import math_reward
+from llm.trainer import Runtime, stage_main
 
 STAGE = "pairs"
 SFT = Path("models/sft")
@@ -307,35 +307,19 @@ def _histogram(pairs: list[dict], bins: int = 20) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--no-progress", action="store_true", help="no progress lines (logs, CI)")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    common, cfg = sections["common"], sections[STAGE]
-    if not cfg.temperatures or any(t <= 0 for t in cfg.temperatures):
-        print(f"{STAGE}: pairs.temperatures: expected a non-empty list of temperatures > 0, got {cfg.temperatures}",
-              file=sys.stderr)
-        return 1
-    from llm.trainer import setup_runtime  # threads and device; generation runs in one process
+    def work(args, common: CommonConfig, cfg: PairsConfig, rt: Runtime) -> str:
+        if not cfg.temperatures or any(t <= 0 for t in cfg.temperatures):
+            raise ValueError(f"pairs.temperatures: expected a non-empty list of temperatures > 0,"
+                             f" got {cfg.temperatures}")
+        m = run(common, cfg, rt.device, progress=not args.no_progress)  # generation runs in one process
+        ps = m["preference_score"]
+        return (f"{STAGE}: {m['pairs']} pairs ({m['train_pairs']} train / {m['val_pairs']} val, {m['adversarial']}"
+                f" adversarial), {m['ties_dropped']} ties dropped; preference_score mean {ps['mean']:.3f}"
+                f" [p05 {ps['p05']:.3f}, p95 {ps['p95']:.3f}]; wrote {OUT}/ and {METRICS}")
 
-    rt = setup_runtime(common)
-    try:
-        m = run(common, cfg, rt.device, progress=not args.no_progress)
-    except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    ps = m["preference_score"]
-    print(f"{STAGE}: {m['pairs']} pairs ({m['train_pairs']} train / {m['val_pairs']} val, {m['adversarial']}"
-          f" adversarial), {m['ties_dropped']} ties dropped; preference_score mean {ps['mean']:.3f}"
-          f" [p05 {ps['p05']:.3f}, p95 {ps['p95']:.3f}]; wrote {OUT}/ and {METRICS}")
-    return 0
+    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
+                      work=work, options=lambda ap: ap.add_argument("--no-progress", action="store_true",
+                                                                    help="no progress lines (logs, CI)"))
 
 
 if __name__ == "__main__":

@@ -27,15 +27,13 @@ runs/ppo/ (checkpoints and TensorBoard events; a persisted DVC out, so a killed 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from llm.batching import derive_seed
-from llm.checkpoint import CheckpointError
-from llm.config import CommonConfig, ConfigError, PPOConfig, fingerprint, load_sections
-from llm.fileio import DataError, atomic_write_json, sha256_file
-from llm.trainer import NonFiniteError, Runtime, setup_runtime
+from llm.config import CommonConfig, PPOConfig, fingerprint, load_sections
+from llm.fileio import atomic_write_json, sha256_file
+from llm.trainer import Runtime, stage_main
 
 STAGE = "ppo"
 SFT = Path("models/sft")
@@ -112,39 +110,21 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    common, cfg = sections["common"], sections[STAGE]
-    if common.nproc > 1:
-        print(f"{STAGE}: runs in one process (common.nproc={common.nproc} applies to the pretrain/SFT/RM/DPO"
-              f" trainer)", flush=True)
-    rt = setup_runtime(common)
     from llm.rl import QualityGateError
-    try:
+
+    def work(args, common: CommonConfig, cfg: PPOConfig, rt: Runtime) -> str:
         m = run(common, cfg, rt)
-    except QualityGateError as e:
-        print(str(e), file=sys.stderr)
-        return 1
-    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    em = m.get("math_exact_match")
-    held = (f" (held-out {m['heldout_reward_start']:.3f} -> {m['heldout_reward']:.3f})"
-            if "heldout_reward" in m else "")
-    print(f"{STAGE}: reward {m['reward_start']:.3f} -> {m['reward_end']:.3f}{held}; final KL {m['final_kl']:.4f}"
-          f" (kl_coef {m['kl_coef_final']:.4f}, {m['kl_alerts']} alerts)"
-          + (f"; held-out math exact match {m['math_exact_match_start']:.1%} -> {em:.1%}"
-             f" [{m['math_exact_match_lo']:.1%}, {m['math_exact_match_hi']:.1%}]" if em is not None else "")
-          + f"; wrote {MODEL_OUT}/ and {METRICS}")
-    return 0
+        em = m.get("math_exact_match")
+        held = (f" (held-out {m['heldout_reward_start']:.3f} -> {m['heldout_reward']:.3f})"
+                if "heldout_reward" in m else "")
+        return (f"{STAGE}: reward {m['reward_start']:.3f} -> {m['reward_end']:.3f}{held}; final KL {m['final_kl']:.4f}"
+                f" (kl_coef {m['kl_coef_final']:.4f}, {m['kl_alerts']} alerts)"
+                + (f"; held-out math exact match {m['math_exact_match_start']:.1%} -> {em:.1%}"
+                   f" [{m['math_exact_match_lo']:.1%}, {m['math_exact_match_hi']:.1%}]" if em is not None else "")
+                + f"; wrote {MODEL_OUT}/ and {METRICS}")
+
+    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
+                      work=work, errors=(QualityGateError,))
 
 
 if __name__ == "__main__":

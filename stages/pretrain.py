@@ -29,22 +29,17 @@ above are written only when training completes.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
-from llm.checkpoint import CheckpointError
 from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint, load_sections
 from llm.fileio import DataError, atomic_write_json, sha256_file
-from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
-                         under_torchrun)
+from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "pretrain"
 TOKENS = Path("data/tokens")
@@ -141,35 +136,16 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    common, cfg = sections["common"], sections[STAGE]
-    if common.nproc > 1 and not under_torchrun():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
-               "-m", f"stages.{STAGE}", *argv]
-        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun: {' '.join(cmd[1:])}", flush=True)
-        os.execv(sys.executable, cmd)  # does not return
-    rt = setup_runtime(common)
-    try:
-        metrics = run(common, cfg, rt)
-    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        teardown_runtime()
-    if metrics is not None:
-        print(f"{STAGE}: val loss {metrics['val_loss']:.4f}, val bits/byte {metrics['val_bpb']:.4f}"
-              f" (unigram baseline {metrics['unigram_bpb']:.4f}), {metrics['tokens_per_s']:.0f} tokens/s;"
-              f" wrote {MODEL_OUT}/ and {METRICS}")
-    return 0
+    def work(args, common: CommonConfig, cfg: PretrainConfig, rt: Runtime) -> str | None:
+        m = run(common, cfg, rt)
+        if m is None:  # ranks > 0
+            return None
+        return (f"{STAGE}: val loss {m['val_loss']:.4f}, val bits/byte {m['val_bpb']:.4f}"
+                f" (unigram baseline {m['unigram_bpb']:.4f}), {m['tokens_per_s']:.0f} tokens/s;"
+                f" wrote {MODEL_OUT}/ and {METRICS}")
+
+    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
+                      work=work, torchrun=True)
 
 
 if __name__ == "__main__":

@@ -21,21 +21,16 @@ runs/sft/ (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import sys
 from pathlib import Path
 
 import torch
 
 from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate
 from llm.chat import render
-from llm.checkpoint import CheckpointError
-from llm.config import CommonConfig, ConfigError, SFTConfig, fingerprint, load_sections
+from llm.config import CommonConfig, SFTConfig, fingerprint, load_sections
 from llm.fileio import DataError, atomic_write_json, read_jsonl, sha256_tree
-from llm.trainer import (NonFiniteError, Runtime, full_model_state, setup_runtime, teardown_runtime, train,
-                         under_torchrun)
+from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "sft"
 BASE = Path("models/base")
@@ -130,37 +125,18 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path = BASE,
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    common, cfg = sections["common"], sections[STAGE]
-    if common.nproc > 1 and not under_torchrun():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
-               "-m", f"stages.{STAGE}", *argv]
-        print(f"{STAGE}: common.nproc={common.nproc}: re-running under torchrun", flush=True)
-        os.execv(sys.executable, cmd)
-    rt = setup_runtime(common)
-    try:
-        metrics = run(common, cfg, rt)
-    except (ConfigError, DataError, ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        teardown_runtime()
-    if metrics is not None:
-        em = metrics.get("math_exact_match")
-        print(f"{STAGE}: val loss {metrics['val_loss']:.4f}"
-              + (f", held-out math exact match {em:.1%} [{metrics['math_exact_match_lo']:.1%},"
-                 f" {metrics['math_exact_match_hi']:.1%}]" if em is not None else "")
-              + f"; wrote {MODEL_OUT}/ and {METRICS}")
-    return 0
+    def work(args, common: CommonConfig, cfg: SFTConfig, rt: Runtime) -> str | None:
+        m = run(common, cfg, rt)
+        if m is None:  # ranks > 0
+            return None
+        em = m.get("math_exact_match")
+        return (f"{STAGE}: val loss {m['val_loss']:.4f}"
+                + (f", held-out math exact match {em:.1%} [{m['math_exact_match_lo']:.1%},"
+                   f" {m['math_exact_match_hi']:.1%}]" if em is not None else "")
+                + f"; wrote {MODEL_OUT}/ and {METRICS}")
+
+    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
+                      work=work, torchrun=True)
 
 
 if __name__ == "__main__":

@@ -272,3 +272,24 @@ def test_generation_responses_strip_padding_and_the_stop_token():
                    prompt_len=2, response_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]).bool(),
                    logprobs=torch.zeros(2, 3), stopped=torch.tensor([True, False]))
     assert g.responses() == [[6], [6, 7, 8]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_bf16_training_is_finite_and_greedy_cached_decoding_matches_recomputation():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    model = GPT(cfg, seed=0).cuda()
+    x = torch.randint(0, 97, (4, 32), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.eval()
+    gen = generate(model, [[1, 2, 3], [4, 5]], 8, temperature=0.0, pad_id=0)
+    for row, prompt in zip(gen.responses(), [[1, 2, 3], [4, 5]]):
+        ids = list(prompt)
+        for _ in range(len(row)):
+            with torch.no_grad():
+                ids.append(int(model(torch.tensor([ids], device="cuda"))[0, -1].argmax()))
+        assert ids[len(prompt):] == row
