@@ -63,3 +63,28 @@ def test_use_writes_params_atomically(tmp_path, monkeypatch):
     assert out.read_text().startswith("# profile: smoke")
     assert profile.main(["use", "nonexistent", "--params", str(out)]) == 1
     assert out.read_text().startswith("# profile: smoke")  # untouched on error
+
+
+def test_memory_estimate_adds_up_and_scales_with_the_batch():
+    from llm.profile import memory_estimate
+
+    params, _ = render("gpu-77m", PROFILES)
+    est = memory_estimate(params)
+    parts = est["weights_grads_adam_gib"] + est["activations_gib"] + est["logits_gib"] + 1.0
+    assert est["total_gib"] == pytest.approx(parts)
+    # 16 bytes per parameter for fp32 weights, gradients and two AdamW moments
+    assert est["weights_grads_adam_gib"] == pytest.approx(16 * est["n_params_m"] * 1e6 / 1024 ** 3)
+    params["pretrain"]["batch_size"] *= 2
+    doubled = memory_estimate(params)
+    assert doubled["activations_gib"] == pytest.approx(2 * est["activations_gib"])
+    assert doubled["logits_gib"] == pytest.approx(2 * est["logits_gib"])
+    params["pretrain"]["activation_checkpointing"] = True
+    assert memory_estimate(params)["activations_gib"] < doubled["activations_gib"] / 2
+
+
+@pytest.mark.parametrize("name,card_gib", [("gpu-13m", 24), ("gpu-77m", 40), ("gpu-406m", 80)])
+def test_each_gpu_profile_is_estimated_to_fit_its_card(name, card_gib):
+    from llm.profile import memory_estimate
+
+    params, _ = render(name, PROFILES)
+    assert memory_estimate(params)["total_gib"] < 0.9 * card_gib
