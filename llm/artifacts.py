@@ -4,8 +4,9 @@
       model.safetensors   every weight, incl. a value/reward head (a tied lm_head is stored once, as wte)
       config.json         ModelConfig as a dict + "heads": ["lm", ...]
       tokenizer/          the tokenizer's own files (Tokenizer.save)
-      meta.json           format_version, stage, fingerprint, inputs, n_params, created, and
-                          the sha256 of model.safetensors and config.json
+      meta.json           format_version, stage, fingerprint, inputs, n_params, and the sha256
+                          of model.safetensors and config.json. No timestamp: the same weights
+                          give the same bytes, so DVC skips what depends on an unchanged model
 
     save_model_dir("models/sft", model, tokenizer, {"stage": "sft", "fingerprint": fp, "inputs": {...}})
     model, tokenizer, meta = load_model_dir("models/sft", device="cpu", heads=None)
@@ -18,7 +19,6 @@ killed stage leaves the previous directory intact. Loading reads only safetensor
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import json
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ def config_dict(model: GPT) -> dict[str, Any]:
 
 def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str, Any]) -> Path:
     """Write a model directory atomically. `meta` carries provenance (stage, fingerprint,
-    inputs); format_version, n_params, created and file hashes are added here."""
+    inputs); format_version, n_params and file hashes are added here."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -70,7 +70,6 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str,
             "n_params": model.n_params(),
             "n_params_non_embedding": model.n_params(non_embedding=True),
             "summary": model.summary(),
-            "created": meta.get("created") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "files": {name: sha256_file(tmp / name) for name in (MODEL_FILE, CONFIG_FILE)},
         }
         (tmp / META_FILE).write_text(json.dumps(full, indent=2, allow_nan=False) + "\n", encoding="utf-8")

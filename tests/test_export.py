@@ -146,7 +146,10 @@ def test_model_directory_round_trip(tmp_path, tok):
     m2, tok2, meta2 = load_model_dir(tmp_path / "rm")
     assert m2.config == m.config and m2.head_names == m.head_names and tok2.sha256() == tok.sha256()
     assert meta2["stage"] == "reward" and meta2["fingerprint"] == "abc" and meta2["format_version"] == 1
-    assert meta2["n_params"] == m.n_params() and "created" in meta2
+    assert meta2["n_params"] == m.n_params() and "created" not in meta2
+    first = (tmp_path / "rm" / "meta.json").read_bytes()
+    save_model_dir(tmp_path / "rm", m, tok, meta)  # the same model again: the same bytes
+    assert (tmp_path / "rm" / "meta.json").read_bytes() == first
     assert m2.state_dict().keys() == m.state_dict().keys()
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k
