@@ -147,7 +147,7 @@ class Monitor:
                     if k != "step" and isinstance(v, (int, float)) and v is not None:
                         self.tb.add_scalar(f"train/{k}", v, row["step"])
 
-    def eval(self, row: dict[str, Any]) -> None:
+    def log_eval(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
         if self.val_tsv:

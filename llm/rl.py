@@ -282,7 +282,7 @@ def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: 
             row = {"step": at, **eval_fn(model)}
         eval_time += time.perf_counter() - t0
         val_hist.append(row)
-        mon.eval(row)
+        mon.log_eval(row)
 
     model.eval()  # no dropout in RL: the ratio pi/pi_old must compare the same function (as TRL)
     saved = -1

@@ -500,7 +500,7 @@ def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: 
             return
         row = {"step": at, **evaluate(wrapped, val_batches, loss_fn, rt, bytes_per_token)}
         val_hist.append(row)
-        mon.eval(row)
+        mon.log_eval(row)
 
     def sync_ctx(last: bool):
         """Gradient all-reduce only on the last micro-batch of a step."""
