@@ -1,5 +1,5 @@
-"""Preference pairs: encoding, batches, reward-model scoring, RM-2 pair selection, DPO reference
-log-probs and the KL to a reference model (SPEC RM-1, RM-2, DPO-1, DPO-2).
+"""Preference pairs: reading and encoding, batches, reward-model scoring, RM-2 pair selection,
+DPO reference log-probs and the KL to a reference model (SPEC RM-1, RM-2, DPO-1, DPO-2).
 
 Shared by stages/reward.py, stages/pairs.py and stages/dpo.py. A pair record
 (data/prepared/prefs, data/pairs) is
@@ -27,6 +27,7 @@ import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 
 from llm.batching import BucketBatchSampler, ExampleBatches
 from llm.chat import ROLE_TOKENS, render_prompt
+from llm.fileio import DataError, read_jsonl
 from llm.generate import generate
 from llm.losses import bradley_terry_loss, dpo_loss, sequence_logprob
 from llm.rewards import parse_answer, to_number
@@ -97,6 +99,41 @@ def encode_pairs(records: Sequence[dict], tokenizer, max_tokens: int) -> tuple[l
         out.append(EncodedPair(c, j, len(p), str(r.get("kind", ""))))
         kept.append(i)
     return out, kept, dropped
+
+
+@dataclass
+class PairSplits:
+    """The train and val pairs of a pair directory, encoded (`load_pair_splits`)."""
+    train: list[EncodedPair]
+    val: list[EncodedPair]
+    val_records: list[dict]   # every val record, as read
+    val_kept: list[int]       # the record index of each val pair
+    dropped_train: int        # records longer than seq_len, left out
+    dropped_val: int
+    seq_len: int
+
+    @property
+    def dropped(self) -> int:
+        return self.dropped_train + self.dropped_val
+
+    def summary(self) -> str:
+        return (f"{len(self.train)} train / {len(self.val)} val pairs ({self.dropped_train} + {self.dropped_val}"
+                f" dropped: longer than seq_len={self.seq_len})")
+
+
+def load_pair_splits(data: str | Path, tokenizer, seq_len: int) -> PairSplits:
+    """Read data/{train,val}.jsonl (each record checked by `validate_pair`) and encode them with
+    `encode_pairs`. Raises DataError when no train or no val pair fits in seq_len."""
+    data = Path(data)
+    train_recs = list(read_jsonl(data / "train.jsonl", validate=validate_pair))
+    val_recs = list(read_jsonl(data / "val.jsonl", validate=validate_pair))
+    train, _, dropped_train = encode_pairs(train_recs, tokenizer, seq_len)
+    val, val_kept, dropped_val = encode_pairs(val_recs, tokenizer, seq_len)
+    if not train or not val:
+        raise DataError(f"{data}: no {'train' if not train else 'val'} pair fits in seq_len={seq_len}"
+                        f" ({dropped_train} train and {dropped_val} val pairs are longer)")
+    return PairSplits(train=train, val=val, val_records=val_recs, val_kept=val_kept, dropped_train=dropped_train,
+                      dropped_val=dropped_val, seq_len=seq_len)
 
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, prompt_lens: Sequence[int] | None = None

@@ -51,12 +51,13 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
+from llm.artifacts import load_model_dir, save_model_dir
 from llm.batching import derive_seed
 from llm.chat import user_prompt
 from llm.checkpoint import find_resume, quarantine_stale, save_checkpoint
-from llm.config import RLConfig
+from llm.config import CommonConfig, RLConfig, fingerprint
 from llm.evaluate import math_eval
-from llm.fileio import atomic_write_bytes, read_jsonl
+from llm.fileio import atomic_write_bytes, atomic_write_json, read_jsonl, sha256_file
 from llm.monitor import Monitor
 from llm.optim import build_optimizer, lr_at, set_lr
 from llm.rewards import math_reward, parse_answer, to_number
@@ -510,3 +511,92 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
     if rewards:
         out["reward"] = float(torch.cat(rewards).mean())
     return out, ev["samples"]
+
+
+# ---------------------------------------------------------------------------
+# What stages/grpo.py and stages/ppo.py share around their algorithm
+
+@dataclass
+class RLSetup:
+    """An RL stage's starting point, from `setup_rl_stage`; the stage builds its algorithm on it."""
+    stage: str
+    sft: Path                 # the SFT model directory (the policy's parent)
+    policy: nn.Module         # the SFT model (LM head; PPO adds a value head): the model being trained
+    ref: nn.Module            # a second copy of it: the reference for KL
+    tokenizer: Any
+    reward_fn: RewardFn       # the reward model's score when one was loaded, else the verifier
+    pool: MathPrompts         # training prompts, by level
+    val: list[dict]           # held-out problems
+    inputs: dict[str, str]    # what the run was made from: model fingerprints, data hashes
+    fingerprint: str          # params + inputs: checkpoints resume only under the same one
+    seed: int                 # derive_seed(common.seed, stage)
+
+    @property
+    def train_problems(self) -> int:
+        return sum(len(v) for v in self.pool.by_level.values())
+
+
+def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torch.device | str, *, sft: Path,
+                   data: Path, levels: Sequence[Sequence[int]], rm: Path | None = None) -> RLSetup:
+    """Load the SFT model twice (policy and reference), the reward model in `rm` if given (it must
+    share the policy's tokenizer), the prompts of data/train.jsonl and the first cfg.eval_problems
+    of data/val.jsonl. Each of `levels` (the level lists the stage will sample from) is checked
+    for a usable problem now rather than at the step that first samples it."""
+    policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
+    ref, _, _ = load_model_dir(sft, device=device, heads=("lm",))
+    inputs = {"sft": sft_meta.get("fingerprint", "")}
+    if rm is not None:
+        rm_model, rm_tok, rm_meta = load_model_dir(rm, device=device, heads=("reward",))
+        if rm_tok.sha256() != tok.sha256():
+            raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
+                             f" tokenizer (retrain it from {sft})")
+        rm_model.eval().requires_grad_(False)
+        reward_fn = rm_reward(rm_model, tok)
+        inputs["reward"] = rm_meta.get("fingerprint", "")
+    else:
+        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
+    train_path, val_path = data / "train.jsonl", data / "val.jsonl"
+    pool = MathPrompts(read_problems(train_path), tok, seq_len=policy.config.seq_len,
+                       max_new_tokens=cfg.max_new_tokens, where=str(train_path))
+    for lv in levels:
+        pool.pool(lv)
+    val = read_problems(val_path, cfg.eval_problems)[: cfg.eval_problems] if cfg.eval_problems else []
+    inputs.update({"train": sha256_file(train_path), "val": sha256_file(val_path)})
+    return RLSetup(stage=stage, sft=sft, policy=policy, ref=ref, tokenizer=tok, reward_fn=reward_fn, pool=pool,
+                   val=val, inputs=inputs, fingerprint=fingerprint(common, cfg, inputs),
+                   seed=derive_seed(common.seed, stage))
+
+
+def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model_out: Path,
+                    metrics_path: Path, plots: Path, extra_metrics: Callable[[RLResult], dict[str, Any]],
+                    progress: bool = True) -> dict[str, Any]:
+    """Train `algo` (run_rl, held-out evaluation on setup.val), apply the final-KL gate, then write
+    the policy to `model_out` and the metrics to `metrics_path`; returns the metrics.
+
+    The metrics are `summarize`'s, the final KL (held-out, else the last training steps') and
+    its gate, `extra_metrics(result)` (the algorithm's own numbers), the prompt counts, the
+    step resumed from and three held-out samples. A failed gate raises QualityGateError
+    before the model and the metrics are written."""
+    stage = setup.stage
+    samples: list[dict] = []
+
+    def eval_fn(model) -> dict:
+        row, s = heldout_eval(model, setup.ref, setup.tokenizer, setup.val, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, seed=setup.seed, reward_fn=setup.reward_fn)
+        samples[:] = s[:3]
+        return row
+
+    result = run_rl(algo, cfg, rt, stage=stage, run_dir=run_dir, fingerprint=setup.fingerprint,
+                    eval_fn=eval_fn if setup.val else None, tsv_path=plots / f"{stage}.tsv",
+                    png_path=plots / f"{stage}.png", tb_dir=run_dir / "tb", progress=progress)
+    metrics = summarize(result)
+    final_kl = result.val_history[-1]["kl"] if result.val_history else metrics["kl_train_end"]
+    metrics.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
+                    "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
+                    "resumed_from": result.resumed_from, "math_samples": samples})
+    check_final_kl(final_kl, cfg.max_kl, stage)
+    save_model_dir(model_out, setup.policy.cpu(), setup.tokenizer,
+                   {"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
+                    "parent": str(setup.sft), "steps": result.step})
+    atomic_write_json(metrics_path, metrics)
+    return metrics

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from llm.batching import derive_seed
 from llm.config import CommonConfig, DPOConfig, fingerprint, load_sections
-from llm.fileio import DataError, atomic_write_bytes, atomic_write_json, read_jsonl, sha256_tree
-from llm.preference import (dpo_loss_fn, dpo_metrics, encode_pairs, fixed_pair_batches, pair_batches, policy_kl,
-                            reference_logprobs, validate_pair)
+from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.preference import (dpo_loss_fn, dpo_metrics, fixed_pair_batches, load_pair_splits, pair_batches, policy_kl,
+                            reference_logprobs)
 from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "dpo"
@@ -68,13 +68,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     reference, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
     reference.requires_grad_(False).eval()
     seq_len = policy.config.seq_len
-    train_recs = list(read_jsonl(data / "train.jsonl", validate=validate_pair))
-    val_recs = list(read_jsonl(data / "val.jsonl", validate=validate_pair))
-    train_pairs, _, dropped_train = encode_pairs(train_recs, tok, seq_len)
-    val_pairs, val_kept, dropped_val = encode_pairs(val_recs, tok, seq_len)
-    if not train_pairs or not val_pairs:
-        raise DataError(f"{data}: no {'train' if not train_pairs else 'val'} pair fits in seq_len={seq_len}"
-                        f" ({dropped_train} train and {dropped_val} val pairs are longer)")
+    pairs = load_pair_splits(data, tok, seq_len)
+    train_pairs, val_pairs = pairs.train, pairs.val
     inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
@@ -87,9 +82,7 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
                                  device=rt.device, autocast=rt.autocast)
     t_ref = time.perf_counter() - t0
     if rt.is_main:
-        print(f"{STAGE}: {len(train_pairs)} train / {len(val_pairs)} val pairs ({dropped_train} + {dropped_val}"
-              f" dropped: longer than seq_len={seq_len}); reference log-probs in {t_ref:.1f}s; {policy.summary()}",
-              flush=True)
+        print(f"{STAGE}: {pairs.summary()}; reference log-probs in {t_ref:.1f}s; {policy.summary()}", flush=True)
     batches = pair_batches(train_pairs, batch_size=cfg.batch_size, bucket_width=cfg.bucket_width, seed=seed,
                            pad_id=tok.pad_id, rank=rt.rank, world_size=rt.world_size, ref=ref_train)
     val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
@@ -112,8 +105,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
                        device=rt.device, autocast=rt.autocast)
     # KL to the SFT model on held-out prompts (unique, in file order)
     prompts, seen = [], set()
-    for i in val_kept:
-        ids = tuple(render_prompt(val_recs[i]["prompt"], tok))
+    for i in pairs.val_kept:
+        ids = tuple(render_prompt(pairs.val_records[i]["prompt"], tok))
         if ids not in seen and len(ids) < seq_len:
             seen.add(ids)
             prompts.append(list(ids))
@@ -130,7 +123,7 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
         "max_kl": cfg.max_kl,
         "by_kind": held["by_kind"],
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "steps": m["steps"],
-        "train_pairs": len(train_pairs), "dropped_too_long": dropped_train + dropped_val,
+        "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
         "stage_time_s": time.perf_counter() - t_start,

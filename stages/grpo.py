@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llm.batching import derive_seed
-from llm.config import CommonConfig, GRPOConfig, fingerprint, load_sections
-from llm.fileio import atomic_write_json, sha256_file
+from llm.config import CommonConfig, GRPOConfig, load_sections
 from llm.trainer import Runtime, stage_main
 
 STAGE = "grpo"
@@ -43,55 +41,29 @@ PLOTS = Path("metrics/plots")
 def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
         run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
         progress: bool = True) -> dict:
-    from llm.artifacts import load_model_dir, save_model_dir
     from llm.grpo import GRPO
-    from llm.rl import (MathPrompts, check_final_kl, heldout_eval, read_problems, run_rl, step_generator,
-                        summarize, verifier_reward)
+    from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
-    policy, tok, sft_meta = load_model_dir(sft, device=rt.device, heads=("lm",))
-    ref, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
-    seq_len = policy.config.seq_len
-    train_path, val_path = data / "train.jsonl", data / "val.jsonl"
-    pool = MathPrompts(read_problems(train_path), tok, seq_len=seq_len, max_new_tokens=cfg.max_new_tokens,
-                       where=str(train_path))
-    pool.pool(cfg.levels), pool.pool(cfg.curriculum_levels)  # fail now, not at step curriculum_steps
-    val = read_problems(val_path, cfg.eval_problems)[: cfg.eval_problems] if cfg.eval_problems else []
-    inputs = {"sft": sft_meta.get("fingerprint", ""), "train": sha256_file(train_path), "val": sha256_file(val_path)}
-    fp = fingerprint(common, cfg, inputs)
-    seed = derive_seed(common.seed, STAGE)
-    print(f"{STAGE}: {sum(len(v) for v in pool.by_level.values())} train problems ({pool.dropped} too long for"
-          f" seq_len={seq_len}), {len(val)} held-out; {policy.summary()}", flush=True)
+    # both level lists are checked now, not at step curriculum_steps
+    setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data,
+                           levels=(cfg.levels, cfg.curriculum_levels))
+    policy, tok = setup.policy, setup.tokenizer
+    print(f"{STAGE}: {setup.train_problems} train problems ({setup.pool.dropped} too long for"
+          f" seq_len={policy.config.seq_len}), {len(setup.val)} held-out; {policy.summary()}", flush=True)
 
     def prompts_fn(step: int):
         levels = cfg.curriculum_levels if step < cfg.curriculum_steps else cfg.levels
-        return pool.sample(cfg.prompts_per_step, levels, step_generator(seed, "prompts", step))
+        return setup.pool.sample(cfg.prompts_per_step, levels, step_generator(setup.seed, "prompts", step))
 
-    reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
-    algo = GRPO(policy, ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn,
-                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=seed)
-    samples: list[dict] = []
+    algo = GRPO(policy, setup.ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
+                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed)
 
-    def eval_fn(model) -> dict:
-        row, s = heldout_eval(model, ref, tok, val, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              seed=seed, reward_fn=reward_fn)
-        samples[:] = s[:3]
-        return row
+    def extra_metrics(result) -> dict:
+        zero_std = [r["frac_reward_zero_std"] for r in result.history]
+        return {"frac_reward_zero_std_mean": sum(zero_std) / max(len(zero_std), 1)}
 
-    result = run_rl(algo, cfg, rt, stage=STAGE, run_dir=run_dir, fingerprint=fp, eval_fn=eval_fn if val else None,
-                    tsv_path=plots / f"{STAGE}.tsv", png_path=plots / f"{STAGE}.png", tb_dir=run_dir / "tb",
-                    progress=progress)
-    metrics = summarize(result)
-    final_kl = result.val_history[-1]["kl"] if result.val_history else metrics["kl_train_end"]
-    metrics.update({"final_kl": final_kl, "max_kl": cfg.max_kl,
-                    "frac_reward_zero_std_mean": (sum(r["frac_reward_zero_std"] for r in result.history)
-                                                  / max(len(result.history), 1)),
-                    "train_problems": sum(len(v) for v in pool.by_level.values()), "dropped_prompts": pool.dropped,
-                    "resumed_from": result.resumed_from, "math_samples": samples})
-    check_final_kl(final_kl, cfg.max_kl, STAGE)
-    save_model_dir(model_out, policy.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                  "parent": str(sft), "steps": result.step})
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model_out=model_out, metrics_path=metrics_path,
+                           plots=plots, extra_metrics=extra_metrics, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 
 from llm.batching import derive_seed
-from llm.config import CommonConfig, PPOConfig, fingerprint, load_sections
-from llm.fileio import atomic_write_json, sha256_file
+from llm.config import CommonConfig, PPOConfig, load_sections
 from llm.trainer import Runtime, stage_main
 
 STAGE = "ppo"
@@ -48,65 +47,28 @@ PLOTS = Path("metrics/plots")
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, rm: Path = RM, data: Path = DATA,
         run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
         progress: bool = True) -> dict:
-    from llm.artifacts import load_model_dir, save_model_dir
     from llm.ppo import PPO
-    from llm.rl import (MathPrompts, check_final_kl, heldout_eval, read_problems, rm_reward, run_rl,
-                        step_generator, summarize, verifier_reward)
+    from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
-    seed = derive_seed(common.seed, STAGE)
-    policy, tok, sft_meta = load_model_dir(sft, device=rt.device, heads=("lm",))
-    policy.add_head("value", seed=derive_seed(seed, "value_head"))
-    ref, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
-    inputs = {"sft": sft_meta.get("fingerprint", "")}
-    if cfg.reward_source == "rm":
-        rm_model, rm_tok, rm_meta = load_model_dir(rm, device=rt.device, heads=("reward",))
-        if rm_tok.sha256() != tok.sha256():
-            raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
-                             f" tokenizer (retrain it from {sft})")
-        rm_model.eval().requires_grad_(False)
-        reward_fn = rm_reward(rm_model, tok)
-        inputs["reward"] = rm_meta.get("fingerprint", "")
-    else:
-        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
-    seq_len = policy.config.seq_len
-    train_path, val_path = data / "train.jsonl", data / "val.jsonl"
-    pool = MathPrompts(read_problems(train_path), tok, seq_len=seq_len, max_new_tokens=cfg.max_new_tokens,
-                       where=str(train_path))
-    pool.pool(cfg.levels)
-    val = read_problems(val_path, cfg.eval_problems)[: cfg.eval_problems] if cfg.eval_problems else []
-    inputs.update({"train": sha256_file(train_path), "val": sha256_file(val_path)})
-    fp = fingerprint(common, cfg, inputs)
+    setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
+                           rm=rm if cfg.reward_source == "rm" else None)
+    policy, tok = setup.policy, setup.tokenizer
+    policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
     print(f"{STAGE}: reward from {'the reward model ' + str(rm) if cfg.reward_source == 'rm' else 'the verifier'};"
-          f" {sum(len(v) for v in pool.by_level.values())} train problems ({pool.dropped} too long), {len(val)}"
+          f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
           f" held-out; {policy.summary()}", flush=True)
 
     def prompts_fn(step: int):
-        return pool.sample(cfg.rollout_prompts, cfg.levels, step_generator(seed, "prompts", step))
+        return setup.pool.sample(cfg.rollout_prompts, cfg.levels, step_generator(setup.seed, "prompts", step))
 
-    algo = PPO(policy, ref, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn, stop_ids=(tok.end_id, tok.eot_id),
-               pad_id=tok.pad_id, seed=seed, log=lambda m: print(m, file=sys.stderr, flush=True))
-    samples: list[dict] = []
-
-    def eval_fn(model) -> dict:
-        row, s = heldout_eval(model, ref, tok, val, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              seed=seed, reward_fn=reward_fn)
-        samples[:] = s[:3]
-        return row
-
-    result = run_rl(algo, cfg, rt, stage=STAGE, run_dir=run_dir, fingerprint=fp, eval_fn=eval_fn if val else None,
-                    tsv_path=plots / f"{STAGE}.tsv", png_path=plots / f"{STAGE}.png", tb_dir=run_dir / "tb",
-                    progress=progress)
-    metrics = summarize(result)
-    final_kl = result.val_history[-1]["kl"] if result.val_history else metrics["kl_train_end"]
-    metrics.update({"final_kl": final_kl, "max_kl": cfg.max_kl, "reward_source": cfg.reward_source,
-                    "kl_coef_final": algo.kl_ctl.value, "kl_alerts": algo.alert.alerts,
-                    "train_problems": sum(len(v) for v in pool.by_level.values()), "dropped_prompts": pool.dropped,
-                    "resumed_from": result.resumed_from, "math_samples": samples})
-    check_final_kl(final_kl, cfg.max_kl, STAGE)
-    save_model_dir(model_out, policy.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                  "parent": str(sft), "steps": result.step})
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+    algo = PPO(policy, setup.ref, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
+               stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed,
+               log=lambda m: print(m, file=sys.stderr, flush=True))
+    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model_out=model_out, metrics_path=metrics_path,
+                           plots=plots, progress=progress,
+                           extra_metrics=lambda result: {"reward_source": cfg.reward_source,
+                                                         "kl_coef_final": algo.kl_ctl.value,
+                                                         "kl_alerts": algo.alert.alerts})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from llm.batching import derive_seed
 from llm.config import CommonConfig, RewardConfig, fingerprint, load_sections
-from llm.fileio import DataError, atomic_write_bytes, atomic_write_json, read_jsonl, sha256_tree
-from llm.preference import (RewardModel, encode_pairs, fixed_pair_batches, pair_batches, pair_metrics,
-                            reward_loss_fn, score_sequences, validate_pair)
+from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.preference import (RewardModel, fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics,
+                            reward_loss_fn, score_sequences)
 from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "reward"
@@ -50,10 +50,6 @@ class QualityGateError(RuntimeError):
     """The trained model is not good enough to feed downstream stages (PIPE-5)."""
 
 
-def load_pairs(path: Path) -> list[dict]:
-    return list(read_jsonl(path, validate=validate_pair))
-
-
 def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
         run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
         progress: bool = True) -> dict | None:
@@ -63,13 +59,8 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     t0 = time.perf_counter()
     gpt, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
     gpt.add_head("reward", seed=derive_seed(common.seed, STAGE, "head"))
-    seq_len = gpt.config.seq_len
-    train_recs, val_recs = load_pairs(data / "train.jsonl"), load_pairs(data / "val.jsonl")
-    train_pairs, _, dropped_train = encode_pairs(train_recs, tok, seq_len)
-    val_pairs, _, dropped_val = encode_pairs(val_recs, tok, seq_len)
-    if not train_pairs or not val_pairs:
-        raise DataError(f"{data}: no {'train' if not train_pairs else 'val'} pair fits in seq_len={seq_len}"
-                        f" ({dropped_train} train and {dropped_val} val pairs are longer)")
+    pairs = load_pair_splits(data, tok, gpt.config.seq_len)
+    train_pairs, val_pairs = pairs.train, pairs.val
     inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
@@ -78,8 +69,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
                                      n_batches=cfg.eval_batches)
     if rt.is_main:
-        print(f"{STAGE}: {len(train_pairs)} train / {len(val_pairs)} val pairs ({dropped_train} + {dropped_val}"
-              f" dropped: longer than seq_len={seq_len}); {gpt.summary()}", flush=True)
+        print(f"{STAGE}: {pairs.summary()}; {gpt.summary()}", flush=True)
 
     model = RewardModel(gpt)
     # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
@@ -108,7 +98,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
         "min_accuracy": cfg.min_accuracy,
         "by_kind": held["by_kind"],
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "train_accuracy": _last(result, "accuracy"),
-        "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": dropped_train + dropped_val,
+        "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     }

@@ -1,4 +1,4 @@
-"""Shared test setup: offline hub settings, the repo root, and small helpers."""
+"""Shared test setup: offline hub settings, the repo root, small helpers and shared fixtures."""
 from __future__ import annotations
 
 import os
@@ -22,3 +22,15 @@ def root() -> Path:
 @pytest.fixture
 def fixtures() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a whole module: tiny models run fastest that way (and the CI box has
+    two shared cores). A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch  # here, not at the top: most test modules never touch torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

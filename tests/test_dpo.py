@@ -18,14 +18,7 @@ from llm.trainer import Runtime, train
 from tests.test_reward import _toy_pairs, _write_jsonl, make_workspace, run_stage, tcfg, write_params
 
 CPU = Runtime(torch.device("cpu"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int = 0, vocab: int = 41) -> GPT:

@@ -21,12 +21,7 @@ TEXT = ["To be, or not to be, that is the question: 12 + 7 = 19\n#### 19",
         "Whether 'tis nobler in the mind to suffer the slings and arrows", "小明有 3 个苹果。"] * 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

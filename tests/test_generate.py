@@ -13,12 +13,7 @@ from llm.model import GPT
 V, PAD = 53, 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(seed: int = 0, **kw) -> GPT:

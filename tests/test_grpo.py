@@ -31,12 +31,7 @@ PROMPTS = [torch.randint(4, V, (4,), generator=_g).tolist() for _ in range(8)]
 TIME_KEYS = {"rollout_s", "scoring_s", "update_s", "step_s", "elapsed_s", "tokens_per_s"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(heads=("lm",), seed: int = 0) -> GPT:

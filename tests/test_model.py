@@ -12,12 +12,7 @@ from llm.model import GPT, NonFiniteError, _RMSNorm, apply_rope, disable_debug, 
     mlp_hidden, rope_tables, swiglu_hidden
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 V = 61

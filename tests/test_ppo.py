@@ -19,12 +19,7 @@ from tests.test_grpo import (CPU, PAD, PROMPTS, RL_BASE, STOP, Killed, _killing,
                              run_stage, target_fraction, tiny)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ppo_cfg(**kw) -> PPOConfig:

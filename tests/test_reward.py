@@ -32,14 +32,7 @@ from llm.trainer import Runtime, train
 from tests.conftest import ROOT
 
 CPU = Runtime(torch.device("cpu"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------

@@ -12,12 +12,7 @@ from llm.rollout import exact_kl, response_forward, rollout
 V, PAD, STOP = 37, 0, 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model(seed: int = 0, heads=("lm",), **kw) -> GPT:

@@ -28,15 +28,7 @@ from llm.trainer import (NonFiniteError, Runtime, accumulate_gradients, enable_a
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = np.random.default_rng(0).integers(0, 64, 6000).astype(np.uint16)
 CPU = Runtime(torch.device("cpu"))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and the CI box has two shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(dropout: float = 0.1, seed: int = 0) -> GPT:
