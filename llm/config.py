@@ -316,7 +316,7 @@ class RLConfig:
 @dataclass(kw_only=True)
 class PPOConfig(RLConfig):
     rollout_prompts: int = _f(lo=1, doc="prompts (= rollouts) per PPO step")
-    reward_source: Literal["rm", "verifier"] = _f()
+    reward_source: Literal["rm", "verifier", "rm+verifier"] = _f()
     vf_coef: float = _f(lo=0.0)
     value_clip: float = _f(lo=0.0)
     ent_coef: float = _f(lo=0.0)

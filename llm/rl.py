@@ -354,7 +354,7 @@ def summarize(result: RLResult, *, window: int = 5) -> dict[str, Any]:
         for key, val in last.items():
             if key != "step":
                 out[name.get(key, key)] = val
-        for key in ("math_exact_match", "reward"):
+        for key in ("math_exact_match", "reward", "rm_score"):
             if key in first:
                 out[f"{name.get(key, key)}_start"] = first[key]
                 out[f"{name.get(key, key)}_delta"] = last[key] - first[key]
@@ -476,6 +476,24 @@ def rm_reward(rm: nn.Module, tokenizer) -> RewardFn:
     return reward
 
 
+def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, format_reward: float) -> RewardFn:
+    """Reward = the reward model's score + the verifier's (ppo.reward_source: rm+verifier).
+
+    A learned RM that checks arithmetic imperfectly can be climbed by drifting towards the
+    answers it misjudges; the verifier term pays for the right final number, so the policy
+    gains nothing by trading correctness for RM score. Both parts are logged (rm_score,
+    verifier_reward) so a run shows whether the RM score itself rose.
+    """
+    rm_fn = rm_reward(rm, tokenizer)
+    ver_fn = verifier_reward(tokenizer, correct_reward=correct_reward, format_reward=format_reward)
+
+    def reward(ro: Rollout, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
+        r_rm, stats = rm_fn(ro, problems)
+        r_ver, _ = ver_fn(ro, problems)
+        return r_rm + r_ver, {**stats, "rm_score": float(r_rm.mean()), "verifier_reward": float(r_ver.mean())}
+    return reward
+
+
 @torch.no_grad()
 def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequence[dict], *, max_new_tokens: int,
                  temperature: float, seed: int, batch_size: int = 64, reward_fn: RewardFn | None = None,
@@ -485,7 +503,8 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
     - math exact match (greedy; llm.evaluate.math_eval) with its Wilson interval;
     - `kl`: exact per-token KL(policy || ref) at the states of the policy's own samples
       (temperature, a fixed seed: the same draws every evaluation for the same policy);
-    - `reward`: mean reward_fn score of those samples (e.g. the RM), if given.
+    - `reward`: mean reward_fn score of those samples (e.g. the RM), if given; with a combined
+      reward (rm_verifier_reward) also its RM part alone, `rm_score`.
     """
     ev = math_eval(policy, tokenizer, problems, max_new_tokens=max_new_tokens, batch_size=batch_size,
                    confidence=confidence)
@@ -493,7 +512,7 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
     device = next(policy.parameters()).device
     g = torch.Generator(device=device).manual_seed(derive_seed(seed, "heldout"))
     stop = (tokenizer.end_id, tokenizer.eot_id)
-    kl_sum, n_tok, rewards = 0.0, 0, []
+    kl_sum, n_tok, rewards, rm_sum = 0.0, 0, [], None
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
         prompts = [user_prompt(p["question"], tokenizer) for p in chunk]
@@ -506,10 +525,15 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
         kl_sum += float(exact_kl(pl, rl, ro.response_mask)) * n
         n_tok += n
         if reward_fn is not None:
-            rewards.append(reward_fn(ro, list(chunk))[0])
+            r, stats = reward_fn(ro, list(chunk))
+            rewards.append(r)
+            if "rm_score" in stats:
+                rm_sum = (rm_sum or 0.0) + stats["rm_score"] * len(chunk)
     out["kl"] = kl_sum / max(n_tok, 1)
     if rewards:
         out["reward"] = float(torch.cat(rewards).mean())
+    if rm_sum is not None:
+        out["rm_score"] = rm_sum / len(problems)
     return out, ev["samples"]
 
 
@@ -537,9 +561,10 @@ class RLSetup:
 
 
 def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torch.device | str, *, sft: Path,
-                   data: Path, levels: Sequence[Sequence[int]], rm: Path | None = None) -> RLSetup:
+                   data: Path, levels: Sequence[Sequence[int]], rm: Path | None = None,
+                   add_verifier: bool = False) -> RLSetup:
     """Load the SFT model twice (policy and reference), the reward model in `rm` if given (it must
-    share the policy's tokenizer), the prompts of data/train.jsonl and the first cfg.eval_problems
+    share the policy's tokenizer; with add_verifier its score plus the verifier's is the reward), the prompts of data/train.jsonl and the first cfg.eval_problems
     of data/val.jsonl. Each of `levels` (the level lists the stage will sample from) is checked
     for a usable problem now rather than at the step that first samples it."""
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
@@ -551,7 +576,8 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
             raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
                              f" tokenizer (retrain it from {sft})")
         rm_model.eval().requires_grad_(False)
-        reward_fn = rm_reward(rm_model, tok)
+        reward_fn = (rm_verifier_reward(rm_model, tok, correct_reward=cfg.correct_reward,
+                                        format_reward=cfg.format_reward) if add_verifier else rm_reward(rm_model, tok))
         inputs["reward"] = rm_meta.get("fingerprint", "")
     else:
         reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)

@@ -7,7 +7,8 @@ Reads the `common` and `ppo` sections of params.yaml and
     models/sft/                     the policy's starting point (a value head is added on its trunk)
                                     and the frozen reference
     models/reward/                  the reward model (a model directory with a "reward" head), used
-                                    when ppo.reward_source is rm
+                                    when ppo.reward_source is rm, or rm+verifier (its score
+                                    plus the verifier's reward, llm.rl.rm_verifier_reward)
     data/prepared/rl/train.jsonl    math problems whose questions are the rollout prompts (ppo.levels)
     data/prepared/rl/val.jsonl      held-out problems (the first ppo.eval_problems)
 
@@ -51,10 +52,13 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
     from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
     setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
-                           rm=rm if cfg.reward_source == "rm" else None)
+                           rm=rm if cfg.reward_source != "verifier" else None,
+                           add_verifier=cfg.reward_source == "rm+verifier")
     policy, tok = setup.policy, setup.tokenizer
     policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
-    print(f"{STAGE}: reward from {'the reward model ' + str(rm) if cfg.reward_source == 'rm' else 'the verifier'};"
+    source = {"rm": f"the reward model {rm}", "verifier": "the verifier",
+              "rm+verifier": f"the reward model {rm} plus the verifier"}[cfg.reward_source]
+    print(f"{STAGE}: reward from {source};"
           f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
           f" held-out; {policy.summary()}", flush=True)
 

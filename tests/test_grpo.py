@@ -19,7 +19,7 @@ import yaml
 from llm.config import GRPOConfig, ModelConfig, RLConfig
 from llm.grpo import GRPO
 from llm.model import GPT
-from llm.rl import MathPrompts, QualityGateError, Updater, run_rl, verifier_reward
+from llm.rl import MathPrompts, QualityGateError, Updater, rm_reward, rm_verifier_reward, run_rl, verifier_reward
 from llm.rollout import Rollout
 from llm.trainer import NonFiniteError, Runtime
 from tests.conftest import ROOT
@@ -302,6 +302,14 @@ def test_math_prompts_sample_by_level_and_drop_what_does_not_fit(tmp_path):
     r, stats = verifier_reward(tok, correct_reward=1.0, format_reward=0.2)(ro, [problems[0]] * 3)
     assert r.tolist() == pytest.approx([1.2, 0.2, 1.0])
     assert stats == pytest.approx({"accuracy": 2 / 3, "format_rate": 2 / 3})
+    # ppo.reward_source rm+verifier: the RM's score plus the verifier's, both parts logged
+    rm = GPT(ModelConfig(vocab_size=tok.vocab_size, seq_len=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=16),
+             heads=("lm", "reward"), seed=3).eval()
+    r_rm, _ = rm_reward(rm, tok)(ro, [problems[0]] * 3)
+    r_both, both = rm_verifier_reward(rm, tok, correct_reward=1.0, format_reward=0.2)(ro, [problems[0]] * 3)
+    assert r_both.tolist() == pytest.approx((r_rm + torch.tensor([1.2, 0.2, 1.0])).tolist())
+    assert both["rm_score"] == pytest.approx(float(r_rm.mean()))
+    assert both["verifier_reward"] == pytest.approx(0.8) and both["accuracy"] == pytest.approx(2 / 3)
 
 
 # ---------------------------------------------------------------------------

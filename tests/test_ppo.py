@@ -146,8 +146,9 @@ def test_ppo_needs_a_value_head():
 
 
 @pytest.mark.slow
-def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path):
-    make_workspace(tmp_path, "ppo", rm=True)
+@pytest.mark.parametrize("source", ["rm", "rm+verifier"])
+def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
+    make_workspace(tmp_path, "ppo", {"reward_source": source}, rm=True)
     p = run_stage(tmp_path, "ppo")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reward from the reward model" in p.stdout
@@ -156,7 +157,10 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path):
               "math_exact_match_start", "math_exact_match_delta", "heldout_reward", "heldout_reward_start",
               "heldout_reward_delta", "heldout_kl", "generation_fraction"):
         assert k in m, k
-    assert m["reward_source"] == "rm" and m["steps"] == 4
+    assert m["reward_source"] == source and m["steps"] == 4
+    if source == "rm+verifier":  # the RM part of the held-out reward, on its own
+        assert {"rm_score", "rm_score_start", "rm_score_delta"} <= set(m)
+        assert "plus the verifier" in p.stdout
     head = (tmp_path / "metrics/plots/ppo.tsv").read_text().splitlines()[0].split("\t")
     assert head[0] == "step" and {"value_loss", "vf_clipfrac", "kl_coef", "kl", "reward"} <= set(head)
     from llm.artifacts import load_model_dir
