@@ -111,7 +111,8 @@ class KLAlert:
     The KL checked is the mean of the last `window` steps, so one noisy batch near a bound
     does not flip the state back and forth. KL starts at 0 (policy = reference), so being
     below `low` is only an alert after KL has once been inside the band; above `high` is
-    always one. Each change of side is reported once.
+    always one. Each change of side is reported once. `finish()` at the end of a run reports
+    a KL that never reached the band at all (the policy barely left the reference).
     """
 
     def __init__(self, low: float, high: float, window: int = 5):
@@ -134,6 +135,15 @@ class KLAlert:
             msg = f"ALERT step {step}: kl {kl:.4f} (mean of the last {len(self.recent)} steps) is {bound}"
         self.side = side
         return msg
+
+    def finish(self, step: int) -> str | None:
+        """After the last step: an alert if KL stayed below the band for the whole run."""
+        if self.entered or self.side != "low":
+            return None
+        self.alerts += 1
+        kl = sum(self.recent) / len(self.recent)
+        return (f"ALERT step {step}: kl {kl:.4f} (mean of the last {len(self.recent)} steps) stayed below"
+                f" kl_alert_low={self.low} for the whole run: the policy barely moved from the reference")
 
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "side": self.side, "entered": self.entered, "alerts": self.alerts}

@@ -99,6 +99,20 @@ def test_kl_alert_reports_leaving_the_band_once_per_excursion():
     assert b.check(0.5, 1) is not None           # too high is an alert even at the start
 
 
+def test_kl_alert_at_the_end_when_kl_never_reached_the_band():
+    a = KLAlert(0.05, 0.2, window=2)
+    for i in range(1, 6):
+        assert a.check(0.004, i) is None         # below the band from the start: not an alert yet
+    msg = a.finish(5)
+    assert msg and "stayed below kl_alert_low=0.05 for the whole run" in msg and a.alerts == 1
+    b = KLAlert(0.05, 0.2, window=1)
+    b.check(0.1, 1), b.check(0.01, 2)            # entered the band, then left it: reported when it left
+    assert b.alerts == 1 and b.finish(2) is None and b.alerts == 1
+    c = KLAlert(0.05, 0.2, window=1)
+    c.check(0.1, 1)
+    assert c.finish(1) is None                   # inside the band
+
+
 def test_kl_alert_smooths_over_a_window():
     a = KLAlert(0.05, 0.2, window=3)
     for i, kl in enumerate([0.1, 0.1, 0.1, 0.04, 0.1, 0.04, 0.1], 1):  # flickers below 0.05 alone
