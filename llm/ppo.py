@@ -22,7 +22,8 @@ the reference is a frozen copy of the SFT model. One step:
      with the clipped surrogate (clip_epsilon), the clipped value loss (value_clip), both
      token means (llm/losses.py);
   6. the adaptive KL controller sees this batch's mean per-token KL (llm.rl.KLController),
-     and a KL outside [kl_alert_low, kl_alert_high] is reported (llm.rl.KLAlert).
+     and a KL outside [kl_alert_low, kl_alert_high] is reported (llm.rl.KLAlert); after the
+     last step (cfg.steps), so is a KL that never reached that band.
 
 Per-step row (TRL names where TRL has one): reward (mean score), reward_std, non_score_reward
 (mean per-response KL penalty), kl (mean per-token), kl_seq, kl_coef, entropy, clip_ratio,
@@ -130,9 +131,10 @@ class PPO:
         # 6. KL control and alerts -------------------------------------------------------------
         kl = float(masked_mean(kl_tok, mask))
         self.kl_ctl.update(kl, n_steps=B)
-        msg = self.alert.check(kl, step + 1)
-        if msg:
-            self.log(f"ppo: {msg}")
+        for msg in (self.alert.check(kl, step + 1),
+                    self.alert.finish(step + 1) if step + 1 == cfg.steps else None):  # the last step
+            if msg:
+                self.log(f"ppo: {msg}")
         lengths = ro.lengths.float()
         n_tokens = int(ro.attention_mask.sum())
         return {"reward": float(score.mean()), "reward_std": float(score.std()) if B > 1 else 0.0,

@@ -494,12 +494,12 @@ def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, forma
     gains nothing by trading correctness for RM score. Both parts are logged (rm_score,
     verifier_reward) so a run shows whether the RM score itself rose.
     """
-    rm_fn = rm_reward(rm, tokenizer)
     ver_fn = verifier_reward(tokenizer, correct_reward=correct_reward, format_reward=format_reward)
 
+    @torch.no_grad()
     def reward(ro: Rollout, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
-        r_rm, stats = rm_fn(ro, problems)
-        r_ver, _ = ver_fn(ro, problems)
+        r_rm = rm.reward(ro.tokens, ro.attention_mask).float().cpu()       # (B,), as rm_reward
+        r_ver, stats = ver_fn(ro, problems)                                 # decodes each response once
         return r_rm + r_ver, {**stats, "rm_score": float(r_rm.mean()), "verifier_reward": float(r_ver.mean())}
     return reward
 
@@ -522,7 +522,7 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
     device = next(policy.parameters()).device
     g = torch.Generator(device=device).manual_seed(derive_seed(seed, "heldout"))
     stop = (tokenizer.end_id, tokenizer.eot_id)
-    kl_sum, n_tok, rewards, rm_sum = 0.0, 0, [], None
+    kl_sum, n_tok, rewards, rm_sum, rm_n = 0.0, 0, [], 0.0, 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
         prompts = [user_prompt(p["question"], tokenizer) for p in chunk]
@@ -538,12 +538,12 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
             r, stats = reward_fn(ro, list(chunk))
             rewards.append(r)
             if "rm_score" in stats:
-                rm_sum = (rm_sum or 0.0) + stats["rm_score"] * len(chunk)
+                rm_sum, rm_n = rm_sum + stats["rm_score"] * len(chunk), rm_n + len(chunk)
     out["kl"] = kl_sum / max(n_tok, 1)
     if rewards:
         out["reward"] = float(torch.cat(rewards).mean())
-    if rm_sum is not None:
-        out["rm_score"] = rm_sum / len(problems)
+    if rm_n:
+        out["rm_score"] = rm_sum / rm_n
     return out, ev["samples"]
 
 
@@ -558,7 +558,7 @@ class RLSetup:
     policy: nn.Module         # the SFT model (LM head; PPO adds a value head): the model being trained
     ref: nn.Module            # a second copy of it: the reference for KL
     tokenizer: Any
-    reward_fn: RewardFn       # the reward model's score when one was loaded, else the verifier
+    reward_fn: RewardFn       # from reward_source: the RM, the verifier, or both
     pool: MathPrompts         # training prompts, by level
     val: list[dict]           # held-out problems
     inputs: dict[str, str]    # what the run was made from: model fingerprints, data hashes
@@ -571,26 +571,30 @@ class RLSetup:
 
 
 def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torch.device | str, *, sft: Path,
-                   data: Path, levels: Sequence[Sequence[int]], rm: Path | None = None,
-                   add_verifier: bool = False) -> RLSetup:
-    """Load the SFT model twice (policy and reference), the reward model in `rm` if given (it must
-    share the policy's tokenizer; with add_verifier its score plus the verifier's is the reward), the prompts of data/train.jsonl and the first cfg.eval_problems
-    of data/val.jsonl. Each of `levels` (the level lists the stage will sample from) is checked
-    for a usable problem now rather than at the step that first samples it."""
+                   data: Path, levels: Sequence[Sequence[int]], reward_source: str = "verifier",
+                   rm: Path | None = None) -> RLSetup:
+    """Load the SFT model twice (policy and reference), the prompts of data/train.jsonl and the
+    first cfg.eval_problems of data/val.jsonl, and the reward: `reward_source` "verifier", "rm"
+    (the reward model in `rm`, which must share the policy's tokenizer) or "rm+verifier" (its
+    score plus the verifier's). Each of `levels` (the level lists the stage will sample from) is
+    checked for a usable problem now rather than at the step that first samples it."""
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
     ref, _, _ = load_model_dir(sft, device=device, heads=("lm",))
     inputs = {"sft": sft_meta.get("fingerprint", "")}
-    if rm is not None:
+    if reward_source == "verifier":
+        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
+    else:
+        if rm is None:
+            raise ValueError(f"{stage}: reward_source {reward_source!r} needs a reward model directory")
         rm_model, rm_tok, rm_meta = load_model_dir(rm, device=device, heads=("reward",))
         if rm_tok.sha256() != tok.sha256():
             raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
                              f" tokenizer (retrain it from {sft})")
         rm_model.eval().requires_grad_(False)
-        reward_fn = (rm_verifier_reward(rm_model, tok, correct_reward=cfg.correct_reward,
-                                        format_reward=cfg.format_reward) if add_verifier else rm_reward(rm_model, tok))
+        reward_fn = (rm_reward(rm_model, tok) if reward_source == "rm" else
+                     rm_verifier_reward(rm_model, tok, correct_reward=cfg.correct_reward,
+                                        format_reward=cfg.format_reward))
         inputs["reward"] = rm_meta.get("fingerprint", "")
-    else:
-        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
     train_path, val_path = data / "train.jsonl", data / "val.jsonl"
     pool = MathPrompts(read_problems(train_path), tok, seq_len=policy.config.seq_len,
                        max_new_tokens=cfg.max_new_tokens, where=str(train_path))

@@ -52,8 +52,7 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
     from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
     setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
-                           rm=rm if cfg.reward_source != "verifier" else None,
-                           add_verifier=cfg.reward_source == "rm+verifier")
+                           reward_source=cfg.reward_source, rm=rm)
     policy, tok = setup.policy, setup.tokenizer
     policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
     source = {"rm": f"the reward model {rm}", "verifier": "the verifier",
@@ -68,15 +67,11 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
     algo = PPO(policy, setup.ref, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed,
                log=lambda m: print(m, file=sys.stderr, flush=True))
-    def extra_metrics(result) -> dict:
-        msg = algo.alert.finish(result.step)  # KL that never reached [kl_alert_low, kl_alert_high]
-        if msg:
-            print(f"{STAGE}: {msg}", file=sys.stderr, flush=True)
-        return {"reward_source": cfg.reward_source, "kl_coef_final": algo.kl_ctl.value,
-                "kl_alerts": algo.alert.alerts}
-
     return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model_out=model_out, metrics_path=metrics_path,
-                           plots=plots, progress=progress, extra_metrics=extra_metrics)
+                           plots=plots, progress=progress,
+                           extra_metrics=lambda result: {"reward_source": cfg.reward_source,
+                                                         "kl_coef_final": algo.kl_ctl.value,
+                                                         "kl_alerts": algo.alert.alerts})
 
 
 def main(argv: list[str] | None = None) -> int:

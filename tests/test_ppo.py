@@ -132,6 +132,12 @@ def test_ppo_logs_kl_alerts_and_adapts_the_coefficient(tmp_path):
     assert coefs[0] == 0.01
     assert coefs[1] == pytest.approx(0.01 * 0.8)  # KL below target: the penalty shrinks (clipped)
     assert coefs[2] == pytest.approx(0.01 * 0.8 * 1.2)  # above: it grows
+    # a band the KL never reaches from below is reported once, after the last step
+    logs.clear()
+    quiet = ppo_cfg(steps=2, kl_alert_low=10.0, kl_alert_high=20.0)
+    run_rl(ppo(quiet, log=logs.append), quiet, CPU, stage="ppo", run_dir=tmp_path / "low", fingerprint="fp",
+           progress=False)
+    assert len(logs) == 1 and "ALERT step 2" in logs[0] and "stayed below kl_alert_low=10.0" in logs[0]
 
 
 def test_a_killed_ppo_run_resumes_and_matches_the_uninterrupted_run(tmp_path):
