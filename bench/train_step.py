@@ -6,7 +6,9 @@ nanoGPT is imported from a local checkout given on the command line (its model.p
 copied into this repository), e.g. `git clone https://github.com/karpathy/nanoGPT /tmp/nanogpt`.
 
 Size: 6 layers, 384 wide, 6 heads, vocab 8192, batch 8 x 256 tokens, fp32 on the CPU, no
-dropout, no biases. One step = forward + cross-entropy + backward + AdamW step. Models:
+dropout, no biases. One step = forward + cross-entropy + backward + AdamW step; the loss is
+each model's own (nanoGPT's F.cross_entropy in its forward; ours llm/trainer.py's lm_loss, the
+one the pipeline trains with). Models:
   nanogpt       nanoGPT's GPT (LayerNorm, learned positions, GELU MLP 4x, tied embeddings)
   ours_sdpa     our default architecture (RMSNorm, RoPE, SwiGLU 1024 = the same parameter
                 count as GELU 4x, tied), attn_impl sdpa
@@ -34,12 +36,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm.config import ModelConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
+from llm.trainer import lm_loss  # noqa: E402
 
 L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
 
@@ -53,6 +55,12 @@ def load_nanogpt(path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # a benchmark reference client, loaded from the user's checkout
     return mod
+
+
+def ours_loss(m: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy the way the pipeline computes it (llm/trainer.py lm_loss)."""
+    loss_sum, n = lm_loss(m, {"idx": x, "targets": y})
+    return loss_sum / n
 
 
 def build(nanogpt_path: str) -> dict:
@@ -71,7 +79,7 @@ def build(nanogpt_path: str) -> dict:
                 "ours_nanolike": {"norm": "layernorm", "pos": "learned", "mlp": "gelu"}}
     for name, kw in variants.items():
         m = GPT(ModelConfig(**base, **kw))
-        models[name] = (m, lambda m: F.cross_entropy(m(x).view(-1, V), y.view(-1)), m.flops_per_token(), m.n_params())
+        models[name] = (m, lambda m: ours_loss(m, x, y), m.flops_per_token(), m.n_params())
     out = {}
     for name, (m, loss_fn, fpt, n) in models.items():
         m.train()

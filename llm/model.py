@@ -132,6 +132,67 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)  # (B, T, H, hd)
 
 
+class _SplitRope(torch.autograd.Function):
+    """qkv (B, T, nh + 2 nkv, hd) -> q, k rotated by RoPE, and v; the autograd path on the CPU.
+
+    The same numbers as `split` + `apply_rope` + `split`, whose backward autograd assembles with
+    two cats (q with k, then qk with v) after the inverse rotation. Here the backward rotates
+    dL/dq and dL/dk by conj(freqs) straight into one dL/dqkv and copies dL/dv beside them: one
+    pass over the (B, T, 3C) gradient instead of three. tests/test_model.py checks values and
+    gradients against the plain path.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, freqs: torch.Tensor, nh: int, nkv: int):
+        qk, v = qkv.split([nh + nkv, nkv], dim=2)
+        q, k = apply_rope(qk, freqs).split([nh, nkv], dim=2)
+        ctx.save_for_backward(freqs)
+        ctx.nh, ctx.nkv = nh, nkv
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
+        (freqs,) = ctx.saved_tensors                   # autograd passes zeros for unused outputs
+        nh, nkv = ctx.nh, ctx.nkv
+        B, T, _, hd = gv.shape
+        g = torch.empty(B, T, nh + 2 * nkv, hd, dtype=gv.dtype, device=gv.device)  # dL/dqkv
+        conj = freqs.conj()  # a rotation's inverse is the rotation by -angle: cos - i sin
+        for grad, lo, n in ((gq, 0, nh), (gk, nh, nkv)):
+            if grad.stride(-1) != 1 or grad.storage_offset() % 2 or any(st % 2 for st in grad.stride()[:-1]):
+                grad = grad.contiguous()               # not viewable as complex pairs (written-out attention)
+            torch.mul(torch.view_as_complex(grad.unflatten(-1, (-1, 2))), conj,
+                      out=torch.view_as_complex(g.narrow(2, lo, n).unflatten(-1, (-1, 2))))
+        g.narrow(2, nh + nkv, nkv).copy_(gv)
+        return g, None, None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up from h = [gate | up] (..., 2H); the autograd path on the CPU.
+
+    The backward writes both halves of dL/dh into one tensor, where autograd's `chunk` backward
+    would cat them (one more pass over (B, T, 2H) per layer). tests/test_model.py checks values
+    and gradients against the plain path.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate)                               # (..., H)
+        ctx.save_for_backward(h, a)
+        return a * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        h, a = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        gh = torch.empty_like(h)
+        ggate, gup = gh.chunk(2, dim=-1)
+        torch.mul(g, a, out=gup)                       # d/d up = g silu(gate)
+        torch.mul(g, up, out=ggate)                    # d/d a = g up, then through silu, in place
+        torch.ops.aten.silu_backward.grad_input(ggate, gate, grad_input=ggate)
+        return gh
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads: n_head query heads share n_kv_head k/v heads."""
 
@@ -151,11 +212,14 @@ class Attention(nn.Module):
         B, T, C = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x).view(B, T, nh + 2 * nkv, hd)   # (B, T, nh + 2 nkv, hd)
-        # split (not slicing): its backward is one cat instead of zero-filled full-size grads
-        qk, v = qkv.split([nh + nkv, nkv], dim=2)        # (B, T, nh + nkv, hd), (B, T, nkv, hd)
-        if self.rope:
-            qk = apply_rope(qk, rope)                    # q and k rotated in one go
-        q, k = qk.split([nh, nkv], dim=2)
+        if self.rope and qkv.device.type == "cpu" and torch.is_grad_enabled() and qkv.element_size() >= 4:
+            q, k, v = _SplitRope.apply(qkv, rope, nh, nkv)  # the same as below, one-pass backward
+        else:
+            # split (not slicing): its backward is one cat instead of zero-filled full-size grads
+            qk, v = qkv.split([nh + nkv, nkv], dim=2)    # (B, T, nh + nkv, hd), (B, T, nkv, hd)
+            if self.rope:
+                qk = apply_rope(qk, rope)                # q and k rotated in one go
+            q, k = qk.split([nh, nkv], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, L, hd): all keys so far
@@ -200,8 +264,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)                                   # (B, T, 2H) or (B, T, H)
         if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up                        # (B, T, H)
+            if h.device.type == "cpu" and torch.is_grad_enabled():
+                h = _SwiGLU.apply(h)                     # the same as below, one-pass backward
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up                    # (B, T, H)
         elif self.kind == "gelu":
             h = F.gelu(h)
         else:

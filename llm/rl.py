@@ -629,6 +629,11 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     result = run_rl(algo, cfg, rt, stage=stage, run_dir=run_dir, fingerprint=setup.fingerprint,
                     eval_fn=eval_fn if setup.val else None, tsv_path=plots / f"{stage}.tsv",
                     png_path=plots / f"{stage}.png", tb_dir=run_dir / "tb", progress=progress)
+    if setup.val and not samples:
+        # resumed from a checkpoint at the last step: no held-out evaluation ran in this process,
+        # so the samples come from one more (seeded, hence identical) evaluation of the final policy
+        with rt.autocast():
+            eval_fn(setup.policy)
     metrics = summarize(result)
     final_kl = result.val_history[-1]["kl"] if result.val_history else metrics["kl_train_end"]
     metrics.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),

@@ -55,6 +55,7 @@ from llm.batching import IGNORE_INDEX, derive_seed
 from llm.checkpoint import CheckpointError, checkpoint_path, find_resume, quarantine_stale, save_checkpoint
 from llm.config import CommonConfig, ConfigError, TrainConfig
 from llm.fileio import DataError
+from llm.losses import cross_entropy_sum
 from llm.monitor import Monitor, cuda_memory, peak_flops
 from llm.optim import build_optimizer, lr_for, set_lr
 
@@ -228,8 +229,8 @@ def lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]
     mask = batch.get("attention_mask")
     logits = model(batch["idx"], attention_mask=mask) if mask is not None else model(batch["idx"])  # (B, T, V)
     targets = batch["targets"]  # (B, T)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+    # the logits never leave this function: the backward may reuse their memory for the gradient
+    loss_sum = cross_entropy_sum(logits.flatten(0, 1).float(), targets.flatten(), overwrite_logits=True)
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 

@@ -376,6 +376,11 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     assert model.head_names == ("lm",) and meta["stage"] == "grpo" and meta["steps"] == 4
     p2 = run_stage(tmp_path, "grpo")  # finished: resumes at the last step, trains nothing
     assert p2.returncode == 0 and "resumed from" in p2.stdout and "(step 4)" in p2.stdout
+    m2 = json.loads((tmp_path / "metrics/grpo.json").read_text())
+    assert m2["resumed_from"] == 4 and m2["math_samples"] and m2["math_samples"] == m["math_samples"]
+    timing = {"train_time_s", "eval_time_s", "elapsed_s", "tokens_per_s", "resumed_from"}
+    assert {k: v for k, v in m2.items() if k not in timing and not k.endswith("_s_total")} == \
+        {k: v for k, v in m.items() if k not in timing and not k.endswith("_s_total")}
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from llm.losses import (aggregate, bradley_terry_loss, dpo_loss, gae, group_advantages, kl_estimate,
+from llm.losses import (IGNORE_INDEX, aggregate, bradley_terry_loss, cross_entropy_sum, dpo_loss, gae, group_advantages, kl_estimate,
                         masked_lm_loss, masked_mean, ppo_policy_loss, ppo_value_loss, whiten)
 
 
@@ -146,3 +146,33 @@ def test_whiten():
     w = whiten(x, m)
     assert w[3] == 0
     assert w[:3].mean().abs() < 1e-6 and w[:3].std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("V", [7, 300, 5000])  # one block, several blocks, a last partial block
+def test_blocked_cross_entropy_matches_torch(V):
+    g = torch.Generator().manual_seed(V)
+    N = 2 * max(1, (1 << 18) // V) + 3
+    logits = (3 * torch.randn(N, V, generator=g)).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::4] = IGNORE_INDEX
+    ours = cross_entropy_sum(logits, targets)
+    assert ours.grad_fn is not None and "CrossEntropySum" in type(ours.grad_fn).__name__
+    ref = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(ours, ref)
+    ref_grad = torch.autograd.grad(ref, logits, retain_graph=True)[0]
+    torch.testing.assert_close(torch.autograd.grad(2.5 * ours, logits)[0], 2.5 * ref_grad)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([1, IGNORE_INDEX, 3])
+    from llm.losses import _CrossEntropySum
+    torch.autograd.gradcheck(lambda x: _CrossEntropySum.apply(x, t, False), (x,))
+    # overwrite_logits: the same gradient, written over the logits; a second backward is refused
+    h = logits.detach().clone().requires_grad_()
+    big = h * 1.0
+    loss = cross_entropy_sum(big, targets, overwrite_logits=True)
+    torch.testing.assert_close(loss, ref)
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(h.grad, ref_grad)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.no_grad():  # without autograd: torch's own, the same number
+        torch.testing.assert_close(cross_entropy_sum(logits, targets), ref.detach())

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import PRESETS, ModelConfig
-from llm.model import GPT, NonFiniteError, _RMSNorm, apply_rope, disable_debug, enable_debug, format_count, \
+from llm.model import GPT, NonFiniteError, _RMSNorm, _SplitRope, _SwiGLU, apply_rope, disable_debug, enable_debug, format_count, \
     mlp_hidden, rope_tables, swiglu_hidden
 
 
@@ -103,6 +103,37 @@ def test_rmsnorm_matches_torch_in_values_and_gradients():
     ref = torch.autograd.grad(F.rms_norm(x, (16,), w, 1e-5), (x, w), gy)
     torch.testing.assert_close(_RMSNorm.apply(x, w, 1e-5), F.rms_norm(x, (16,), w, 1e-5))
     torch.testing.assert_close(ours, ref)
+
+
+def test_swiglu_function_matches_autograd_of_the_plain_path():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 5, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    torch.autograd.gradcheck(_SwiGLU.apply, (h,))
+    gate, up = h.chunk(2, dim=-1)
+    plain = F.silu(gate) * up
+    gy = torch.randn(3, 5, 8, dtype=torch.float64, generator=g)
+    torch.testing.assert_close(_SwiGLU.apply(h), plain)
+    torch.testing.assert_close(torch.autograd.grad(_SwiGLU.apply(h), h, gy)[0],
+                               torch.autograd.grad(plain, h, gy)[0])
+
+
+def test_split_rope_function_matches_autograd_of_the_plain_path():
+    nh, nkv, hd, T = 4, 2, 8, 5
+    cfg = ModelConfig(vocab_size=V, seq_len=16, n_layer=1, n_head=nh, n_kv_head=nkv, n_embd=nh * hd)
+    freqs = torch.view_as_complex(rope_tables(cfg)[:T])[None, :, None]  # (1, T, 1, hd/2)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, T, nh + 2 * nkv, hd, generator=g, requires_grad=True)
+    ours = _SplitRope.apply(qkv, freqs, nh, nkv)
+    qk, v = qkv.split([nh + nkv, nkv], dim=2)
+    plain = (*apply_rope(qk, freqs).split([nh, nkv], dim=2), v)
+    # upstream gradients laid out as attention's backward gives them: (B, heads, T, hd) transposed
+    gys = [torch.randn(2, n, T, hd, generator=g).transpose(1, 2) for n in (nh, nkv, nkv)]
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for used in ((0, 1, 2), (0,), (1, 2)):  # an output without gradient counts as zero
+        ga = torch.autograd.grad([ours[i] for i in used], qkv, [gys[i] for i in used], retain_graph=True)[0]
+        gb = torch.autograd.grad([plain[i] for i in used], qkv, [gys[i] for i in used], retain_graph=True)[0]
+        torch.testing.assert_close(ga, gb, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------
