@@ -67,8 +67,9 @@ class _CrossEntropySum(torch.autograd.Function):
     (log_softmax writes log-probs, the backward writes a zero-filled one-hot, then reads both
     and writes the gradient). Here the forward only reads the logits (logsumexp per row) and the
     backward writes softmax(logits) * dL/dloss minus the one-hot once, each block while it is in
-    the cache: at batch 8 x 256 x vocab 8192 about 50 ms less per training step on one core
-    (bench/train_step.py). Same values and gradients up to float rounding (tests/test_losses.py).
+    the cache: at 2048 x 8192, forward + backward on one core took 86 ms against F.cross_entropy's
+    136 ms (measured alone, alternating). Same values and gradients up to float rounding
+    (tests/test_losses.py).
     """
 
     @staticmethod
@@ -90,7 +91,8 @@ class _CrossEntropySum(torch.autograd.Function):
         logits, lse, t, valid = ctx.saved_tensors
         w = (g * valid).to(logits.dtype)[:, None]      # (N, 1) dL/dloss, 0 on ignored rows
         # overwrite: the gradient takes the logits' memory, already paged in; a fresh (N, V)
-        # tensor costs a page fault per 4 KB on first write (~100 ms at 2048 x 8192 on one core)
+        # tensor costs a page fault per 4 KB on first write (~100 ms of a training step at
+        # 2048 x 8192 on one core, in torch.profiler)
         grad = logits if ctx.overwrite else torch.empty_like(logits)  # (N, V)
         for s in range(0, logits.shape[0], ctx.rows):
             block = grad[s: s + ctx.rows]

@@ -65,6 +65,12 @@ def format_count(n: int) -> str:
 # Building blocks
 
 
+def _cpu_autograd(x: torch.Tensor) -> bool:
+    """True where the hand-written backward functions below pay off: autograd on, on the CPU.
+    CUDA (fused kernels, torch.compile) and inference keep the plain tensor code."""
+    return x.device.type == "cpu" and torch.is_grad_enabled()
+
+
 class _RMSNorm(torch.autograd.Function):
     """x / sqrt(mean(x^2) + eps) * w with a hand-written backward.
 
@@ -105,7 +111,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":  # x / sqrt(mean(x^2) + eps) * w, the HF-Llama formula
-            if x.device.type == "cpu" and torch.is_grad_enabled():
+            if _cpu_autograd(x):
                 return _RMSNorm.apply(x, self.weight, NORM_EPS)
             # a fused kernel on CUDA; on the CPU without autograd one call beats _RMSNorm's overhead
             return F.rms_norm(x, x.shape[-1:], self.weight, NORM_EPS)
@@ -212,7 +218,7 @@ class Attention(nn.Module):
         B, T, C = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x).view(B, T, nh + 2 * nkv, hd)   # (B, T, nh + 2 nkv, hd)
-        if self.rope and qkv.device.type == "cpu" and torch.is_grad_enabled() and qkv.element_size() >= 4:
+        if self.rope and _cpu_autograd(qkv) and qkv.element_size() >= 4:  # complex pairs need fp32/fp64
             q, k, v = _SplitRope.apply(qkv, rope, nh, nkv)  # the same as below, one-pass backward
         else:
             # split (not slicing): its backward is one cat instead of zero-filled full-size grads
@@ -264,7 +270,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)                                   # (B, T, 2H) or (B, T, H)
         if self.kind == "swiglu":
-            if h.device.type == "cpu" and torch.is_grad_enabled():
+            if _cpu_autograd(h):
                 h = _SwiGLU.apply(h)                     # the same as below, one-pass backward
             else:
                 gate, up = h.chunk(2, dim=-1)

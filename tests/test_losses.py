@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from llm.losses import (IGNORE_INDEX, aggregate, bradley_terry_loss, cross_entropy_sum, dpo_loss, gae, group_advantages, kl_estimate,
-                        masked_lm_loss, masked_mean, ppo_policy_loss, ppo_value_loss, whiten)
+from llm.losses import (IGNORE_INDEX, _CrossEntropySum, aggregate, bradley_terry_loss, cross_entropy_sum, dpo_loss,
+                        gae, group_advantages, kl_estimate, masked_lm_loss, masked_mean, ppo_policy_loss,
+                        ppo_value_loss, whiten)
 
 
 def test_bradley_terry_hand_computed():
@@ -163,7 +164,6 @@ def test_blocked_cross_entropy_matches_torch(V):
     torch.testing.assert_close(torch.autograd.grad(2.5 * ours, logits)[0], 2.5 * ref_grad)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([1, IGNORE_INDEX, 3])
-    from llm.losses import _CrossEntropySum
     torch.autograd.gradcheck(lambda x: _CrossEntropySum.apply(x, t, False), (x,))
     # overwrite_logits: the same gradient, written over the logits; a second backward is refused
     h = logits.detach().clone().requires_grad_()

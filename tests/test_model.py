@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from llm.config import PRESETS, ModelConfig
-from llm.model import GPT, NonFiniteError, _RMSNorm, _SplitRope, _SwiGLU, apply_rope, disable_debug, enable_debug, format_count, \
-    mlp_hidden, rope_tables, swiglu_hidden
+from llm.model import GPT, NonFiniteError, _RMSNorm, _SplitRope, _SwiGLU, apply_rope, disable_debug, enable_debug, \
+    format_count, mlp_hidden, rope_tables, swiglu_hidden
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
