@@ -8,7 +8,11 @@ copied into this repository), e.g. `git clone https://github.com/karpathy/nanoGP
 Size: 6 layers, 384 wide, 6 heads, vocab 8192, batch 8 x 256 tokens, fp32 on the CPU, no
 dropout, no biases. One step = forward + cross-entropy + backward + AdamW step; the loss is
 each model's own (nanoGPT's F.cross_entropy in its forward; ours llm/trainer.py's lm_loss, the
-one the pipeline trains with). Models:
+one the pipeline trains with), and so is the optimizer (`--optimizer own`, the default:
+nanoGPT's configure_optimizers, which takes torch's foreach AdamW on the CPU and the fused one
+only on CUDA; ours llm/optim.py's build_optimizer, fused on the CPU too). `--optimizer same`
+gives every model torch's default AdamW instead, to separate model cost from optimizer cost.
+Models:
   nanogpt       nanoGPT's GPT (LayerNorm, learned positions, GELU MLP 4x, tied embeddings)
   ours_sdpa     our default architecture (RMSNorm, RoPE, SwiGLU 1024 = the same parameter
                 count as GELU 4x, tied), attn_impl sdpa
@@ -28,7 +32,9 @@ time the process spends preempted by other work). The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import statistics
 import sys
@@ -39,8 +45,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.config import ModelConfig  # noqa: E402
+from llm.config import ModelConfig, TrainConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
+from llm.optim import build_optimizer  # noqa: E402
 from llm.trainer import lm_loss  # noqa: E402
 
 L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
@@ -63,7 +70,7 @@ def ours_loss(m: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss_sum / n
 
 
-def build(nanogpt_path: str) -> dict:
+def build(nanogpt_path: str, optimizer: str = "own") -> dict:
     """name -> (step function, flops per token, parameter count)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, V, (B, T), generator=g)
@@ -80,10 +87,21 @@ def build(nanogpt_path: str) -> dict:
     for name, kw in variants.items():
         m = GPT(ModelConfig(**base, **kw))
         models[name] = (m, lambda m: ours_loss(m, x, y), m.flops_per_token(), m.n_params())
+    hyper = TrainConfig(max_steps=1, batch_size=B, grad_accum=1, lr=1e-4, min_lr=1e-4, warmup_steps=0,
+                        weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=0.0, eval_every=1, eval_batches=1,
+                        log_every=1, checkpoint_every=1, keep_checkpoints=2, nonfinite_policy="raise",
+                        nonfinite_budget=0, activation_checkpointing=False, compile=False)
     out = {}
     for name, (m, loss_fn, fpt, n) in models.items():
         m.train()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        if optimizer == "same":
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        elif name == "nanogpt":
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints its group sizes
+                opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-4, betas=(0.9, 0.95),
+                                             device_type="cpu")
+        else:
+            opt = build_optimizer(m, hyper, "cpu")
 
         def step(m=m, loss_fn=loss_fn, opt=opt):
             loss = loss_fn(m)
@@ -120,10 +138,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     ap.add_argument("--skip", nargs="*", default=[], help="models to leave out, e.g. ours_nanolike")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--optimizer", choices=["own", "same"], default="own",
+                    help="own: each model's own AdamW set-up (default); same: torch's default AdamW for all")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = {k: v for k, v in build(args.nanogpt).items() if k not in args.skip}
+    models = {k: v for k, v in build(args.nanogpt, args.optimizer).items() if k not in args.skip}
     names = list(models)
     for step, _, _ in models.values():
         step()  # warm-up
@@ -146,7 +166,8 @@ def main() -> None:
 
     result = {"bench": "train_step", "shape": {"n_layer": L, "n_head": H, "n_embd": C, "vocab_size": V,
                                                "batch": B, "seq_len": T},
-              "threads": torch.get_num_threads(), "clock": args.clock, "rounds": args.rounds,
+              "threads": torch.get_num_threads(), "clock": args.clock, "optimizer": args.optimizer,
+              "rounds": args.rounds,
               "steps_per_round": args.steps,
               "matmul_ceiling_gflops": {k: v / 1e9 for k, v in summary(ceilings).items()}, "models": {}}
     print(f"\n{'model':<14} {'params':>10} {'tok/s min/med/max':>22} {'MFU med':>8} {'vs nanoGPT min/med/max':>24}")

@@ -58,10 +58,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
                     ) -> torch.optim.AdamW:
     """AdamW over `param_groups(model, cfg.weight_decay)`, lr set per step by `lr_at`.
 
-    On CUDA the fused kernel is used; on CPU the foreach one. Either is deterministic on
-    CPU, which exact resume relies on.
+    The fused kernel (one pass over each tensor for all of AdamW's updates) on CUDA and on
+    the CPU; elsewhere torch's default. On the CPU it is 4x faster than the default foreach
+    kernel (15 vs 60 ms per step for 13.8M parameters, 1 thread, measured 2026-12-01) and
+    gives the same weights up to float rounding (7e-9 after 5 steps). It is elementwise,
+    so deterministic, which exact resume relies on.
     """
-    fused = torch.device(device).type == "cuda"
+    fused = torch.device(device).type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused or None)
 

@@ -21,7 +21,7 @@ import torch
 from llm.batching import WindowSampler, fixed_windows
 from llm.config import CommonConfig, ModelConfig, TrainConfig
 from llm.model import GPT
-from llm.optim import lr_at, param_groups
+from llm.optim import build_optimizer, lr_at, param_groups
 from llm.trainer import (NonFiniteError, Runtime, accumulate_gradients, enable_activation_checkpointing, lm_loss,
                          resolve_dtype, resolve_device, train)
 
@@ -110,6 +110,32 @@ def test_param_groups_no_decay_on_norms_biases_embeddings():
     n_listed = sum(p.numel() for g in groups.values() for p in g["params"])
     assert n_listed == m.n_params()
 
+
+
+def test_build_optimizer_is_fused_adamw_with_our_groups_and_betas():
+    """Two steps of the optimizer every stage uses (fused on the CPU) against AdamW written out."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, bias=True))
+    cfg = tcfg(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    opt = build_optimizer(m, cfg, "cpu")
+    assert all(g["fused"] for g in opt.param_groups)
+    params = {n: p for n, p in m.named_parameters()}
+    decay = {n for g in param_groups(m, cfg.weight_decay) if g["name"] == "decay" for n in g["param_names"]}
+    state = {n: (p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
+    for t in (1, 2):
+        grads = {n: torch.randn_like(p) for n, p in params.items()}
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        for n, (w, mom, var) in state.items():
+            g = grads[n]
+            mom.mul_(0.9).add_(0.1 * g)
+            var.mul_(0.95).add_(0.05 * g * g)
+            if n in decay:
+                w.mul_(1 - 1e-2 * 0.1)
+            w.sub_(1e-2 * (mom / (1 - 0.9 ** t)) / ((var / (1 - 0.95 ** t)).sqrt() + 1e-8))
+    for n, (w, _, _) in state.items():
+        torch.testing.assert_close(params[n].detach(), w, rtol=1e-5, atol=1e-6, msg=n)
 
 # ---------------------------------------------------------------------------
 # Gradient accumulation
