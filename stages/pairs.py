@@ -95,8 +95,9 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
                         f" {n_math} needed; lower pairs.n_prompts or pairs.math_fraction")
     if len(tasks) < n_task:
         raise DataError(f"{sft_path}: {len(tasks)} unique non-math prompts, {n_task} needed"
-                        f" (pairs.n_prompts * (1 - pairs.math_fraction)); lower pairs.n_prompts or raise"
-                        f" pairs.math_fraction")
+                        f" (pairs.n_prompts * (1 - pairs.math_fraction)); lower pairs.n_prompts, raise"
+                        f" pairs.math_fraction, or give SFT more task prompts (prepare.task_train or"
+                        f" prepare.sft_sources)")
     out = [{"id": str(r.get("id", f"math-{i}")), "prompt": [{"role": "user", "content": r["question"]}],
             "answer": str(r["answer"]), "source": str(r.get("source", "math")), "kind": "math"}
            for i, r in enumerate(rng.sample(math, n_math))]

@@ -153,3 +153,24 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
     # tied prompts are used first: adversarial prompts come from even answers, not from the natural pairs
     assert not {r["prompt_id"] for r in adv} & {r["prompt_id"] for r in math_recs}
     assert m["rm_accuracy_on_adversarial_pairs"] is not None
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    ({"n_prompts": 100000, "math_fraction": 0.0}, ["data/clean_sft/train.jsonl:", "unique non-math prompts",
+                                                    "prepare.task_train"]),
+    ({"n_prompts": 100000, "math_fraction": 1.0}, ["data/prepared/rl/train.jsonl:", "math questions",
+                                                    "lower pairs.n_prompts"]),
+])
+def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_path, pairs, expected):
+    import stages.pairs as pairs_stage
+    from llm.fileio import DataError
+    ws = make_workspace(tmp_path, reward_model=True)
+    p = params(pairs=pairs)
+    with pytest.raises(DataError) as e:
+        pairs_stage.run(CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
+                        rm=ws / "models/reward", math_path=ws / "data/prepared/rl/train.jsonl",
+                        sft_path=ws / "data/clean_sft/train.jsonl", out_dir=ws / "data/pairs",
+                        metrics_path=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
+    for text in expected:
+        assert text in str(e.value)
+    assert not (ws / "data/pairs").exists()  # nothing written
