@@ -111,7 +111,6 @@ def test_param_groups_no_decay_on_norms_biases_embeddings():
     assert n_listed == m.n_params()
 
 
-
 def test_build_optimizer_is_fused_adamw_with_our_groups_and_betas():
     """Two steps of the optimizer every stage uses (fused on the CPU) against AdamW written out."""
     torch.manual_seed(0)
@@ -136,6 +135,7 @@ def test_build_optimizer_is_fused_adamw_with_our_groups_and_betas():
             w.sub_(1e-2 * (mom / (1 - 0.9 ** t)) / ((var / (1 - 0.95 ** t)).sqrt() + 1e-8))
     for n, (w, _, _) in state.items():
         torch.testing.assert_close(params[n].detach(), w, rtol=1e-5, atol=1e-6, msg=n)
+
 
 # ---------------------------------------------------------------------------
 # Gradient accumulation
