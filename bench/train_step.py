@@ -51,6 +51,7 @@ from llm.optim import build_optimizer  # noqa: E402
 from llm.trainer import lm_loss  # noqa: E402
 
 L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
+LR, BETAS, WD = 1e-4, (0.9, 0.95), 0.1  # every model's AdamW, whichever set-up builds it
 
 
 def load_nanogpt(path: str):
@@ -87,19 +88,18 @@ def build(nanogpt_path: str, optimizer: str = "own") -> dict:
     for name, kw in variants.items():
         m = GPT(ModelConfig(**base, **kw))
         models[name] = (m, lambda m: ours_loss(m, x, y), m.flops_per_token(), m.n_params())
-    hyper = TrainConfig(max_steps=1, batch_size=B, grad_accum=1, lr=1e-4, min_lr=1e-4, warmup_steps=0,
-                        weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=0.0, eval_every=1, eval_batches=1,
+    hyper = TrainConfig(max_steps=1, batch_size=B, grad_accum=1, lr=LR, min_lr=LR, warmup_steps=0,
+                        weight_decay=WD, beta1=BETAS[0], beta2=BETAS[1], grad_clip=0.0, eval_every=1, eval_batches=1,
                         log_every=1, checkpoint_every=1, keep_checkpoints=2, nonfinite_policy="raise",
                         nonfinite_budget=0, activation_checkpointing=False, compile=False)
     out = {}
     for name, (m, loss_fn, fpt, n) in models.items():
         m.train()
         if optimizer == "same":
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+            opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
         elif name == "nanogpt":
             with contextlib.redirect_stdout(io.StringIO()):  # it prints its group sizes
-                opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-4, betas=(0.9, 0.95),
-                                             device_type="cpu")
+                opt = m.configure_optimizers(weight_decay=WD, learning_rate=LR, betas=BETAS, device_type="cpu")
         else:
             opt = build_optimizer(m, hyper, "cpu")
 
