@@ -128,6 +128,9 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
         raise ArtifactError(f"{path / META_FILE}: format_version {got!r}, this code reads {FORMAT_VERSION}")
     cfg, saved_heads = read_config(path)
     want = tuple(saved_heads) if heads is None else tuple(heads)
+    if "reward" in want and "reward_logprob" in saved_heads and "reward_logprob" not in want:
+        # that reward is the head plus the likelihood feature: loading the head alone would change it
+        want = (*want, *(h for h in ("lm", "reward_logprob") if h not in want))
     missing_heads = [h for h in want if h not in saved_heads]
     if missing_heads:
         raise ArtifactError(f"{path}: heads {missing_heads} are not saved there (it has {saved_heads});"
@@ -149,7 +152,8 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
 
     model = GPT(cfg, heads=want)
     expected = model_state(model)
-    dropped = {f"{h}_head.{p}" for h in saved_heads if h not in want for p in ("weight", "bias")}  # not loaded
+    dropped = {f"{h}_head.{p}" for h in saved_heads if h not in want
+               for p in ("weight", "bias", "marker")}  # not loaded
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - dropped)
     if missing or unexpected:

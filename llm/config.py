@@ -257,6 +257,10 @@ class RewardConfig(TrainConfig):
     label_smoothing: float = _f(lo=0.0, hi=0.5)
     margin: float = _f(lo=0.0)
     min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
+    logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
+                                   " trunk's LM head to the head's reward (GPT.reward)")
+    train_trunk: bool = _f(doc="false: only the reward head (and the likelihood feature's weight) learn; the SFT"
+                               " trunk stays as it is (a linear probe)")
 
 
 @dataclass(kw_only=True)

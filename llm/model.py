@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from llm.config import ModelConfig
 
-HEADS = ("lm", "value", "reward")
+HEADS = ("lm", "value", "reward", "reward_logprob")  # reward_logprob: a feature of the reward, see GPT.reward
 NORM_EPS = 1e-5  # rmsnorm and layernorm; llm/export.py writes it as rms_norm_eps
 
 
@@ -283,6 +283,21 @@ class MLP(nn.Module):
         return F.dropout(h, self.dropout, self.training) if self.dropout else h
 
 
+class RewardLogprob(nn.Module):
+    """The optional likelihood feature of the reward (head "reward_logprob", `reward.logprob_feature`).
+
+    weight * the mean log-probability that the model's own LM head gives the response tokens,
+    the tokens after the last `marker` token (the tokenizer's <|assistant|>). The linear reward
+    head reads one hidden state; this reads every response token's next-token prediction, which
+    is how a small trunk checks each `a op b = c` of an answer (README, reward model notes).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))  # learned with the head; 1: the feature counts from the start
+        self.register_buffer("marker", torch.full((1,), -1, dtype=torch.long))  # set by GPT.add_head
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -316,6 +331,9 @@ class GPT(nn.Module):
         bad = [h for h in heads if h not in HEADS]
         if bad:
             problems.append(f"heads: unknown {bad}; expected some of {list(HEADS)}")
+        if "reward_logprob" in heads and not {"lm", "reward"} <= set(heads):
+            problems.append(f"heads: {list(heads)}: 'reward_logprob' is a feature of the reward and needs the"
+                            f" 'lm' and 'reward' heads too")
         if problems:
             raise ValueError("invalid model config:\n  " + "\n  ".join(problems))
         self.config = config
@@ -329,7 +347,10 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(C, config.vocab_size, bias=False) if "lm" in heads else None
             self.value_head = nn.Linear(C, 1) if "value" in heads else None
             self.reward_head = nn.Linear(C, 1) if "reward" in heads else None
+            self.reward_logprob_head = RewardLogprob() if "reward_logprob" in heads else None
         self.to_empty(device=device)  # "meta": shapes only, e.g. to count a preset's parameters
+        if self.reward_logprob_head is not None:
+            self.reward_logprob_head.marker.fill_(-1)  # a buffer: to_empty left it uninitialised
         if self.lm_head is not None and config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # after to_empty, which would untie them
         # non-persistent buffers: derived from the config, never saved
@@ -362,12 +383,25 @@ class GPT(nn.Module):
                 else:
                     p.copy_(torch.empty(p.shape).normal_(0.0, s, generator=g))
 
-    def add_head(self, name: str, *, seed: int = 0) -> None:
-        """Attach a freshly initialised "value" or "reward" head (e.g. to a loaded SFT model)."""
-        if name not in ("value", "reward"):
-            raise ValueError(f"add_head: expected 'value' or 'reward', got {name!r}")
+    def add_head(self, name: str, *, seed: int = 0, marker: int | None = None) -> None:
+        """Attach a freshly initialised "value" or "reward" head (e.g. to a loaded SFT model), or
+        the reward's likelihood feature "reward_logprob" (needs `marker`, the token id after which
+        the response starts: the tokenizer's <|assistant|>)."""
+        if name not in ("value", "reward", "reward_logprob"):
+            raise ValueError(f"add_head: expected 'value', 'reward' or 'reward_logprob', got {name!r}")
         if name in self.head_names:
             raise ValueError(f"add_head: the model already has a {name!r} head")
+        if name == "reward_logprob":
+            if self.lm_head is None or self.reward_head is None:
+                raise ValueError("add_head: 'reward_logprob' needs the 'lm' and 'reward' heads first")
+            if marker is None or not 0 <= marker < self.config.vocab_size:
+                raise ValueError(f"add_head: 'reward_logprob' needs marker=<token id in [0, {self.config.vocab_size})>,"
+                                 f" got {marker!r}")
+            feat = RewardLogprob()
+            feat.marker.fill_(marker)
+            self.reward_logprob_head = feat.to(device=self.wte.weight.device)
+            self.head_names = (*self.head_names, name)
+            return
         head = nn.Linear(self.config.n_embd, 1)
         with torch.no_grad():
             head.weight.normal_(0.0, self.config.init_std, generator=torch.Generator().manual_seed(seed))
@@ -502,7 +536,31 @@ class GPT(nn.Module):
             if bool((last < 0).any()):
                 raise ValueError("reward: a row of attention_mask has no real token")
         h = hidden[torch.arange(B, device=idx.device), last]  # (B, C)
-        return self.reward_head(h).squeeze(-1).float()
+        r = self.reward_head(h).squeeze(-1).float()      # (B,)
+        if self.reward_logprob_head is not None:
+            r = r + self.reward_logprob_head.weight.float() * self.response_logprob(idx, hidden, attention_mask)
+        return r
+
+    def response_logprob(self, idx: torch.Tensor, hidden: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean log-probability (B,) float32 of each row's response tokens under the LM head:
+        the real tokens after the row's last `reward_logprob_head.marker` token. hidden (B, T, C)
+        is `hidden_states(idx, attention_mask)`; a row without the marker is an error, a row with
+        nothing after it scores 0."""
+        marker = self.reward_logprob_head.marker        # (1,)
+        B, T = idx.shape
+        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        cols = torch.arange(T, device=idx.device).expand(B, T)
+        start = torch.where((idx == marker) & real, cols, -1).amax(1) + 1  # (B,) first response position
+        if bool((start == 0).any()):
+            row = int((start == 0).nonzero()[0])
+            raise ValueError(f"reward: row {row} has no response marker (token id {int(marker)}, <|assistant|>);"
+                             f" the likelihood feature scores what follows it")
+        # the token at position t is predicted at position t - 1
+        logp = F.log_softmax(self.logits(hidden[:, :-1]), dim=-1)          # (B, T-1, V)
+        logp = logp.gather(-1, idx[:, 1:, None]).squeeze(-1)               # (B, T-1)
+        resp = (cols[:, 1:] >= start[:, None]) & real[:, 1:]               # (B, T-1)
+        return (logp * resp).sum(1) / resp.sum(1).clamp(min=1)
 
     # -- accounting ----------------------------------------------------------
 

@@ -204,8 +204,9 @@ class RewardModel(nn.Module):
     """A GPT with a "reward" head, seen as a scorer: forward(idx, attention_mask) -> (B,) rewards.
 
     Training goes through this forward (DDP/FSDP hook into it); the rewards are read at each
-    row's last real token, for left and right padding alike. An untied LM head is frozen: it
-    takes no part in the reward and DDP must not wait for its gradient.
+    row's last real token, for left and right padding alike. An untied LM head is frozen unless
+    the reward's likelihood feature reads it: otherwise it takes no part in the reward and DDP
+    must not wait for its gradient.
     """
 
     def __init__(self, gpt: nn.Module):
@@ -213,7 +214,8 @@ class RewardModel(nn.Module):
         if getattr(gpt, "reward_head", None) is None:
             raise ValueError("RewardModel: the model has no 'reward' head; call model.add_head('reward') first")
         self.gpt = gpt
-        if gpt.lm_head is not None and gpt.lm_head.weight is not gpt.wte.weight:
+        uses_lm = getattr(gpt, "reward_logprob_head", None) is not None  # the likelihood feature reads it
+        if gpt.lm_head is not None and gpt.lm_head.weight is not gpt.wte.weight and not uses_lm:
             gpt.lm_head.weight.requires_grad_(False)
 
     def forward(self, idx: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -8,7 +8,11 @@ Reads the `common` and `reward` sections of params.yaml and
     data/prepared/prefs/{train,val}.jsonl  pairs {"id", "prompt": [messages], "chosen", "rejected", "kind"}
 
 The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the last real token
-(`GPT.reward`, right for any padding side). Each answer is rendered with the chat template as
+(`GPT.reward`, right for any padding side). With `reward.logprob_feature` the reward also adds
+a learned weight (starting at 1) times the mean log-probability the model's own LM head gives
+the answer's tokens: a last-token head on a 4-layer trunk cannot re-check each `a op b = c` of
+an answer, the next-token predictions at every step can (README, reward model notes). With
+`reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer is rendered with the chat template as
 prompt + answer + <|end|>; pairs longer than the context are dropped and counted. Loss:
 Bradley-Terry `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by
 `reward.label_smoothing`, trained with llm/trainer.py (one batch = B pairs, weight B;
@@ -21,7 +25,7 @@ broken_format, the task kinds). Quality gate (PIPE-5): held-out accuracy below
 models/reward/ nor metrics/reward.json nor the plots are written (the previous outputs stay;
 the failed run's metrics are in runs/reward/failed_metrics.json).
 
-Writes models/reward/ (heads lm + reward; meta.json carries the held-out reward mean/std for
+Writes models/reward/ (heads lm + reward [+ reward_logprob]; meta.json carries the held-out reward mean/std for
 reward normalisation downstream), metrics/reward.json, metrics/plots/reward{.tsv,_val.tsv,.png},
 runs/reward/ (checkpoints; a persisted DVC out).
 """
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 
 from llm.batching import derive_seed
+from llm.chat import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint, load_sections
 from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
 from llm.preference import (RewardModel, fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics,
@@ -59,6 +64,8 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     t0 = time.perf_counter()
     gpt, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
     gpt.add_head("reward", seed=derive_seed(common.seed, STAGE, "head"))
+    if cfg.logprob_feature:
+        gpt.add_head("reward_logprob", marker=tok.special[ROLE_TOKENS["assistant"]])
     pairs = load_pair_splits(data, tok, gpt.config.seq_len)
     train_pairs, val_pairs = pairs.train, pairs.val
     inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
@@ -71,6 +78,10 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     if rt.is_main:
         print(f"{STAGE}: {pairs.summary()}; {gpt.summary()}", flush=True)
 
+    if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
+        heads = {id(p) for m in (gpt.reward_head, gpt.reward_logprob_head) if m is not None for p in m.parameters()}
+        for p in gpt.parameters():
+            p.requires_grad_(id(p) in heads)
     model = RewardModel(gpt)
     # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
     curves = run_dir / "plots"
@@ -82,7 +93,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     state = full_model_state(model, rt)
     if not rt.is_main:
         return None
-    out_model = GPT(gpt.config, heads=("lm", "reward"), seed=0)
+    out_model = GPT(gpt.config, heads=gpt.head_names, seed=0)
     out_model.load_state_dict({k.removeprefix("gpt."): v for k, v in state.items()})
     out_model.to(rt.device).eval()
 

@@ -57,7 +57,8 @@ def params(**sections) -> dict:
     """params.yaml for the workspace: common + reward + pairs + dpo, overridable per section."""
     p = {
         "common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1},
-        "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0, **tcfg()},
+        "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0,
+                   "logprob_feature": False, "train_trunk": True, **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,
                   "max_new_tokens": 12, "batch_size": 8, "adversarial_fraction": 0.05, "tie_epsilon": 1.0e-3,
                   "val_fraction": 0.25},
@@ -172,6 +173,62 @@ def test_reward_is_read_at_the_last_real_token_left_and_right_padding():
     torch.testing.assert_close(RewardModel(gpt)(idx.masked_fill(~mask, 7), mask), alone, atol=1e-5, rtol=0)
 
 
+def test_the_likelihood_feature_adds_the_weighted_mean_log_prob_of_the_response_tokens():
+    V, MARK = 50, 5
+    gpt = tiny_gpt(V, seed=3, heads=("lm", "reward"))
+    plain = tiny_gpt(V, seed=3, heads=("lm", "reward"))
+    with torch.no_grad():
+        gpt.reward_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+        plain.reward_head.weight.copy_(gpt.reward_head.weight)
+    gpt.add_head("reward_logprob", marker=MARK)
+    with torch.no_grad():
+        gpt.reward_logprob_head.weight.fill_(0.7)
+    gpt.eval()
+    plain.eval()
+    # prompt ... MARK response; the second row has an earlier MARK in its prompt (only the last counts)
+    seqs = [[1, 2, MARK, 7, 8, 9], [3, MARK, 4, MARK, 6], [2, MARK]]
+
+    def by_hand(s):
+        logp = torch.log_softmax(gpt(torch.tensor([s]))[0], -1)       # (T, V)
+        start = max(i for i, t in enumerate(s) if t == MARK) + 1
+        lps = [float(logp[t - 1, s[t]]) for t in range(start, len(s))]
+        return sum(lps) / len(lps) if lps else 0.0                    # nothing after the marker: 0
+
+    with torch.no_grad():
+        want = torch.tensor([float(plain.reward(torch.tensor([s]))[0]) + 0.7 * by_hand(s) for s in seqs])
+    torch.testing.assert_close(score_sequences(gpt, seqs, pad_id=V - 1, batch_size=3), want, atol=1e-5, rtol=0)
+    T = max(map(len, seqs))                                            # left padding, the training path
+    idx = torch.tensor([[V - 1] * (T - len(s)) + s for s in seqs])
+    mask = torch.tensor([[False] * (T - len(s)) + [True] * len(s) for s in seqs])
+    torch.testing.assert_close(RewardModel(gpt)(idx, mask), want, atol=1e-5, rtol=0)
+    # a padded position holding the marker's id is not a marker
+    torch.testing.assert_close(RewardModel(gpt)(idx.masked_fill(~mask, MARK), mask), want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"row 0 has no response marker \(token id 5"):
+        gpt.reward(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="needs marker="):
+        plain.add_head("reward_logprob")
+    with pytest.raises(ValueError, match="needs the 'lm' and 'reward' heads"):
+        tiny_gpt(V, heads=("lm",)).add_head("reward_logprob", marker=MARK)
+
+
+def test_a_reward_model_with_the_likelihood_feature_loads_it_with_its_reward_head(tmp_path):
+    tok = Tokenizer.train(["Tom has 3 apples. 3 + 2 = 5 #### 5"] * 4, vocab_size=300, min_frequency=1, jieba=False)
+    gpt = tiny_gpt(tok.vocab_size, seed=3, heads=("lm", "reward"))
+    gpt.add_head("reward_logprob", marker=tok.special["<|assistant|>"])
+    with torch.no_grad():
+        gpt.reward_logprob_head.weight.fill_(0.3)
+    save_model_dir(tmp_path / "rm", gpt, tok, {"stage": "reward"})
+    seq = render([{"role": "user", "content": "Tom has 3"}, {"role": "assistant", "content": "#### 5"}], tok)[0]
+    want = gpt.eval().reward(torch.tensor([seq]))
+    # asking for the reward head brings the feature (and the LM head it reads) along: same rewards
+    rm, _, _ = load_model_dir(tmp_path / "rm", heads=("reward",))
+    assert set(rm.head_names) == {"lm", "reward", "reward_logprob"}
+    assert int(rm.reward_logprob_head.marker) == tok.special["<|assistant|>"]
+    torch.testing.assert_close(rm.eval().reward(torch.tensor([seq])), want)
+    lm, _, _ = load_model_dir(tmp_path / "rm", heads=("lm",))          # the LM alone, as export loads it
+    assert lm.head_names == ("lm",) and lm.reward_logprob_head is None
+
+
 def test_reward_loss_fn_is_the_summed_bradley_terry_loss_with_accuracy_and_margin():
     class Fixed(torch.nn.Module):  # "rewards" = the first token of each row
         def forward(self, idx, attention_mask=None):
@@ -240,8 +297,10 @@ def test_rm_learns_a_toy_preference_to_90_percent_on_held_out_pairs(tmp_path):
 # The stage
 
 @pytest.mark.slow
-def test_reward_stage_end_to_end(tmp_path):
+@pytest.mark.parametrize("logprob_feature", [False, True])
+def test_reward_stage_end_to_end(tmp_path, logprob_feature):
     ws = make_workspace(tmp_path)
+    write_params(ws, reward={"logprob_feature": logprob_feature})
     run = run_stage(ws, "reward")
     assert run.returncode == 0, run.stderr
     m = json.loads((ws / "metrics/reward.json").read_text())
@@ -252,7 +311,8 @@ def test_reward_stage_end_to_end(tmp_path):
     assert {"wrong_answer", "broken_format"} & set(m["by_kind"])
     assert sum(v["n"] for v in m["by_kind"].values()) == 16
     model, rm_tok, meta = load_model_dir(ws / "models/reward")
-    assert model.head_names == ("lm", "reward") and meta["stage"] == "reward"
+    assert model.head_names == (("lm", "reward", "reward_logprob") if logprob_feature else ("lm", "reward"))
+    assert meta["stage"] == "reward"
     assert meta["reward_stats"]["std"] == pytest.approx(m["reward_std"])
     # the saved model reproduces the reported accuracy
     recs = [json.loads(x) for x in (ws / "data/prepared/prefs/val.jsonl").read_text().splitlines()]
