@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm.artifacts import load_model_dir  # noqa: E402
-from llm.preference import load_pair_splits, score_sequences  # noqa: E402
+from llm.preference import encode_pairs, score_sequences  # noqa: E402
 
 
 def slip(chosen: str, rejected: str) -> tuple[int, int, int, int] | None:
@@ -63,7 +63,7 @@ def groups(level: int, s: tuple[int, int, int, int]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="models/reward")
-    ap.add_argument("--data", default="data/prepared/prefs", help="a folder with val.jsonl (and train.jsonl)")
+    ap.add_argument("--data", default="data/prepared/prefs", help="a folder with val.jsonl")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     args = ap.parse_args()
@@ -78,10 +78,8 @@ def main() -> None:
     if "reward" not in gpt.head_names:
         sys.exit(f"{model_dir}: this model has heads {list(gpt.head_names)}, no reward head")
     records = [json.loads(line) for line in (data / "val.jsonl").read_text().splitlines() if line.strip()]
-    val = load_pair_splits(data, tok, gpt.config.seq_len).val
-    if len(val) != len(records):  # pairs longer than seq_len are dropped: records no longer line up
-        sys.exit(f"{data / 'val.jsonl'}: {len(records) - len(val)} pairs do not fit the model's seq_len;"
-                 f" this script needs every pair")
+    val, kept, dropped = encode_pairs(records, tok, gpt.config.seq_len)
+    records = [records[i] for i in kept]  # pairs longer than seq_len are left out, as in the reward stage
     r = score_sequences(gpt, [p.chosen for p in val] + [p.rejected for p in val], pad_id=tok.pad_id,
                         batch_size=args.batch_size)
     n = len(val)
@@ -96,7 +94,7 @@ def main() -> None:
             counts[g][1] += 1
     if "wrong_answer" not in counts:
         sys.exit(f"{data / 'val.jsonl'}: no wrong_answer pairs to analyse")
-    print(f"reward model {model_dir}, {n} held-out pairs of {data}")
+    print(f"reward model {model_dir}, {n} held-out pairs of {data}" + (f" ({dropped} too long, left out)" if dropped else ""))
     print(f"{'group':28s} {'right':>9s}  accuracy")
     for g in ["all pairs", "wrong_answer", *sorted(k for k in counts if k not in ("all pairs", "wrong_answer"))]:
         ok, tot = counts[g]

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llm.config import ModelConfig
+from llm.losses import masked_mean, token_logprobs
 
 HEADS = ("lm", "value", "reward", "reward_logprob")  # reward_logprob: a feature of the reward, see GPT.reward
 NORM_EPS = 1e-5  # rmsnorm and layernorm; llm/export.py writes it as rms_norm_eps
@@ -557,10 +558,9 @@ class GPT(nn.Module):
             raise ValueError(f"reward: row {row} has no response marker (token id {int(marker)}, <|assistant|>);"
                              f" the likelihood feature scores what follows it")
         # the token at position t is predicted at position t - 1
-        logp = F.log_softmax(self.logits(hidden[:, :-1]), dim=-1)          # (B, T-1, V)
-        logp = logp.gather(-1, idx[:, 1:, None]).squeeze(-1)               # (B, T-1)
+        logp = token_logprobs(self.logits(hidden[:, :-1]), idx[:, 1:])   # (B, T-1)
         resp = (cols[:, 1:] >= start[:, None]) & real[:, 1:]               # (B, T-1)
-        return (logp * resp).sum(1) / resp.sum(1).clamp(min=1)
+        return masked_mean(logp, resp, dim=1)
 
     # -- accounting ----------------------------------------------------------
 

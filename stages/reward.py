@@ -12,8 +12,8 @@ The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the la
 a learned weight (starting at 1) times the mean log-probability the model's own LM head gives
 the answer's tokens: a last-token head on a 4-layer trunk cannot re-check each `a op b = c` of
 an answer, the next-token predictions at every step can (README, reward model notes). With
-`reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer is rendered with the chat template as
-prompt + answer + <|end|>; pairs longer than the context are dropped and counted. Loss:
+`reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer
+is rendered with the chat template as prompt + answer + <|end|>; pairs longer than the context are dropped and counted. Loss:
 Bradley-Terry `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by
 `reward.label_smoothing`, trained with llm/trainer.py (one batch = B pairs, weight B;
 checkpoints, resume, non-finite policy and `torchrun` as in every training stage).
@@ -25,8 +25,8 @@ broken_format, the task kinds). Quality gate (PIPE-5): held-out accuracy below
 models/reward/ nor metrics/reward.json nor the plots are written (the previous outputs stay;
 the failed run's metrics are in runs/reward/failed_metrics.json).
 
-Writes models/reward/ (heads lm + reward [+ reward_logprob]; meta.json carries the held-out reward mean/std for
-reward normalisation downstream), metrics/reward.json, metrics/plots/reward{.tsv,_val.tsv,.png},
+Writes models/reward/ (heads lm + reward [+ reward_logprob]; meta.json carries the held-out
+reward mean/std for reward normalisation downstream), metrics/reward.json, metrics/plots/reward{.tsv,_val.tsv,.png},
 runs/reward/ (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
@@ -79,9 +79,10 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
         print(f"{STAGE}: {pairs.summary()}; {gpt.summary()}", flush=True)
 
     if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
-        heads = {id(p) for m in (gpt.reward_head, gpt.reward_logprob_head) if m is not None for p in m.parameters()}
-        for p in gpt.parameters():
-            p.requires_grad_(id(p) in heads)
+        gpt.requires_grad_(False)
+        for head in (gpt.reward_head, gpt.reward_logprob_head):
+            if head is not None:
+                head.requires_grad_(True)
     model = RewardModel(gpt)
     # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
     curves = run_dir / "plots"
