@@ -285,6 +285,14 @@ class DPOConfig(TrainConfig):
     max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
     kl_prompts: int = _f(lo=1, doc="held-out prompts the KL to the SFT model is measured on")
     max_new_tokens: int = _f(lo=1, doc="response length sampled from the policy for the KL")
+    trainable: list[str] = _f(doc="names of the parameters DPO trains, as globs (fnmatch): ['*'] = all,"
+                                  " ['norm_f.weight'] = only the final norm's gains; the rest stay as in SFT")
+
+    def check(self, key: str) -> list[str]:
+        out = super().check(key)
+        if not self.trainable:
+            out.append(f"{key}.trainable: an empty list trains nothing; write ['*'] to train every parameter")
+        return out
 
 
 @dataclass(kw_only=True)

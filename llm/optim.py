@@ -7,13 +7,18 @@
   betas (beta1, beta2) from the config.
 - `lr_at(step, ...)`: linear warmup then cosine decay to `min_lr`, a pure function of
   the optimizer step, so a resumed run needs nothing but the step to know its LR.
+- `set_trainable(model, patterns, key)`: freeze every parameter whose name no glob in
+  `patterns` matches (DPO's `dpo.trainable`); the optimizer then leaves the frozen ones out.
 
 PPO/GRPO reuse these with their own section's numbers (`lr_at(step, lr=..., min_lr=...,
 warmup_steps=..., max_steps=cfg.steps)`).
 """
 from __future__ import annotations
 
+import fnmatch
 import math
+import re
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -95,3 +100,25 @@ def lr_for(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def set_trainable(model: nn.Module, patterns: Sequence[str], key: str = "trainable") -> list[str]:
+    """Freeze every parameter whose name matches none of `patterns` (fnmatch globs over
+    `model.named_parameters()` names: "*" = all, "norm_f.weight", "blocks.3.*"); return
+    the names left trainable. A glob that matches no parameter is a ValueError naming `key`
+    and the parameter names, so a typo never silently trains nothing.
+    """
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    if unmatched:
+        # one entry per kind of parameter: blocks.0.attn.qkv.weight ... blocks.3.attn.qkv.weight -> blocks.*.attn.qkv.weight
+        kinds = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in names))
+        raise ValueError(f"{key}: {unmatched} match no parameter of the model; its parameters are"
+                         f" {', '.join(kinds)}")
+    keep = []
+    for name, p in model.named_parameters():
+        on = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+        p.requires_grad_(on)
+        if on:
+            keep.append(name)
+    return keep

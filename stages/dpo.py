@@ -13,6 +13,11 @@ are computed once up front and ride in the batches, so the training loop runs th
 Loss `dpo.loss_type`: `sigmoid` = DPO `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`,
 with `dpo.label_smoothing` > 0 conservative DPO (cDPO); `ipo` = IPO. Trained with
 llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
+`dpo.trainable` names the parameters that learn, as globs: ['*'] = all of them; the cpu
+profile's ['norm_f.weight'] trains only the final norm's gains (128 numbers on `tiny`), so
+DPO can rescale the SFT model's output distribution (sharpen or flatten it, per feature) but
+cannot fit each training pair; the other parameters stay as in SFT. The model written is the
+whole model either way.
 
 Metrics on every held-out pair (DPO-2, TRL's rewards/* named with `_` because `/` is awkward
 in DVC metric paths): rewards_chosen, rewards_rejected (mean beta * (log pi - log ref)),
@@ -37,6 +42,7 @@ from pathlib import Path
 from llm.batching import derive_seed
 from llm.config import CommonConfig, DPOConfig, fingerprint, load_sections
 from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.optim import set_trainable
 from llm.preference import (dpo_loss_fn, dpo_metrics, fixed_pair_batches, load_pair_splits, pair_batches, policy_kl,
                             reference_logprobs)
 from llm.trainer import Runtime, full_model_state, stage_main, train
@@ -67,6 +73,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     policy, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
     reference, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
     reference.requires_grad_(False).eval()
+    trainable = set_trainable(policy, cfg.trainable, f"{STAGE}.trainable")
+    n_trainable = sum(p.numel() for n, p in policy.named_parameters() if n in set(trainable))
     seq_len = policy.config.seq_len
     pairs = load_pair_splits(data, tok, seq_len)
     train_pairs, val_pairs = pairs.train, pairs.val
@@ -82,7 +90,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
                                  device=rt.device, autocast=rt.autocast)
     t_ref = time.perf_counter() - t0
     if rt.is_main:
-        print(f"{STAGE}: {pairs.summary()}; reference log-probs in {t_ref:.1f}s; {policy.summary()}", flush=True)
+        print(f"{STAGE}: {pairs.summary()}; reference log-probs in {t_ref:.1f}s; {policy.summary()};"
+              f" training {n_trainable:,} of them ({STAGE}.trainable={cfg.trainable})", flush=True)
     batches = pair_batches(train_pairs, batch_size=cfg.batch_size, bucket_width=cfg.bucket_width, seed=seed,
                            pad_id=tok.pad_id, rank=rt.rank, world_size=rt.world_size, ref=ref_train)
     val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
@@ -123,7 +132,7 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
         "max_kl": cfg.max_kl,
         "by_kind": held["by_kind"],
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "steps": m["steps"],
-        "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
+        "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped, "trainable_params": n_trainable,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
         "stage_time_s": time.perf_counter() - t_start,

@@ -89,6 +89,13 @@ def test_cross_field_rules():
     assert "tokenizer.vocab_size: must be at least 256 bytes + 6 special tokens" in msg
 
 
+def test_dpo_trainable_must_name_something():
+    d = _base()
+    d["dpo"]["trainable"] = []
+    with pytest.raises(ConfigError, match=r"dpo.trainable: an empty list trains nothing; write \['\*'\]"):
+        load_params_text(_dump(d))
+
+
 def test_preset_fixes_the_size():
     d = _base()
     d["pretrain"]["model"].update(preset="77m", n_layer=2)

@@ -156,6 +156,32 @@ def test_dpo_stage_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_dpo_stage_trains_only_the_parameters_dpo_trainable_names(tmp_path):
+    ws = _pairs_workspace(tmp_path)
+    write_params(ws, dpo=dict(trainable=["norm_f.weight"], lr=1.0e-2, min_lr=1.0e-3))
+    run = run_stage(ws, "dpo")
+    assert run.returncode == 0, run.stderr
+    from llm.artifacts import load_model_dir
+    sft = dict(load_model_dir(ws / "models/sft")[0].named_parameters())
+    dpo = dict(load_model_dir(ws / "models/dpo")[0].named_parameters())
+    changed = {n for n, p in dpo.items() if not torch.equal(p, sft[n])}
+    assert changed == {"norm_f.weight"}
+    m = json.loads((ws / "metrics/dpo.json").read_text())
+    assert m["trainable_params"] == sft["norm_f.weight"].numel() and m["rewards_accuracy"] > 0
+    assert "training 32 of them" in run.stdout
+
+
+@pytest.mark.slow
+def test_dpo_trainable_glob_matching_nothing_is_an_error_naming_the_key(tmp_path):
+    ws = _pairs_workspace(tmp_path)
+    write_params(ws, dpo=dict(trainable=["norm_final.*"]))
+    run = run_stage(ws, "dpo")
+    assert run.returncode == 1
+    assert "dpo.trainable" in run.stderr and "norm_final.*" in run.stderr and "norm_f.weight" in run.stderr
+    assert not (ws / "models/dpo").exists()
+
+
+@pytest.mark.slow
 def test_dpo_kl_gate_fails_and_writes_nothing(tmp_path):
     ws = _pairs_workspace(tmp_path)
     write_params(ws, dpo=dict(max_kl=1.0e-9, lr=1.0e-2, min_lr=1.0e-3))

@@ -63,7 +63,7 @@ def params(**sections) -> dict:
                   "max_new_tokens": 12, "batch_size": 8, "adversarial_fraction": 0.05, "tie_epsilon": 1.0e-3,
                   "val_fraction": 0.25},
         "dpo": {"bucket_width": 16, "beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "max_kl": 10.0,
-                "kl_prompts": 4, "max_new_tokens": 8, **tcfg()},
+                "kl_prompts": 4, "max_new_tokens": 8, "trainable": ["*"], **tcfg()},
     }
     for name, over in sections.items():
         p[name].update(over)

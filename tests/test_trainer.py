@@ -21,7 +21,7 @@ import torch
 from llm.batching import WindowSampler, fixed_windows
 from llm.config import CommonConfig, ModelConfig, TrainConfig
 from llm.model import GPT
-from llm.optim import build_optimizer, lr_at, param_groups
+from llm.optim import build_optimizer, lr_at, param_groups, set_trainable
 from llm.trainer import (NonFiniteError, Runtime, accumulate_gradients, enable_activation_checkpointing, lm_loss,
                          resolve_dtype, resolve_device, train)
 
@@ -109,6 +109,19 @@ def test_param_groups_no_decay_on_norms_biases_embeddings():
     assert "lm_head.weight" not in decay | no_decay  # tied: the same tensor as wte, listed once
     n_listed = sum(p.numel() for g in groups.values() for p in g["params"])
     assert n_listed == m.n_params()
+
+
+def test_set_trainable_freezes_what_no_glob_names_and_the_optimizer_leaves_it_out():
+    m = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=16))
+    kept = set_trainable(m, ["norm_f.weight", "blocks.1.*"], "dpo.trainable")
+    assert kept == [n for n, _ in m.named_parameters() if n == "norm_f.weight" or n.startswith("blocks.1.")]
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == set(kept)
+    listed = {n for g in param_groups(m, 0.1) for n in g["param_names"]}
+    assert listed == set(kept)
+    assert set_trainable(m, ["*"]) == [n for n, _ in m.named_parameters()]
+    assert all(p.requires_grad for p in m.parameters())
+    with pytest.raises(ValueError, match=r"dpo.trainable: \['norm_x'\] match no parameter.*norm_f.weight"):
+        set_trainable(m, ["norm_f.weight", "norm_x"], "dpo.trainable")
 
 
 def test_build_optimizer_is_fused_adamw_with_our_groups_and_betas():
