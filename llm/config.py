@@ -8,10 +8,12 @@ dataclasses below and reports *all* problems in one `ConfigError`:
     params.yaml:12: pretrain.modle: unknown key; did you mean 'model'?
     params.yaml: sft.grad_accum: missing key (int >= 1)
 
-It runs before any data is read. It also rejects YAML scalars that PyYAML
-(YAML 1.1) and DVC (YAML 1.2) read differently, such as `3e-4` (a string to
-PyYAML, a float to DVC: write `3.0e-4`) and `yes`/`no`/`on`/`off` (booleans to
-PyYAML, strings to DVC: write `true`/`false`).
+It runs before any data is read. Where PyYAML (YAML 1.1) and DVC (YAML 1.2)
+read a plain scalar differently, the stages must see what DVC sees: a float
+without a dot, such as `3e-4` or the `3e-06` that `dvc exp run -S lr=3.0e-6`
+writes back, is a string to PyYAML and a float to DVC, so it is read as that
+float; `yes`/`no`/`on`/`off` (booleans to PyYAML, strings to DVC) are refused
+(write `true`/`false`).
 
 Library code (`llm/`) takes these dataclasses as arguments and never reads
 params.yaml itself; only `stages/` call `load_params`.
@@ -414,7 +416,7 @@ class Params:
 
 
 # ---------------------------------------------------------------------------
-# YAML reading that keeps line numbers and refuses 1.1/1.2-ambiguous scalars.
+# YAML reading that keeps line numbers and reads 1.1/1.2-ambiguous scalars as DVC does, or refuses them.
 
 class ConfigError(ValueError):
     """Every problem found in a params file, one per line."""
@@ -439,15 +441,18 @@ class _Loc:
         self.value, self.line = value, line
 
 
+def _float_12_only(node: yaml.Node) -> bool:
+    """A plain scalar that YAML 1.2 (DVC) reads as a float and PyYAML as a string: `3e-4`, `1e5`."""
+    return (isinstance(node, yaml.ScalarNode) and node.style is None and _FLOAT_12.match(node.value) is not None
+            and not _INT.match(node.value) and not _FLOAT_11.match(node.value))
+
+
 def _ambiguity(node: yaml.ScalarNode) -> str | None:
     if node.style is not None:  # quoted: a string to both readers
         return None
     v = node.value
     if _BOOL_11_ONLY.match(v):
         return f"{v!r} is a boolean to PyYAML but a string to DVC; write true/false, or quote it"
-    if _FLOAT_12.match(v) and not _INT.match(v) and not _FLOAT_11.match(v):
-        return (f"{v!r} is a float to DVC (YAML 1.2) but a string to PyYAML (YAML 1.1);"
-                f" write it with a dot and a signed exponent, e.g. 3.0e-4")
     if re.match(r"^[-+]?[0-9]+(:[0-5]?[0-9])+$", v):
         return f"{v!r} is a base-60 number to PyYAML; quote it"
     return None
@@ -468,6 +473,8 @@ def _to_loc(node: yaml.Node, problems: list[str], where: str) -> Any:
     msg = _ambiguity(node)
     if msg:
         problems.append(f"{where}:{line}: {msg}")
+    if _float_12_only(node):  # e.g. 3e-06, as `dvc exp run -S` writes floats: read it as DVC does
+        return _Loc(float(node.value), line)
     # compose() has already resolved the node's tag; construct the plain value safely.
     return _Loc(yaml.SafeLoader("").construct_object(node, deep=True), line)
 

@@ -80,8 +80,8 @@ def to_yaml(params: dict, name: str, desc: str) -> str:
     header = (f"# profile: {name}" + (f" ({desc})" if desc else "") + "\n"
               f"# Written by `python -m llm.profile use {name}` from env/profiles/. Edit the profile and\n"
               f"# re-run that command, or change single values with `dvc exp run -S section.key=value`.\n"
-              f"# Floats are written with a dot and a signed exponent (3.0e-4): DVC reads YAML 1.2,\n"
-              f"# PyYAML 1.1, and llm/config.py rejects scalars the two read differently.\n")
+              f"# Floats are written with a dot and a signed exponent (3.0e-4), which YAML 1.1 (PyYAML)\n"
+              f"# and 1.2 (DVC) both read as floats.\n")
     # Block style for mappings (one key per line, easy to diff and to edit), flow style for
     # lists of scalars, a blank line between sections. PyYAML writes 0.0003 as 0.0003 and 1e-05
     # as 1.0e-05: both are read alike by YAML 1.1 and 1.2.

@@ -103,8 +103,28 @@ def test_preset_fixes_the_size():
         load_params_text(_dump(d))
 
 
+@pytest.mark.parametrize("scalar,value", [("3e-3", 3e-3), ("4e-03", 4e-3), ("1E-2", 1e-2), ("3.0e-3", 3e-3)])
+def test_a_float_without_a_dot_is_read_as_dvc_reads_it(scalar, value):
+    """`dvc exp run -S sft.lr=3.0e-6` writes `lr: 3e-06` back, a string to PyYAML: the stages read a float."""
+    text, n = re.subn(r"^  lr: .*$", f"  lr: {scalar}", (ROOT / "params.yaml").read_text(), count=1, flags=re.M)
+    assert n == 1
+    lr = load_params_text(text).pretrain.lr
+    assert type(lr) is float and lr == value
+
+
+def test_dvc_exp_run_set_param_round_trip(tmp_path):
+    """What `dvc exp run -S` does to params.yaml (dvc.utils.hydra.apply_overrides), then our loader."""
+    hydra = pytest.importorskip("dvc.utils.hydra")
+    p = tmp_path / "params.yaml"
+    p.write_text((ROOT / "params.yaml").read_text())
+    hydra.apply_overrides(str(p), ["dpo.lr=3.0e-6", "dpo.min_lr=3.0e-7", "dpo.trainable=[\"*\"]",
+                                    "ppo.clip_epsilon=0.2"])
+    assert "3e-06" in p.read_text()  # DVC drops the dot: what PyYAML alone reads as a string
+    params = load_params(p)
+    assert params.dpo.lr == 3e-6 and params.dpo.trainable == ["*"] and params.ppo.clip_epsilon == 0.2
+
+
 @pytest.mark.parametrize("scalar,fragment", [
-    ("3e-4", "write it with a dot and a signed exponent"),
     ("yes", "boolean to PyYAML but a string to DVC"),
     ("off", "boolean to PyYAML but a string to DVC"),
 ])

@@ -446,8 +446,11 @@ def _child(argv: list[str]) -> None:
             return loss
         loss_fn = Inject(opt["term_at_attempt"], term_once)
     cfg = tcfg(**opt.get("cfg", {}))
-    res, model = run(opt["run_dir"], cfg, model=tiny_model(dropout=opt.get("dropout", 0.1)), loss_fn=loss_fn,
-                     rt=rt, distributed=opt.get("distributed") or "ddp")
+    model = tiny_model(dropout=opt.get("dropout", 0.1))
+    if opt.get("trainable"):
+        set_trainable(model, opt["trainable"])
+    res, model = run(opt["run_dir"], cfg, model=model, loss_fn=loss_fn, rt=rt,
+                     distributed=opt.get("distributed") or "ddp")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rt.distributed))
     if rt.is_main:  # (a collective under FSDP: every rank gathers, rank 0 writes)
@@ -556,12 +559,12 @@ def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy
     _assert_same(got, _result(str(tmp_path / "ref")))
 
 
-def _distributed_matches_single(tmp_path, strategy: str):
-    single = {"run_dir": str(tmp_path / "one"), "out": str(tmp_path / "one"), "dropout": 0.0}
+def _distributed_matches_single(tmp_path, strategy: str, **extra):
+    single = {"run_dir": str(tmp_path / "one"), "out": str(tmp_path / "one"), "dropout": 0.0, **extra}
     rc, out = _child_run(single)
     assert rc == 0, out
     res = _launch2({"run_dir": str(tmp_path / "ddp"), "out": str(tmp_path / "ddp"), "dropout": 0.0,
-                    "distributed": strategy, "cfg": {"batch_size": 2}})
+                    "distributed": strategy, "cfg": {"batch_size": 2}, **extra})
     assert [rc for rc, _ in res] == [0, 0], res
     one, two = _result(str(tmp_path / "one")), _result(str(tmp_path / "ddp"))
     dl = max(abs(x[1] - y[1]) for x, y in zip(one[0]["losses"], two[0]["losses"]))
@@ -579,6 +582,18 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_fsdp_two_gloo_processes_match_one_process(tmp_path):
     _distributed_matches_single(tmp_path, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_frozen_parameters_stay_put_and_two_processes_match_one(tmp_path, strategy):
+    """What dpo.trainable does (set_trainable), under DDP and FSDP2: the frozen weights come out
+    exactly as they went in, the trained ones move, and 2 ranks give 1 process's result."""
+    trainable = ["norm_f.weight", "blocks.1.mlp.*"]
+    one, _ = _distributed_matches_single(tmp_path, strategy, trainable=trainable)
+    init = {k: v for k, v in tiny_model(dropout=0.0).state_dict().items() if k != "lm_head.weight"}
+    moved = {k for k in init if not torch.equal(one[1][k], init[k])}
+    assert moved == {"norm_f.weight", "blocks.1.mlp.fc.weight", "blocks.1.mlp.proj.weight"}
 
 
 @pytest.mark.slow
