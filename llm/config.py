@@ -10,7 +10,7 @@ dataclasses below and reports *all* problems in one `ConfigError`:
 
 It runs before any data is read. Where PyYAML (YAML 1.1) and DVC (YAML 1.2)
 read a plain scalar differently, the stages must see what DVC sees: a float
-without a dot, such as `3e-4` or the `3e-06` that `dvc exp run -S lr=3.0e-6`
+without a dot, such as `3e-4` or the `3e-06` that `dvc exp run -S dpo.lr=3.0e-6`
 writes back, is a string to PyYAML and a float to DVC, so it is read as that
 float; `yes`/`no`/`on`/`off` (booleans to PyYAML, strings to DVC) are refused
 (write `true`/`false`).

@@ -111,7 +111,7 @@ def set_trainable(model: nn.Module, patterns: Sequence[str], key: str = "trainab
     names = [name for name, _ in model.named_parameters()]
     unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
     if unmatched:
-        # one entry per kind of parameter: blocks.0.attn.qkv.weight ... blocks.3.attn.qkv.weight -> blocks.*.attn.qkv.weight
+        # one entry per kind: blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight, ... -> blocks.*.attn.qkv.weight
         kinds = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in names))
         raise ValueError(f"{key}: {unmatched} match no parameter of the model; its parameters are"
                          f" {', '.join(kinds)}")

@@ -73,8 +73,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     policy, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
     reference, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))
     reference.requires_grad_(False).eval()
-    trainable = set_trainable(policy, cfg.trainable, f"{STAGE}.trainable")
-    n_trainable = sum(p.numel() for n, p in policy.named_parameters() if n in set(trainable))
+    set_trainable(policy, cfg.trainable, f"{STAGE}.trainable")
+    n_trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     seq_len = policy.config.seq_len
     pairs = load_pair_splits(data, tok, seq_len)
     train_pairs, val_pairs = pairs.train, pairs.val
