@@ -22,9 +22,12 @@ whole model either way.
 Metrics on every held-out pair (DPO-2, TRL's rewards/* named with `_` because `/` is awkward
 in DVC metric paths): rewards_chosen, rewards_rejected (mean beta * (log pi - log ref)),
 rewards_margin, rewards_accuracy (share of pairs with rewards_chosen > rewards_rejected), per
-pair kind too. KL to SFT (`kl`): for the first `dpo.kl_prompts` unique held-out prompts, one
-response per prompt is sampled from the policy at temperature 1 (up to `dpo.max_new_tokens`
-tokens); kl is the mean over those response tokens of the exact per-token
+pair kind too. `ref_logp_accuracy` (also per kind) is the baseline to read them against:
+the share of held-out pairs whose chosen answer the frozen SFT reference already finds more
+likely (higher sequence log-prob), roughly what a policy that only sharpens SFT's
+distribution scores. KL to SFT (`kl`): for the first `dpo.kl_prompts` unique held-out
+prompts, one response per prompt is sampled from the policy at temperature 1 (up to
+`dpo.max_new_tokens` tokens); kl is the mean over those response tokens of the exact per-token
 KL(pi(. | context) || ref(. | context)) summed over the vocabulary (nats per token);
 kl_seq is the mean per-response sum (see `llm.preference.policy_kl`).
 
@@ -43,8 +46,8 @@ from llm.batching import derive_seed
 from llm.config import CommonConfig, DPOConfig, fingerprint, load_sections
 from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
 from llm.optim import set_trainable
-from llm.preference import (dpo_loss_fn, dpo_metrics, fixed_pair_batches, load_pair_splits, pair_batches, policy_kl,
-                            reference_logprobs)
+from llm.preference import (dpo_loss_fn, dpo_metrics, fixed_pair_batches, load_pair_splits, pair_batches,
+                            pair_metrics, policy_kl, reference_logprobs)
 from llm.trainer import Runtime, full_model_state, stage_main, train
 
 STAGE = "dpo"
@@ -126,8 +129,14 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
                    pad_id=tok.pad_id, stop_ids=(tok.end_id, tok.eot_id), generator=g, autocast=rt.autocast)
     t_kl = time.perf_counter() - t0
     m = result.metrics
+    # the baseline a policy that only sharpens SFT would reach: pairs whose chosen answer the
+    # frozen reference itself finds more likely (sequence log-prob)
+    base = pair_metrics(ref_val[0], ref_val[1], [p.kind for p in val_pairs])
+    for kind, v in held["by_kind"].items():
+        v["ref_logp_accuracy"] = base["by_kind"][kind]["accuracy"]
     metrics = {
         **{k: v for k, v in held.items() if k != "by_kind"},
+        "ref_logp_accuracy": base["accuracy"],
         "kl": kl["kl"], "kl_seq": kl["kl_seq"], "kl_tokens": kl["kl_tokens"], "kl_prompts": len(prompts),
         "max_kl": cfg.max_kl,
         "by_kind": held["by_kind"],
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         m = run(common, cfg, rt, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
-        return (f"{STAGE}: held-out rewards_accuracy {m['rewards_accuracy']:.3f} on {m['n_pairs']} pairs,"
+        return (f"{STAGE}: held-out rewards_accuracy {m['rewards_accuracy']:.3f} on {m['n_pairs']} pairs"
+                f" (the SFT reference's own log-probs rank {m['ref_logp_accuracy']:.3f} of them right),"
                 f" margin {m['rewards_margin']:.3f}; KL to SFT {m['kl']:.4f} nats/token"
                 f" (gate {cfg.max_kl}); wrote {MODEL_OUT}/ and {METRICS}")
 

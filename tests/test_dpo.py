@@ -150,6 +150,16 @@ def test_dpo_stage_end_to_end(tmp_path):
     from llm.artifacts import load_model_dir
     model, _, meta = load_model_dir(ws / "models/dpo")
     assert meta["stage"] == "dpo" and model.head_names == ("lm",)
+    # the baseline: the share of held-out pairs the SFT reference's own sequence log-probs rank right
+    from llm.preference import encode_pairs
+    sft, tok, _ = load_model_dir(ws / "models/sft", heads=("lm",))
+    recs = [json.loads(x) for x in (ws / "data/pairs/val.jsonl").read_text().splitlines()]
+    pairs, kept, _ = encode_pairs(recs, tok, sft.config.seq_len)
+    rc, rr = reference_logprobs(sft, pairs, pad_id=tok.pad_id, batch_size=3)
+    assert m["ref_logp_accuracy"] == pytest.approx(float((rc > rr).double().mean()))
+    for kind, v in m["by_kind"].items():
+        ix = [i for i, p in enumerate(pairs) if p.kind == kind]
+        assert v["ref_logp_accuracy"] == pytest.approx(float((rc[ix] > rr[ix]).double().mean())), kind
     header = (ws / "metrics/plots/dpo.tsv").read_text().splitlines()[0].split("\t")
     assert header[0] == "step" and {"rewards_accuracy", "rewards_margin", "rewards_chosen"} <= set(header)
     assert "val_rewards_accuracy" in (ws / "metrics/plots/dpo_val.tsv").read_text().splitlines()[0]
