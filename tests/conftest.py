@@ -14,6 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def load_script(path: Path, name: str | None = None):
+    """Import a script that is not in a package (bench/*.py, env/check_env.py) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

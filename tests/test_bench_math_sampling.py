@@ -2,22 +2,18 @@
 missing model is named."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from decimal import Decimal
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "math_sampling.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("math_sampling", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_a_slip_is_a_wrong_equation_result():

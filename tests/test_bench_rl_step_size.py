@@ -2,7 +2,6 @@
 batch that does, its gradient step moves the answers' log-probabilities the way their advantages say."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "rl_step_size.py"
 
@@ -52,9 +51,7 @@ def test_the_gradient_step_raises_the_log_probability_of_rewarded_answers(tmp_pa
     import torch
 
     _tiny_setup(tmp_path)
-    spec = importlib.util.spec_from_file_location("rl_step_size", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(SCRIPT)
 
     def even_first_token(tokenizer, **_):
         # a random model never answers right, so the verifier is swapped for a reward it can earn:

@@ -2,20 +2,16 @@
 groups; a missing model is named."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "rm_errors.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("rm_errors", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT)
 
 
 def test_the_slipped_step_and_its_groups():

@@ -11,7 +11,6 @@ Nothing here installs a package or touches the project's .venv:
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import importlib.util
 import json
 import os
 import re
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "env"
@@ -143,10 +144,7 @@ def test_installed_versions_match_pins():
 # ---- check_env.py --------------------------------------------------------------------------------
 
 def _load_check_env():
-    spec = importlib.util.spec_from_file_location("check_env", ENV / "check_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ENV / "check_env.py")
 
 
 def _gpu_impossible() -> bool:
