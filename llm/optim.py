@@ -108,17 +108,15 @@ def set_trainable(model: nn.Module, patterns: Sequence[str], key: str = "trainab
     the names left trainable. A glob that matches no parameter is a ValueError naming `key`
     and the parameter names, so a typo never silently trains nothing.
     """
-    names = [name for name, _ in model.named_parameters()]
-    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    params = dict(model.named_parameters())
+    matched = {pat: [n for n in params if fnmatch.fnmatchcase(n, pat)] for pat in patterns}
+    unmatched = [pat for pat, names in matched.items() if not names]
     if unmatched:
         # one entry per kind: blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight, ... -> blocks.*.attn.qkv.weight
-        kinds = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in names))
+        kinds = list(dict.fromkeys(re.sub(r"^blocks\.\d+\.", "blocks.*.", n) for n in params))
         raise ValueError(f"{key}: {unmatched} match no parameter of the model; its parameters are"
                          f" {', '.join(kinds)}")
-    keep = []
-    for name, p in model.named_parameters():
-        on = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-        p.requires_grad_(on)
-        if on:
-            keep.append(name)
-    return keep
+    keep = {n for names in matched.values() for n in names}
+    for name, p in params.items():
+        p.requires_grad_(name in keep)
+    return [n for n in params if n in keep]

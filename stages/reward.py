@@ -13,7 +13,8 @@ a learned weight (starting at 1) times the mean log-probability the model's own 
 the answer's tokens: a last-token head on a 4-layer trunk cannot re-check each `a op b = c` of
 an answer, the next-token predictions at every step can (README, reward model notes). With
 `reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer
-is rendered with the chat template as prompt + answer + <|end|>; pairs longer than the context are dropped and counted. Loss:
+is rendered with the chat template as prompt + answer + <|end|>; pairs longer than the context
+are dropped and counted. Loss:
 Bradley-Terry `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by
 `reward.label_smoothing`, trained with llm/trainer.py (one batch = B pairs, weight B;
 checkpoints, resume, non-finite policy and `torchrun` as in every training stage).
@@ -26,8 +27,8 @@ models/reward/ nor metrics/reward.json nor the plots are written (the previous o
 the failed run's metrics are in runs/reward/failed_metrics.json).
 
 Writes models/reward/ (heads lm + reward [+ reward_logprob]; meta.json carries the held-out
-reward mean/std for reward normalisation downstream), metrics/reward.json, metrics/plots/reward{.tsv,_val.tsv,.png},
-runs/reward/ (checkpoints; a persisted DVC out).
+reward mean/std for reward normalisation downstream), metrics/reward.json,
+metrics/plots/reward{.tsv,_val.tsv,.png}, runs/reward/ (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from llm.batching import derive_seed
 from llm.chat import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint, load_sections
 from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.optim import set_trainable
 from llm.preference import (RewardModel, fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics,
                             reward_loss_fn, score_sequences)
 from llm.trainer import Runtime, full_model_state, stage_main, train
@@ -79,10 +81,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
         print(f"{STAGE}: {pairs.summary()}; {gpt.summary()}", flush=True)
 
     if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
-        gpt.requires_grad_(False)
-        for head in (gpt.reward_head, gpt.reward_logprob_head):
-            if head is not None:
-                head.requires_grad_(True)
+        set_trainable(gpt, [f"{h}_head.*" for h in gpt.head_names if h.startswith("reward")], f"{STAGE}.train_trunk")
     model = RewardModel(gpt)
     # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
     curves = run_dir / "plots"

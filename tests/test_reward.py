@@ -327,6 +327,23 @@ def test_reward_stage_end_to_end(tmp_path, logprob_feature):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("logprob_feature", [False, True])
+def test_reward_stage_linear_probe_trains_only_the_head(tmp_path, logprob_feature):
+    """reward.train_trunk: false: the trunk and LM head come out exactly as in SFT; the head learns."""
+    ws = make_workspace(tmp_path)
+    write_params(ws, reward={"logprob_feature": logprob_feature, "train_trunk": False})
+    run = run_stage(ws, "reward")
+    assert run.returncode == 0, run.stderr
+    sft = dict(load_model_dir(ws / "models/sft")[0].named_parameters())
+    rm = dict(load_model_dir(ws / "models/reward")[0].named_parameters())
+    assert all(torch.equal(rm[n], p) for n, p in sft.items())
+    heads = {"reward_head.weight", "reward_head.bias"} | ({"reward_logprob_head.weight"} if logprob_feature else set())
+    assert set(rm) - set(sft) == heads
+    if logprob_feature:  # the feature's weight starts at 1 and learns
+        assert float(rm["reward_logprob_head.weight"]) != 1.0
+
+
+@pytest.mark.slow
 def test_quality_gate_fails_on_an_untrained_rm_and_keeps_the_previous_outputs(tmp_path):
     ws = make_workspace(tmp_path)
     write_params(ws, reward=dict(min_accuracy=0.99, max_steps=1, warmup_steps=0, lr=1.0e-8, min_lr=0.0))
