@@ -1,4 +1,4 @@
-"""Benchmark (SPEC PERF-2): cached greedy decoding, ours against Hugging Face transformers, same run.
+"""Benchmark: cached greedy decoding, ours against Hugging Face transformers, same run.
 
     python bench/generate.py [--rounds 3] [--batches 1 64] [--threads 0]
     python bench/generate.py --size 4,4,128,4096    # the tiny CPU preset instead (layers,heads,width,vocab)

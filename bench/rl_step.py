@@ -1,4 +1,4 @@
-"""Benchmark: the time split of one GRPO step and one PPO step (SPEC PERF-4).
+"""Benchmark: the time split of one GRPO step and one PPO step.
 
     python bench/rl_step.py [--model models/sft] [--params params.yaml] [--rounds 3] [--device auto]
 

@@ -1,4 +1,4 @@
-"""Benchmark (SPEC PERF-1): training-step throughput of our GPT against nanoGPT's, same run.
+"""Benchmark: training-step throughput of our GPT against nanoGPT's, same run.
 
     python bench/train_step.py --nanogpt /path/to/nanoGPT [--rounds 5] [--steps 3] [--threads 0] [--clock wall]
 

@@ -13,7 +13,7 @@
 
 Saving is atomic (llm.fileio.atomic_dir: built in a temp sibling, fsynced, renamed), so a
 killed stage leaves the previous directory intact. Loading reads only safetensors and JSON
-(never pickle, SPEC REL-3), checks the hashes and that every tensor is finite, and raises
+(never pickle), checks the hashes and that every tensor is finite, and raises
 `ArtifactError` naming the file and what is wrong with it.
 """
 from __future__ import annotations

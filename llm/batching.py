@@ -1,4 +1,4 @@
-"""Batches for the training loop: token windows for pretraining, length buckets for examples (SPEC TRN-4, DATA-7).
+"""Batches for the training loop: token windows for pretraining, length buckets for examples.
 
 Every sampler here is a *batch source* for `llm.trainer.train`: `next_batch()` returns
 a dict of CPU tensors, `state_dict()` / `load_state_dict()` capture the cursor in plain

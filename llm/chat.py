@@ -1,4 +1,4 @@
-"""The chat template, loss masks for SFT, and a terminal chat (SPEC SFT-1, INF-2).
+"""The chat template, loss masks for SFT, and a terminal chat.
 
 Template (special tokens are single ids; no extra newlines):
 

@@ -1,4 +1,4 @@
-"""Training checkpoints: write atomically, verify before trusting, resume the newest good one (SPEC TRN-4, REL-3, REL-4).
+"""Training checkpoints: write atomically, verify before trusting, resume the newest good one.
 
 A checkpoint is a directory `<run_dir>/ckpt-<step:08d>/`:
 

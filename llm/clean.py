@@ -1,4 +1,4 @@
-"""Cleaning of SFT conversations (SPEC DATA-4, DATA-5): what is dropped, and why.
+"""Cleaning of SFT conversations: what is dropped, and why.
 
 Five steps, in this order; a sample is counted under the first step that drops it, so
 `in = kept + sum(dropped)` always holds:
@@ -305,7 +305,7 @@ def load_toxicity_scorer(checkpoint: str | Path, device: str = "cpu") -> Toxicit
     its base model (e.g. bert-base-uncased for "original") must sit in the same directory
     (config.json, vocab/tokenizer files): Detoxify would fetch them from the Hub, which is
     not reachable here. The file is read with `torch.load(weights_only=True)` instead of
-    Detoxify's own loader, which unpickles arbitrary objects (SPEC REL-3).
+    Detoxify's own loader, which unpickles arbitrary objects.
     Raises ValueError/FileNotFoundError with the path and what to do.
     """
     path = Path(checkpoint)

@@ -48,7 +48,7 @@ def _f(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float
 
 # ---------------------------------------------------------------------------
 # Sections. Field names are the params.yaml keys, the variable names in code and
-# the metrics keys (STYLE 6). Sections have no defaults where params.yaml is the
+# the metrics keys. Sections have no defaults where params.yaml is the
 # single source of truth; ModelConfig has defaults because library code and tests
 # build models without a params file.
 
@@ -136,7 +136,7 @@ class TokenizeConfig:
 
 
 PRESETS: dict[str, dict[str, int]] = {
-    # MOD-6; the GPU sizes follow the reference from-scratch project (their names are the
+    # The GPU sizes follow the reference from-scratch project (their names are the
     # parameter counts with GPT-2's 50257-token vocabulary and untied embeddings).
     # tiny: 1.33M parameters at vocab 4096; ~7k tokens/s fwd+bwd+AdamW (16 x 256, fp32) on 2 CPU cores.
     "tiny": {"n_embd": 128, "n_head": 4, "n_layer": 4},
@@ -248,7 +248,7 @@ class CleanSFTConfig:
 
 @dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
-    bucket_width: int = _f(lo=1, doc="length-bucketing width in tokens (DATA-7)")
+    bucket_width: int = _f(lo=1, doc="length-bucketing width in tokens")
     eval_math_problems: int = _f(lo=0, doc="held-out math problems for exact match at the end")
     max_new_tokens: int = _f(lo=1)
 

@@ -1,5 +1,5 @@
 """Evaluation: perplexity, math exact match and pass@k, RM score and win rate, KL to a
-reference, confidence intervals (SPEC EVAL-1, EVAL-4).
+reference, confidence intervals.
 
 - `wilson_interval(k, n, confidence)`: the Wilson score interval for a proportion; it
   stays inside [0, 1] and is sensible at k = 0 or k = n, unlike the normal approximation.
@@ -293,7 +293,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
                    ref=None, rm=None, toxicity: Callable[[list[str]], list[float]] | None = None,
                    toxicity_threshold: float = 0.5, n_samples_kept: int = 5) -> tuple[dict, dict]:
-    """Every EVAL-1 measurement of one model -> (metrics, extras).
+    """Every measurement of one model -> (metrics, extras).
 
     metrics: flat, numbers only except `"toxicity": "unavailable"` when no scorer is given.
     extras: sample generations, math samples and per-part timings (seconds): what is not a

@@ -1,4 +1,4 @@
-"""Export a model directory to Hugging Face Llama format (SPEC INF-3).
+"""Export a model directory to Hugging Face Llama format.
 
     python -m llm.export models/sft exported/sft
 

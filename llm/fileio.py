@@ -1,4 +1,4 @@
-"""Safe file I/O: atomic writes and strict, well-reported reads (SPEC REL-1, REL-4).
+"""Safe file I/O: atomic writes and strict, well-reported reads.
 
 Writes go to a temporary sibling, are fsynced, then renamed over the target, so a
 killed process leaves either the old file or the new one, never half of one.

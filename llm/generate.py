@@ -1,4 +1,4 @@
-"""Sampling from a GPT with a KV cache (SPEC MOD-3, INF-1).
+"""Sampling from a GPT with a KV cache.
 
     gen = generate(model, [prompt_ids, ...], max_new_tokens=96, temperature=0.7, top_p=0.9,
                    stop_ids=(tok.end_id,), pad_id=tok.pad_id,

@@ -1,4 +1,4 @@
-"""Deterministic generators for the embedded default data (SPEC DATA-3).
+"""Deterministic generators for the embedded default data.
 
 Three families, all seeded (`random.Random(seed)`), so the same seed gives the same
 records byte for byte:

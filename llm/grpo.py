@@ -1,4 +1,4 @@
-"""GRPO: group-relative policy optimisation, one group batch per step (SPEC GRPO-1..4).
+"""GRPO: group-relative policy optimisation, one group batch per step.
 
     algo = GRPO(policy, ref, cfg, prompts_fn=..., reward_fn=..., stop_ids=(tok.end_id,), pad_id=tok.pad_id, seed=s)
     llm.rl.run_rl(algo, cfg, rt, stage="grpo", ...)
@@ -21,7 +21,7 @@ No value function: the baseline is the group. One step:
      backward and the loss is rescaled to the full minibatch's normaliser: the same gradient
      for a fraction of the work (tests/test_grpo.py checks the equality).
 
-Quality gate (PIPE-5): if every group of a step has zero reward variance for
+Quality gate: if every group of a step has zero reward variance for
 max_zero_std_steps consecutive steps, nothing is being learned (all wrong or all right);
 the step raises llm.rl.QualityGateError with the numbers.
 

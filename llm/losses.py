@@ -4,19 +4,19 @@ Each function is a few lines of tensor code with the shapes written down, so a r
 can check it against the paper it comes from:
 
 - `token_logprobs` / `sequence_logprob`: log p(token | prefix) and its masked sum over
-  response tokens: the one sequence log-prob used by DPO, PPO and GRPO (SPEC DPO-1).
-- `masked_lm_loss`: token cross-entropy on supervised tokens only (SFT-1), returned as
+  response tokens: the one sequence log-prob used by DPO, PPO and GRPO.
+- `masked_lm_loss`: token cross-entropy on supervised tokens only, returned as
   (sum, count) so the trainer can weight micro-batches by tokens; `cross_entropy_sum` is its
   sum, computed in cache-sized blocks on the CPU (pretraining uses it too).
-- `bradley_terry_loss`: -log sigmoid(r_chosen - r_rejected - margin), label-smoothed (RM-1).
-- `dpo_loss`: DPO (sigmoid), conservative DPO (label smoothing) and IPO (DPO-1).
-- `gae`: generalized advantage estimation over response tokens (PPO-2).
-- `ppo_policy_loss`, `ppo_value_loss`: clipped surrogate and clipped value loss (PPO-2).
-- `kl_estimate`: k1 and k3 estimators of KL(policy || reference) per token (PPO-3, GRPO-1).
-- `group_advantages`: GRPO's (r - mean) / (std + eps) within each group (GRPO-1).
-- `aggregate`: token-loss aggregation `grpo | dr_grpo | dapo` (GRPO-1).
+- `bradley_terry_loss`: -log sigmoid(r_chosen - r_rejected - margin), label-smoothed.
+- `dpo_loss`: DPO (sigmoid), conservative DPO (label smoothing) and IPO.
+- `gae`: generalized advantage estimation over response tokens.
+- `ppo_policy_loss`, `ppo_value_loss`: clipped surrogate and clipped value loss.
+- `kl_estimate`: k1 and k3 estimators of KL(policy || reference) per token.
+- `group_advantages`: GRPO's (r - mean) / (std + eps) within each group.
+- `aggregate`: token-loss aggregation `grpo | dr_grpo | dapo`.
 
-Every reduction over a mask stays finite when the mask is empty (TRN-5): it divides by
+Every reduction over a mask stays finite when the mask is empty: it divides by
 max(count, 1) and returns exactly 0 with zero gradient.
 """
 from __future__ import annotations

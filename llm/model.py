@@ -3,7 +3,7 @@
     idx (B, T) -> wte [+ wpe] -> n_layer x Block -> final norm -> heads
     Block:  x = x + attn(norm_1(x));  x = x + mlp(norm_2(x))          (pre-norm)
 
-Options come from `llm.config.ModelConfig` (SPEC MOD-1..6): norm `rmsnorm|layernorm`
+Options come from `llm.config.ModelConfig`: norm `rmsnorm|layernorm`
 (`norm_affine: false` = no parameters), positions `rope` (rotating adjacent pairs as complex
 numbers; `llm/export.py` permutes q/k rows into HF-Llama's rotate_half layout) or `learned`
 (nn.Embedding with max_norm 1.0),
@@ -20,11 +20,11 @@ only, so it stays finite (its output is garbage that no real token ever reads).
 Heads share one trunk: "lm" (logits), "value" (PPO critic, a scalar per position) and
 "reward" (RM, a scalar per sequence read at the last real token).
 
-Debug mode (MOD-5): `enable_debug(model)` hooks every sub-module and raises at the first one
+Debug mode: `enable_debug(model)` hooks every sub-module and raises at the first one
 whose output has a NaN/Inf, naming it with the output's shape and dtype. Off = no hooks.
 
 Also here: `format_count(n)` ("1.23M") and `GPT.summary()` for the parameter count that stages
-print and record (MOD-6). No file I/O happens in this module; see llm/artifacts.py.
+print and record. No file I/O happens in this module; see llm/artifacts.py.
 """
 from __future__ import annotations
 
@@ -597,7 +597,7 @@ class GPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------
-# Debug mode (MOD-5)
+# Debug mode
 
 
 class NonFiniteError(FloatingPointError):

@@ -1,4 +1,4 @@
-"""What a training run shows and records while it runs (SPEC TRN-6).
+"""What a training run shows and records while it runs.
 
 - a tqdm bar: loss, lr, tokens/s, MFU (where the device's peak is known), ETA;
 - TensorBoard event files (SummaryWriter imported lazily; on resume, events after the

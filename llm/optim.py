@@ -1,4 +1,4 @@
-"""The optimizer and the learning-rate schedule of every training stage (SPEC TRN-1).
+"""The optimizer and the learning-rate schedule of every training stage.
 
 - `param_groups(model, weight_decay)`: AdamW groups. Matrices of Linear layers decay;
   norms, biases and embeddings (token and learned position tables, and so a tied LM

@@ -1,4 +1,4 @@
-"""PPO for language models, one rollout batch per step (SPEC PPO-1..5).
+"""PPO for language models, one rollout batch per step.
 
     algo = PPO(policy, ref, cfg, prompts_fn=..., reward_fn=..., stop_ids=(tok.end_id,), pad_id=tok.pad_id, seed=s)
     llm.rl.run_rl(algo, cfg, rt, stage="ppo", ...)

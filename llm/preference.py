@@ -1,5 +1,5 @@
-"""Preference pairs: reading and encoding, batches, reward-model scoring, RM-2 pair selection,
-DPO reference log-probs and the KL to a reference model (SPEC RM-1, RM-2, DPO-1, DPO-2).
+"""Preference pairs: reading and encoding, batches, reward-model scoring, pair selection,
+DPO reference log-probs and the KL to a reference model.
 
 Shared by stages/reward.py, stages/pairs.py and stages/dpo.py. A pair record
 (data/prepared/prefs, data/pairs) is
@@ -16,7 +16,7 @@ loss unit). `RewardModel` is the training view of a GPT with a reward head: its 
 returns the (B,) rewards read at each row's last real token (`GPT.reward`), so DDP sees the
 reward computation inside forward() and the LM head is never computed.
 
-RM-2 pair selection (`choose_pair`, `preference_score`, `break_format`) and the KL of a
+Pair selection (`choose_pair`, `preference_score`, `break_format`) and the KL of a
 policy to its reference along the policy's own samples (`policy_kl`) live here too, so the
 stages stay orchestration.
 """
@@ -304,7 +304,7 @@ def _std(x: Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------
-# RM-2: choosing pairs from scored samples
+# Choosing pairs from scored samples
 
 def choose_pair(scores: Sequence[float], tie_epsilon: float) -> tuple[int, int] | None:
     """(index of the best sample, index of the worst) or None for a tie (best - worst <= tie_epsilon).
@@ -419,7 +419,7 @@ def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float) -> Callable
 def dpo_metrics(policy: nn.Module, pairs: Sequence[EncodedPair], ref: tuple[Tensor, Tensor], *, beta: float,
                 loss_type: str, label_smoothing: float, pad_id: int, batch_size: int,
                 device: torch.device | str = "cpu", autocast: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """DPO-2 metrics of `policy` on held-out pairs, with `by_kind` accuracies.
+    """DPO metrics of `policy` on held-out pairs, with `by_kind` accuracies.
 
     rewards_chosen / rewards_rejected: mean beta * (log pi - log ref) of each side;
     rewards_margin: their mean difference; rewards_accuracy: share of pairs whose chosen

@@ -1,4 +1,4 @@
-"""Profiles: named sets of hyperparameters for a machine size (SPEC PIPE-4).
+"""Profiles: named sets of hyperparameters for a machine size.
 
     python -m llm.profile list              # the profiles and what each is for
     python -m llm.profile use smoke         # write params.yaml from env/profiles/smoke.yaml

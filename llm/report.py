@@ -1,4 +1,4 @@
-"""The stage-comparison report: tables, training curves and samples (SPEC EVAL-3, EVAL-4, PIPE-3).
+"""The stage-comparison report: tables, training curves and samples.
 
     data = collect(metrics_dir="metrics", max_samples=3)   # what exists; notes for what does not
     md = render_markdown(data, images={"curves": "report_curves.png"})

@@ -1,4 +1,4 @@
-"""Verifiable math rewards from a safe answer parser (SPEC GRPO-2, PPO-4).
+"""Verifiable math rewards from a safe answer parser.
 
 A response is scored against the reference answer N:
 
@@ -11,7 +11,7 @@ right without the format, 0.2 = formatted but wrong, 0.0 = neither.
 The final answer is the number on the last `#### ` line if there is one, else the last
 number anywhere in the response. Numbers may carry a sign, thousands separators and
 decimals (`#### -1,234.50` == -1234.5). Parsing is regular expressions and `Decimal`
-only: model output is never evaluated as code (SPEC REL-3).
+only: model output is never evaluated as code.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
                     eval_fn=lambda model: heldout_eval(model, ref, ...), tsv_path=..., tb_dir=...)
 
 An RL step (one rollout batch) is the algorithm's business: sample, score, update. Around
-it `run_rl` does what every training stage does (SPEC TRN-4..6, REL-5), reusing the
+it `run_rl` does what every training stage does, reusing the
 trainer's pieces rather than copying them:
 
 - optimizer: `llm.optim.build_optimizer` with the RL section's lr / weight_decay / betas;
@@ -24,8 +24,8 @@ trainer's pieces rather than copying them:
 - per-step rows with TRL's metric names to `metrics/plots/<stage>.tsv`, held-out rows to
   `<stage>_val.tsv`, TensorBoard (llm.monitor.Monitor), and a PNG of the curves.
 
-Also here: `KLController` (fixed or adaptive, Ziegler et al. 2019), `KLAlert` (PPO-3's
-band), `QualityGateError` (PIPE-5), `MathPrompts` (prompt pools by level, sampled per
+Also here: `KLController` (fixed or adaptive, Ziegler et al. 2019), `KLAlert` (the
+KL band), `QualityGateError`, `MathPrompts` (prompt pools by level, sampled per
 step), reward functions (the verifier of llm/rewards.py or a reward model), and
 `heldout_eval` (exact match via llm.evaluate.math_eval, plus KL to the reference measured
 on the policy's own samples).
@@ -68,7 +68,7 @@ RewardFn = Callable[[Rollout, list[dict]], tuple[Tensor, dict[str, float]]]
 
 
 class QualityGateError(RuntimeError):
-    """The stage's output would be unusable (SPEC PIPE-5); the message says which gate and why."""
+    """The stage's output would be unusable; the message says which gate and why."""
 
 
 def step_generator(seed: int, what: str, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -77,7 +77,7 @@ def step_generator(seed: int, what: str, step: int, device: torch.device | str =
 
 
 # ---------------------------------------------------------------------------
-# KL control and alerts (PPO-3)
+# KL control and alerts
 
 class KLController:
     """The per-token KL penalty coefficient.
@@ -106,7 +106,7 @@ class KLController:
 
 
 class KLAlert:
-    """Reports when KL leaves [low, high] (PPO-3).
+    """Reports when KL leaves [low, high].
 
     The KL checked is the mean of the last `window` steps, so one noisy batch near a bound
     does not flip the state back and forth. KL starts at 0 (policy = reference), so being
@@ -154,7 +154,7 @@ class KLAlert:
 
 
 # ---------------------------------------------------------------------------
-# The update step with the non-finite policy (TRN-5)
+# The update step with the non-finite policy
 
 class Updater:
     """AdamW over the policy's trainable parameters, one `apply(loss)` per minibatch."""
@@ -331,7 +331,7 @@ def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: 
 
 
 def check_final_kl(kl: float, max_kl: float, stage: str) -> None:
-    """PIPE-5: the policy moved too far from the reference to be trusted."""
+    """Quality gate: the policy moved too far from the reference to be trusted."""
     if not math.isfinite(kl) or kl > max_kl:
         raise QualityGateError(f"{stage}: quality gate failed: final KL to the reference {kl:.4f} is above"
                                f" {stage}.max_kl={max_kl} (mean per-token KL on held-out prompts); the policy drifted"

@@ -1,4 +1,4 @@
-"""The RL rollout engine: sample responses with the KV cache, then score tokens with one forward (SPEC PPO-1, GRPO-1).
+"""The RL rollout engine: sample responses with the KV cache, then score tokens with one forward.
 
     ro = rollout(policy, prompts, max_new_tokens=96, temperature=1.0, stop_ids=(tok.end_id,),
                  pad_id=tok.pad_id, generator=torch.Generator().manual_seed(seed))
@@ -14,7 +14,7 @@ policy's log-probabilities of the sampled tokens under softmax(logits / temperat
 Sampling draws from exactly torch.distributions.Categorical(logits=logits / temperature)
 (tests/test_generate.py checks the log-probs against Categorical.log_prob); generate calls
 torch.multinomial with an explicit torch.Generator instead of Categorical.sample(), which
-only draws from the global RNG (STYLE 10) and costs ~5x per token on the CPU.
+only draws from the global RNG and costs ~5x per token on the CPU.
 
 `response_forward` is the one place the update recomputes per-token quantities: a single
 trunk pass over prompt + response, and the LM head (and the value head) only at the N

@@ -1,4 +1,4 @@
-"""Read data sets in their real formats and normalize them (SPEC DATA-1, DATA-2).
+"""Read data sets in their real formats and normalize them.
 
 Storage: local `.txt`, `.jsonl` / `.json` (one object per line), `.parquet`; Hugging
 Face data sets by name through `datasets` (only where the network allows: offline it

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer for English and Chinese (SPEC TOK-1..6).
+"""Byte-level BPE tokenizer for English and Chinese.
 
 Text -> UTF-8 bytes -> token ids. Ids 0..255 are the raw bytes, so every string is
 encodable and nothing is ever "unknown". Ids 256.. are merges, learned in order: merge

@@ -1,4 +1,4 @@
-"""The one training loop, shared by pretrain, SFT, reward model and DPO (SPEC TRN-1..6, PIPE-6, REL-5).
+"""The one training loop, shared by pretrain, SFT, reward model and DPO.
 
 A stage brings three things and calls `train(...)`:
 

@@ -1,4 +1,4 @@
-"""Stage `clean_sft`: dedupe, filter and decontaminate the SFT conversations (SPEC DATA-4, DATA-5).
+"""Stage `clean_sft`: dedupe, filter and decontaminate the SFT conversations.
 
     python -m stages.clean_sft [--params params.yaml] [--no-progress]
 

@@ -1,4 +1,4 @@
-"""Stage `dpo`: direct preference optimisation of the SFT model on the generated pairs (SPEC DPO-1, DPO-2, PIPE-5).
+"""Stage `dpo`: direct preference optimisation of the SFT model on the generated pairs.
 
     python -m stages.dpo [--params params.yaml] [--no-progress]
 
@@ -19,7 +19,7 @@ DPO can rescale the SFT model's output distribution (sharpen or flatten it, per 
 cannot fit each training pair; the other parameters stay as in SFT. The model written is the
 whole model either way.
 
-Metrics on every held-out pair (DPO-2, TRL's rewards/* named with `_` because `/` is awkward
+Metrics on every held-out pair (TRL's rewards/* named with `_` because `/` is awkward
 in DVC metric paths): rewards_chosen, rewards_rejected (mean beta * (log pi - log ref)),
 rewards_margin, rewards_accuracy (share of pairs with rewards_chosen > rewards_rejected), per
 pair kind too. `ref_logp_accuracy` (also per kind) is the baseline to read them against:
@@ -31,7 +31,7 @@ prompts, one response per prompt is sampled from the policy at temperature 1 (up
 KL(pi(. | context) || ref(. | context)) summed over the vocabulary (nats per token);
 kl_seq is the mean per-response sum (see `llm.preference.policy_kl`).
 
-Quality gate (PIPE-5): kl above `dpo.max_kl` fails the stage with exit code 1 and the numbers;
+Quality gate: kl above `dpo.max_kl` fails the stage with exit code 1 and the numbers;
 then models/dpo/, metrics/dpo.json and the plots are not written (the previous outputs stay;
 the run's numbers are in runs/dpo/failed_metrics.json).
 
@@ -60,7 +60,7 @@ PLOTS = Path("metrics/plots")
 
 
 class QualityGateError(RuntimeError):
-    """The trained model is not fit to hand on (PIPE-5)."""
+    """The trained model is not fit to hand on."""
 
 
 def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,

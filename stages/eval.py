@@ -1,4 +1,4 @@
-"""Stage `eval`: measure one model against held-out data and against SFT (SPEC EVAL-1, EVAL-2, EVAL-4).
+"""Stage `eval`: measure one model against held-out data and against SFT.
 
     python -m stages.eval <model> [--params params.yaml]      # model: base | sft | ppo | grpo | dpo
 

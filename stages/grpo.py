@@ -1,4 +1,4 @@
-"""Stage `grpo`: group-relative policy optimisation of the SFT model on verifiable math (SPEC GRPO-1..4, PIPE-5).
+"""Stage `grpo`: group-relative policy optimisation of the SFT model on verifiable math.
 
     python -m stages.grpo [--params params.yaml]
 

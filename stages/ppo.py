@@ -1,4 +1,4 @@
-"""Stage `ppo`: PPO of the SFT model against a reward model or the math verifier (SPEC PPO-1..5, PIPE-5).
+"""Stage `ppo`: PPO of the SFT model against a reward model or the math verifier.
 
     python -m stages.ppo [--params params.yaml]
 

@@ -1,4 +1,4 @@
-"""Stage `pretrain`: train the base language model on the token shards (SPEC TRN-1..6, PIPE-6).
+"""Stage `pretrain`: train the base language model on the token shards.
 
     python -m stages.pretrain [--params params.yaml]
 

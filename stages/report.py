@@ -1,4 +1,4 @@
-"""Stage `report`: the stage-by-stage comparison as markdown and as an offline HTML page (SPEC EVAL-3, PIPE-3).
+"""Stage `report`: the stage-by-stage comparison as markdown and as an offline HTML page.
 
     python -m stages.report [--params params.yaml]
 

@@ -1,4 +1,4 @@
-"""Stage `reward`: the reward model, a scalar head on the SFT trunk trained on preference pairs (SPEC RM-1, PIPE-5).
+"""Stage `reward`: the reward model, a scalar head on the SFT trunk trained on preference pairs.
 
     python -m stages.reward [--params params.yaml] [--no-progress]
 
@@ -21,7 +21,7 @@ checkpoints, resume, non-finite policy and `torchrun` as in every training stage
 
 After training, every held-out pair is scored: accuracy (r_chosen > r_rejected), mean margin,
 reward mean/std of chosen and rejected, and the same per pair kind (wrong_answer,
-broken_format, the task kinds). Quality gate (PIPE-5): held-out accuracy below
+broken_format, the task kinds). Quality gate: held-out accuracy below
 `reward.min_accuracy` fails the stage with exit code 1 and the numbers; then neither
 models/reward/ nor metrics/reward.json nor the plots are written (the previous outputs stay;
 the failed run's metrics are in runs/reward/failed_metrics.json).
@@ -54,7 +54,7 @@ PLOTS = Path("metrics/plots")
 
 
 class QualityGateError(RuntimeError):
-    """The trained model is not good enough to feed downstream stages (PIPE-5)."""
+    """The trained model is not good enough to feed downstream stages."""
 
 
 def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,

@@ -1,4 +1,4 @@
-"""Stage `sft`: supervised fine-tuning of the base model on chat data (SPEC SFT-1, SFT-2, DATA-7).
+"""Stage `sft`: supervised fine-tuning of the base model on chat data.
 
     python -m stages.sft [--params params.yaml]
 

@@ -1,4 +1,4 @@
-"""Stage `tokenize`: encode the pretraining text into token shards (SPEC DATA-6).
+"""Stage `tokenize`: encode the pretraining text into token shards.
 
     python -m stages.tokenize [--params params.yaml]
 

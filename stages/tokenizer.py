@@ -1,4 +1,4 @@
-"""Stage `tokenizer`: train the byte-level BPE tokenizer (SPEC TOK-1..6).
+"""Stage `tokenizer`: train the byte-level BPE tokenizer.
 
     python -m stages.tokenizer [--params params.yaml]
 

@@ -1,4 +1,4 @@
-"""params.yaml validation (SPEC REL-2): every kind of error, several at once."""
+"""params.yaml validation: every kind of error, several at once."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""The DAG as a product (SPEC PIPE-2): changing one hyperparameter reruns only what depends on it.
+"""The DAG as a product: changing one hyperparameter reruns only what depends on it.
 
 The real stages take minutes, so this test runs DVC on a copy of the repository whose
 stage commands are replaced by stubs that write their declared outputs (with fresh

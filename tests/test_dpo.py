@@ -1,4 +1,4 @@
-"""DPO (SPEC DPO-1, DPO-2, PIPE-5): the shared sequence log-prob, reference precompute, the DPO
+"""DPO: the shared sequence log-prob, reference precompute, the DPO
 loss_fn at initialisation (log 2), learning a toy preference, the KL to the reference, and
 the `dpo` stage end to end with its KL gate."""
 from __future__ import annotations

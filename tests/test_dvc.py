@@ -1,4 +1,4 @@
-"""dvc.yaml agrees with params.yaml and with the code (STYLE 15, SPEC PIPE-1)."""
+"""dvc.yaml agrees with params.yaml and with the code."""
 from __future__ import annotations
 
 import ast

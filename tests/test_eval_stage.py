@@ -1,4 +1,4 @@
-"""The eval stage and its library functions on tiny trained models (SPEC EVAL-1, EVAL-2, EVAL-4).
+"""The eval stage and its library functions on tiny trained models.
 
 A module fixture trains a byte-level tokenizer and a 1-layer GPT for a few steps on math
 conversations, and lays out models/{base,sft,reward,ppo}, data/prepared/rl/test.jsonl and

@@ -1,4 +1,4 @@
-"""Confidence intervals and pass@k against known values (SPEC EVAL-4)."""
+"""Confidence intervals and pass@k against known values."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Atomic writes and strict reads (SPEC REL-1, REL-4)."""
+"""Atomic writes and strict reads."""
 from __future__ import annotations
 
 import json

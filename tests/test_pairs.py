@@ -1,5 +1,5 @@
-"""RM-2 preference generation: pair choice and ties, preference_score bounds, adversarial
-format-broken pairs, and the `pairs` stage end to end (SPEC RM-2)."""
+"""Preference-pair generation: pair choice and ties, preference_score bounds, adversarial
+format-broken pairs, and the `pairs` stage end to end."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Every profile renders to a valid params file (SPEC PIPE-4, STYLE 14)."""
+"""Every profile renders to a valid params file."""
 from __future__ import annotations
 
 import subprocess

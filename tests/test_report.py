@@ -1,4 +1,4 @@
-"""The report stage: offline HTML, tolerance of missing stages, the table's deltas (SPEC EVAL-3, PIPE-3)."""
+"""The report stage: offline HTML, tolerance of missing stages, the table's deltas."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The reward model (SPEC RM-1, PIPE-5): pair encoding and batches, the reward read at the last
+"""The reward model: pair encoding and batches, the reward read at the last
 real token, the Bradley-Terry loss_fn, learning a toy preference, and the `reward` stage end to
 end with its quality gate.
 

@@ -1,4 +1,4 @@
-"""The math answer parser and verifiable reward (SPEC GRPO-2)."""
+"""The math answer parser and verifiable reward."""
 from __future__ import annotations
 
 from decimal import Decimal

@@ -1,4 +1,4 @@
-"""No code execution on load (SPEC REL-3).
+"""No code execution on load.
 
 1. A static scan of every Python file in llm/ and stages/ (AST, not grep, so `model.eval()`
    is not mistaken for `eval(...)`) finds no pickle-family import, no eval/exec, no unsafe

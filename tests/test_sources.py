@@ -1,4 +1,4 @@
-"""Format readers on fixtures of the real schemas (SPEC DATA-1, DATA-2)."""
+"""Format readers on fixtures of the real schemas."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Tests for llm/tokenizer.py (SPEC TOK-1..6): round trips, hand-worked merges, the
+"""Tests for llm/tokenizer.py: round trips, hand-worked merges, the
 tie-break, specials, save/load, the HF `tokenizers` export (as a reference client)."""
 from __future__ import annotations
 
