@@ -67,6 +67,7 @@ MAX_VOCAB = 1 << 20        # token ids; GPT-4's tokenizer has about 100k
 MAX_LAYERS = 256           # GPT-3 175B has 96
 MAX_WIDTH = 65536          # n_embd and mlp_hidden; GPT-3 175B has n_embd 12288
 MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024        # n_embd / n_head (real models use 64-256); bounds the rope table, seq_len x head_dim
 MAX_BATCH = 65536          # sequences in one batch, minibatch or generation batch
 MAX_STEPS = 10 ** 8        # optimizer steps, and step counts and intervals
 MAX_COUNT = 10 ** 7        # records, problems, prompts or samples a stage generates or reads
@@ -199,6 +200,9 @@ class ModelConfig:
             out.append(f"{key}.n_embd: {self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             out.append(f"{key}.n_kv_head: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.n_embd // max(self.n_head, 1) > MAX_HEAD_DIM:
+            out.append(f"{key}.n_embd: head_dim {self.n_embd // self.n_head} is above {MAX_HEAD_DIM}"
+                       f" (n_embd / n_head); use more heads")
         if self.pos == "rope" and (self.n_embd // max(self.n_head, 1)) % 2:
             out.append(f"{key}.pos: rope needs an even head_dim, got {self.n_embd // self.n_head}")
         if self.preset in PRESETS:
