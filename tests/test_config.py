@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from llm.config import (ConfigError, ModelConfig, Params, load_params, load_params_text, load_sections,
                         section_keys)
-from tests.conftest import ROOT
+from tests.conftest import ROOT, bounded
 
 
 def _base() -> dict:
@@ -365,3 +367,71 @@ def test_a_huge_file_a_directory_or_a_device_is_refused_quickly(tmp_path):
             continue
         with pytest.raises(ConfigError, match=fragment):
             load_params(path)
+
+
+# ---------------------------------------------------------------------------
+# The property: any edit of params.yaml is a clean refusal or a load whose every value is in bounds.
+
+def _leaves_in_bounds(obj, prefix="") -> list[str]:
+    """Dotted keys of loaded values outside their field's type or bounds (empty = all fine)."""
+    import dataclasses
+    import math
+    bad = []
+    for f in dataclasses.fields(obj):
+        v, key, meta = getattr(obj, f.name), f"{prefix}{f.name}", f.metadata
+        if dataclasses.is_dataclass(v):
+            bad += _leaves_in_bounds(v, key + ".")
+            continue
+        for x in v if isinstance(v, list) else [v]:
+            if dataclasses.is_dataclass(x):
+                bad += _leaves_in_bounds(x, key + "[].")
+            elif isinstance(x, float) and not math.isfinite(x):
+                bad.append(key)
+            elif isinstance(x, (int, float)) and not isinstance(x, bool) and (
+                    (meta.get("lo") is not None and x < meta["lo"]) or (meta.get("hi") is not None and x > meta["hi"])):
+                bad.append(key)
+    return bad
+
+
+_TEXT = (ROOT / "params.yaml").read_text()
+_LINES = _TEXT.splitlines()
+_VALUE_LINES = [i for i, ln in enumerate(_LINES) if re.match(r"^ +\w+: \S", ln)]
+yaml_values = st.sampled_from([".nan", ".inf", "-.inf", "1e999", "10000000000000000000000000", "-1", "0", "1",
+                               "2", "3.0e-4", "[]", "[1, 2]", "{a: 1}", "yes", "'x'", "~", "*nope", "&a 1",
+                               "[" * 50 + "]" * 50, "2001-01-01", "0x10", "1_000", "!!python/object:os.system"])
+params_edits = st.one_of(
+    st.tuples(st.just("value"), st.integers(0, len(_VALUE_LINES) - 1), yaml_values),
+    st.tuples(st.just("bytes"), st.integers(0, len(_TEXT)), st.binary(max_size=8), st.integers(0, 8)),
+    st.tuples(st.just("bomb"), st.integers(1, 12)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edit_list=st.lists(params_edits, min_size=1, max_size=4))
+def test_any_edit_of_params_is_refused_cleanly_or_loads_in_bounds(tmp_path_factory, edit_list):
+    lines = list(_LINES)
+    data = None
+    for edit in edit_list:
+        if edit[0] == "value":
+            i = _VALUE_LINES[edit[1]]
+            lines[i] = re.sub(r": .*$", f": {edit[2]}", lines[i])
+        elif edit[0] == "bomb":  # n levels of nine aliases each: 9**n values once expanded
+            n = edit[1]
+            lines = ["b0: &b0 [x, x, x, x, x, x, x, x, x]"] + [
+                f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * 9)}]" for i in range(1, n)] + lines
+    data = ("\n".join(lines) + "\n").encode()
+    for edit in edit_list:
+        if edit[0] == "bytes":
+            _, at, blob, drop = edit
+            data = data[:at] + blob + data[at + drop:]
+    f = tmp_path_factory.mktemp("params") / "params.yaml"
+    f.write_bytes(data)
+    with bounded(seconds=10, memory=2 << 30):
+        try:
+            params = load_params(f)
+        except ConfigError as e:
+            assert e.problems and all(p.startswith(str(f)) for p in e.problems), e.problems
+            event(f"refused ({len(e.problems)} problem{'s' if len(e.problems) > 1 else ''})")
+            return
+    event("loaded")
+    assert _leaves_in_bounds(params) == []
