@@ -1,7 +1,10 @@
 """Safe file I/O: atomic writes and strict, well-reported reads.
 
 Writes go to a temporary sibling, are fsynced, then renamed over the target, so a
-killed process leaves either the old file or the new one, never half of one.
+killed process leaves either the old file or the new one, never half of one; the temp
+sibling it leaves (`.<name>.<host>-<pid>.*.tmp`) is removed by the next successful write
+of the same target. (Under `dvc repro` the old one may be gone already: DVC deletes a
+stage's outputs before running it, and `dvc checkout` restores the committed ones.)
 
 Reads are strict UTF-8 and every bad record is reported as `path:line: reason`:
 
@@ -20,10 +23,13 @@ RecursionError).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import stat
 import tempfile
 from dataclasses import dataclass, field
@@ -64,10 +70,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Temp names carry this host and process: `.<name>.<host>-<pid>.<random>.tmp`. After a write
+# succeeds, the temps of its target that a killed write left behind are removed: those of this
+# host whose process is gone, and untagged ones of earlier versions. A live writer's temp, or
+# another host's (on a shared disk its pid means nothing here), is left alone.
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def _tmp_prefix(path: Path) -> str:
+    return f".{path.name}.{_HOST}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, as another user's
+        return True
+    return True
+
+
+def _remove_leftovers(path: Path) -> list[Path]:
+    """Remove the temp siblings of `path` that killed writes left; returns what went."""
+    prefix, gone = f".{path.name}.", []
+    for p in path.parent.glob(glob.escape(prefix) + "*.tmp"):
+        body = p.name[len(prefix):-len(".tmp")]
+        if "." in body:  # tagged "<host>-<pid>.<random>" (or another target's temp: no host match)
+            host, _, pid = body.rsplit(".", 1)[0].rpartition("-")
+            if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+                continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        gone.append(p)
+    return gone
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -80,6 +125,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    _remove_leftovers(path)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -108,7 +154,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
     """Stream into a temp file that replaces `path` only if the block completes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
         with os.fdopen(fd, mode, **kwargs) as f:
@@ -122,6 +168,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    _remove_leftovers(path)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -136,14 +183,15 @@ def _fsync_tree(root: Path) -> None:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Build a directory in a temp sibling; on success it replaces `path` in one rename.
 
-    If the block raises, `path` is untouched and the temp dir is removed. The swap of
-    an existing directory is two renames (old -> trash, new -> path); a crash between
-    them leaves `path` missing but the complete old copy in `.<name>.old-*`, and the
-    next successful write removes it.
+    If the block raises, `path` is untouched and the temp dir is removed; if the process
+    is killed, the temp dir stays until the next successful write of `path` removes it.
+    The swap of an existing directory is two renames (old -> trash, new -> path); a crash
+    between them leaves `path` missing but the complete old copy in `.<name>.old-*`, and
+    the next successful write removes it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
     _public(tmp, directory=True)
     try:
         yield tmp
@@ -160,8 +208,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in path.parent.glob(f".{path.name}.old-*"):
+    for stale in path.parent.glob(glob.escape(f".{path.name}.old-") + "*"):
         shutil.rmtree(stale, ignore_errors=True)
+    _remove_leftovers(path)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
