@@ -637,6 +637,8 @@ def _show(v: Any) -> str:
         return f"a mapping ({len(v)} keys)"
     if isinstance(v, list):
         return f"a list ({len(v)} items)"
+    if isinstance(v, int) and v.bit_length() > 200:  # repr of a huge int is slow or refused
+        return f"an int of {v.bit_length()} bits"
     r = repr(v)
     return f"{r if len(r) <= 60 else r[:57] + '...'} ({type(v).__name__})"
 

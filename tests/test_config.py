@@ -289,20 +289,17 @@ def test_list_items_are_range_checked_with_their_line():
 
 
 def test_a_yaml_alias_bomb_is_refused_in_bounded_time():
-    import time
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]  # 9**10 values
     bomb = "\n".join(lines) + "\n" + (ROOT / "params.yaml").read_text()
-    t0 = time.perf_counter()
-    with pytest.raises(ConfigError, match="more than 100000 values once YAML aliases"):
+    with bounded(seconds=5, memory=256 << 20), pytest.raises(ConfigError, match="more than 100000 values once YAML"):
         load_params_text(bomb, "params.yaml")
-    assert time.perf_counter() - t0 < 5
 
 
 def test_deep_nesting_is_refused_without_a_traceback():
     for text in ("common: " + "[" * 20_000 + "]" * 20_000 + "\n", "common:\n" + "".join(
             f"{' ' * i}k{i}:\n" for i in range(1, 60)) + " " * 60 + "v: 1\n"):
-        with pytest.raises(ConfigError, match="nested"):
+        with bounded(seconds=5, memory=256 << 20), pytest.raises(ConfigError, match="nested"):
             load_params_text(text, "params.yaml")
 
 
@@ -365,7 +362,7 @@ def test_a_huge_file_a_directory_or_a_device_is_refused_quickly(tmp_path):
                            (Path("/dev/zero"), "larger than 1048576 bytes")):
         if not path.exists():
             continue
-        with pytest.raises(ConfigError, match=fragment):
+        with bounded(seconds=2, memory=64 << 20), pytest.raises(ConfigError, match=fragment):
             load_params(path)
 
 
