@@ -153,14 +153,13 @@ def read_config(path: str | Path) -> tuple[ModelConfig, list[str]]:
     if unknown:
         raise ArtifactError(f"{f}: unknown model config keys {unknown[:8]}; written by a newer version of llm/?")
     try:
-        cfg = from_dict(ModelConfig, doc, str(f), "config")
+        cfg = from_dict(ModelConfig, doc, str(f), "config")  # types, bounds and ModelConfig.check
     except ConfigError as e:
-        raise ArtifactError(f"{f}: invalid model config: " + "; ".join(e.problems)) from None
-    problems = cfg.check("config")
+        raise ArtifactError(f"{f}: invalid model config: " + "; ".join(p.removeprefix(f"{f}: ")
+                                                                    for p in e.problems)) from None
     if cfg.vocab_size < 1:
-        problems.append("config.vocab_size: a saved model has a vocabulary (>= 1)")
-    if problems:
-        raise ArtifactError(f"{f}: invalid model config: " + "; ".join(problems))
+        raise ArtifactError(f"{f}: invalid model config: config.vocab_size: a saved model has a vocabulary"
+                            f" (>= 1), got {cfg.vocab_size}")
     return cfg, list(heads)
 
 
