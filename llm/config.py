@@ -548,8 +548,33 @@ class _Tree:
             return _Loc(None, line)
 
 
+_QUOTED_OR_COMMENT = re.compile(r"""'[^'\n]*'|"(?:[^"\\\n]|\\.)*"|#[^\n]*""")
+
+
+def _flow_depth(text: str) -> tuple[int, int]:
+    """(deepest [ ] / { } nesting, its line), ignoring quoted strings and comments: PyYAML's
+    scanner is quadratic in that depth, so a deep one is refused before it is parsed."""
+    depth = deepest = line = at = 0
+    for m in re.finditer(r"[\[\]{}\n]", _QUOTED_OR_COMMENT.sub(lambda q: "\n" * q[0].count("\n"), text)):
+        c = m[0]
+        if c == "\n":
+            at += 1
+        elif c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, line = depth, at + 1
+        else:
+            depth = max(depth - 1, 0)
+    return deepest, line
+
+
 def _parse_text(text: str, where: str, problems: list[str]) -> _Loc | None:
     """YAML text -> _Loc tree; syntax errors, alias bombs and deep nesting go to `problems`."""
+    deepest, line = _flow_depth(text)
+    if deepest > MAX_DEPTH:
+        problems.append(f"{where}:{line}: [ ] / {{ }} nested deeper than {MAX_DEPTH} levels; params sections"
+                        f" are a few levels deep")
+        return None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
