@@ -11,6 +11,7 @@ import torch
 from llm.artifacts import ArtifactError, MissingArtifactError, load_model_dir, save_model_dir
 from llm.config import ModelConfig
 from llm.export import ExportError, export_hf, export_problems, main
+from llm.fileio import sha256_file
 from llm.model import GPT
 from llm.reward_model import reward
 from llm.tokenizer import Tokenizer
@@ -141,7 +142,7 @@ def test_model_directory_round_trip(tmp_path, tok):
     assert sorted(os.listdir(tmp_path / "rm")) == ["config.json", "meta.json", "model.safetensors", "tokenizer"]
     m2, tok2, meta2 = load_model_dir(tmp_path / "rm")
     assert m2.config == m.config and m2.head_names == m.head_names and tok2.sha256() == tok.sha256()
-    assert meta2["stage"] == "reward" and meta2["fingerprint"] == "abc" and meta2["format_version"] == 1
+    assert meta2["stage"] == "reward" and meta2["fingerprint"] == "abc" and meta2["format_version"] == 2
     assert meta2["n_params"] == m.n_params() and "created" not in meta2
     first = (tmp_path / "rm" / "meta.json").read_bytes()
     save_model_dir(tmp_path / "rm", m, tok, meta)  # the same model again: the same bytes
@@ -191,9 +192,9 @@ def test_corrupt_files_are_named(tmp_path, tok):
     f.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=r"m/model.safetensors: sha256 does not match"):
         load_model_dir(tmp_path / "m")
-    f.write_bytes(b"garbage")  # and without a recorded hash: the reader itself refuses it
+    f.write_bytes(b"garbage")  # and with a hash recomputed to match: the reader itself refuses it
     meta = json.loads((tmp_path / "m" / "meta.json").read_text())
-    meta.pop("files")
+    meta["files"]["model.safetensors"] = sha256_file(f)
     (tmp_path / "m" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match="model.safetensors: not a readable safetensors file"):
         load_model_dir(tmp_path / "m")
