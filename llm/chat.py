@@ -47,6 +47,7 @@ from typing import IO, Any, Callable, Iterator, Sequence
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END, BOS = "<|end|>", "<|endoftext|>"
+STOP_TOKENS = (END, BOS)  # an answer ends at either (a model may close a turn by ending the document)
 
 
 def render(messages: Sequence[dict], tokenizer, max_tokens: int | None = None
@@ -205,7 +206,7 @@ class Chat:
             room = self.model.config.seq_len - len(prompt)
             gen = generate(self.model, [prompt], min(self.max_new_tokens, room), temperature=self.temperature,
                            top_k=self.top_k, top_p=self.top_p,
-                           stop_ids=(self.tok.special[END], self.tok.special[BOS]), pad_id=self.tok.pad_id,
+                           stop_ids=[self.tok.special[t] for t in STOP_TOKENS], pad_id=self.tok.pad_id,
                            generator=self.generator, stream=lambda t: sink(stream.push(int(t[0]))))
             sink(stream.flush())
             finish = "stop" if bool(gen.stopped[0]) else "length"

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from llm.chat import BOS, END, TextStream, device_problem, render_prompt
+from llm.chat import STOP_TOKENS, TextStream, device_problem, render_prompt
 from llm.generate import generate, sampling_problem
 
 log = logging.getLogger("llm.serve")
@@ -303,7 +303,7 @@ class Engine:
 
         device = self.model.wte.weight.device
         gen = generate(self.model, [job.prompt], job.max_tokens, temperature=r.temperature, top_k=r.top_k,
-                       top_p=r.top_p, stop_ids=(self.tok.special[END], self.tok.special[BOS]),
+                       top_p=r.top_p, stop_ids=[self.tok.special[t] for t in STOP_TOKENS],
                        pad_id=self.tok.pad_id, generator=torch.Generator(device=device).manual_seed(job.seed),
                        stream=step)
         tail = stops.feed(text.flush())
