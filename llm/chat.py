@@ -263,7 +263,7 @@ def sampling_problem(**settings) -> str | None:
     return check(**settings)
 
 
-def _arg(check: Callable[[Any], str | None], convert: Callable[[str], Any]) -> Callable[[str], Any]:
+def checked_arg(check: Callable[[Any], str | None], convert: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse type: convert, then refuse with check's reason (argparse exits 2 with it)."""
     def parse(text: str):
         try:
@@ -278,10 +278,10 @@ def _arg(check: Callable[[Any], str | None], convert: Callable[[str], Any]) -> C
     return parse
 
 
-temperature_arg = _arg(lambda t: sampling_problem(temperature=t), float)
-top_k_arg = _arg(lambda k: sampling_problem(top_k=k), int)
-top_p_arg = _arg(lambda p: sampling_problem(top_p=p), float)
-positive_int_arg = _arg(lambda n: None if n >= 1 else f"must be >= 1, got {n}", int)
+temperature_arg = checked_arg(lambda t: sampling_problem(temperature=t), float)
+top_k_arg = checked_arg(lambda k: sampling_problem(top_k=k), int)
+top_p_arg = checked_arg(lambda p: sampling_problem(top_p=p), float)
+positive_int_arg = checked_arg(lambda n: None if n >= 1 else f"must be >= 1, got {n}", int)
 
 
 def device_problem(name: str) -> str | None:
@@ -305,6 +305,23 @@ def device_problem(name: str) -> str | None:
     elif dev.type != "cpu":
         return f"{name}: unsupported device type {dev.type!r}; use cpu, cuda or mps"
     return None
+
+
+def load_for_cli(ap: argparse.ArgumentParser, model_dir: str, device: str, heads: tuple[str, ...] | None = None):
+    """(model in eval mode, tokenizer, meta) for a command line, or exit with the reason: a bad
+    --device is a usage error (2), an unusable model directory 1, Ctrl-C while loading 130."""
+    problem = device_problem(device)
+    if problem:
+        ap.error(f"argument --device: {problem}")
+    from llm.artifacts import load_model_dir
+
+    try:
+        model, tok, meta = load_model_dir(model_dir, device=device, heads=heads)
+    except (FileNotFoundError, ValueError) as e:
+        ap.exit(1, f"{ap.prog}: {e}\n")
+    except KeyboardInterrupt:
+        ap.exit(130)
+    return model.eval(), tok, meta
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -424,20 +441,7 @@ def _interactive(chat: Chat, banner: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    problem = device_problem(args.device)
-    if problem:
-        ap.error(f"argument --device: {problem}")
-
-    from llm.artifacts import load_model_dir
-
-    try:
-        model, tok, meta = load_model_dir(args.model_dir, device=args.device)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"chat: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    model.eval()
+    model, tok, meta = load_for_cli(ap, args.model_dir, args.device)
     seq_len = model.config.seq_len
     max_new = args.max_new_tokens or max(1, seq_len // 2)
     if max_new >= seq_len:
@@ -452,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reply = chat.reply(args.prompt)
         except ContextError as e:
-            print(f"chat: {e}", file=sys.stderr)
+            print(f"{ap.prog}: {e}", file=sys.stderr)
             return 1
         print(reply.text)
         return 130 if reply.finish == "interrupted" else 0

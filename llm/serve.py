@@ -51,7 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from llm.chat import STOP_TOKENS, TextStream, device_problem, render_prompt
+import torch
+
+from llm.chat import STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
 from llm.generate import generate, sampling_problem
 
 log = logging.getLogger("llm.serve")
@@ -290,8 +292,6 @@ class Engine:
                 self.running = 0
 
     def _generate(self, job: Job) -> None:
-        import torch
-
         r = job.request
         text, stops = TextStream(self.tok), StopStrings(r.stop)
 
@@ -379,8 +379,10 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
             return error(e)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_id,
                 "system_fingerprint": fingerprint}
-        usage = lambda n: {"prompt_tokens": len(prompt), "completion_tokens": n,  # noqa: E731
-                           "total_tokens": len(prompt) + n}
+
+        def usage(n: int) -> dict:
+            return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+
         if r.stream:
             return StreamingResponse(sse(job, head, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -469,26 +471,6 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
 # The command line
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535] (0 = any free port), got {port}")
-    return port
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0 = a free one, see getsockname())."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -509,37 +491,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on; the API has no authentication,"
                     " so think before using 0.0.0.0 (default: %(default)s)")
-    ap.add_argument("--port", type=_port, default=8000, help="0 = any free port (default: %(default)s)")
+    ap.add_argument("--port", type=checked_arg(lambda p: None if 0 <= p <= 65535 else
+                                               f"a port is in [0, 65535] (0 = any free port), got {p}", int),
+                    default=8000, help="0 = any free port (default: %(default)s)")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
-    ap.add_argument("--max-queue", type=_positive, default=16, metavar="N",
+    ap.add_argument("--max-queue", type=positive_int_arg, default=16, metavar="N",
                     help="requests that may wait while one is generated; more get 503 (default: %(default)s)")
-    ap.add_argument("--max-request-bytes", type=_positive, default=1 << 20, metavar="N",
+    ap.add_argument("--max-request-bytes", type=positive_int_arg, default=1 << 20, metavar="N",
                     help="largest request body accepted; larger gets 413 (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the seeds given to requests that bring none (default: %(default)s)")
     ap.add_argument("--name", default=None, help="the model's id in the API (default: the directory's name)")
     args = ap.parse_args(argv)
-    problem = device_problem(args.device)
-    if problem:
-        ap.error(f"argument --device: {problem}")
-
+    model, tok, meta = load_for_cli(ap, args.model_dir, args.device, heads=("lm",))
     import uvicorn
 
-    from llm.artifacts import load_model_dir
-
-    try:
-        model, tok, meta = load_model_dir(args.model_dir, device=args.device, heads=("lm",))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"serve: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    model.eval()
     name = args.name or Path(args.model_dir).resolve().name
     try:
         sock = listen(args.host, args.port)
     except OSError as e:
-        print(f"serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"{ap.prog}: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llm.artifacts import save_model_dir
-from llm.chat import COMMANDS, Chat, ContextError, TextStream, _parser, main, render_prompt, run_command
+from llm.chat import COMMANDS, Chat, TextStream, _parser, main, render_prompt, run_command
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT
@@ -128,8 +128,9 @@ def test_max_new_tokens_must_leave_room_for_the_conversation(model_dir, capsys):
 
 
 def test_a_missing_model_directory_is_reported_without_a_traceback(tmp_path, capsys):
-    assert main([str(tmp_path / "nothing"), "--prompt", "hi"]) == 1
-    assert "no model directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "nothing"), "--prompt", "hi"])
+    assert e.value.code == 1 and "no model directory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

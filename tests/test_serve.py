@@ -7,7 +7,6 @@ at its engine; one slow test starts `python -m llm.serve` as a program.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -389,5 +388,6 @@ def test_bad_command_lines_are_clear_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), *argv])
         assert e.value.code == 2 and why in capsys.readouterr().err
-    assert main([str(tmp_path / "nothing")]) == 1
-    assert "no model directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "nothing")])
+    assert e.value.code == 1 and "no model directory" in capsys.readouterr().err
