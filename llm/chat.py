@@ -26,7 +26,7 @@ longer fits the model's context, its earliest messages are forgotten (and you ar
 
 When stdin is not a terminal, each input line is one user turn (blank lines are skipped,
 commands work) and stdout is JSON Lines, one object per user turn, so answers that
-span several lines stay unambiguous:
+span several lines stay unambiguous (the answers shown are made up):
 
     $ printf 'What is 7 + 5?\nAnd times 2?\n' | python -m llm.chat models/sft --temperature 0
     {"line": 1, "user": "What is 7 + 5?", "assistant": "7 + 5 = 12\n#### 12", "finish": "stop"}

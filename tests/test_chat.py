@@ -280,6 +280,25 @@ def test_in_a_terminal_unknown_commands_get_the_list(model_dir, monkeypatch, cap
     assert "unknown command /tmp" in out and "/reset" in out and "assistant> " not in out
 
 
+def test_in_a_terminal_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(model_dir, monkeypatch, capsys):
+    """main() reads a terminal with errors="surrogateescape": a bad byte arrives as U+DCxx."""
+    monkeypatch.setattr(sys, "stdin", FakeTerminal("caf\udce9", "hello"))
+    assert main([str(model_dir), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "not valid UTF-8" in out and out.count("assistant> ") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_sampled_turn_runs_and_is_reproducible(model_dir, monkeypatch, capsys):
+    answers = []
+    for _ in range(2):
+        piped(monkeypatch, b"hello\n")
+        assert main([str(model_dir), "--device", "cuda", "--temperature", "1", "--max-new-tokens", "8"]) == 0
+        answers.append(records(capsys.readouterr().out)[0]["assistant"])
+    assert answers[0] == answers[1]
+
+
 def test_in_a_terminal_control_characters_of_an_answer_are_shown_escaped(tok, model_dir, monkeypatch, capsys):
     esc = tok.encode("\x1b[2J")  # clear screen
     monkeypatch.setattr(TextStream, "push", lambda self, t, p=TextStream.push: p(self, esc[0]) + p(self, esc[1]))

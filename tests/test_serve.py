@@ -207,6 +207,18 @@ def test_an_answer_that_the_model_ends_finishes_with_stop(tok):
     assert (r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_server_answers_and_a_seed_reproduces(tok):
+    server = Server(make_app(babbler(tok).cuda(), tok, model_id="sft"))
+    try:
+        c = server.client()
+        a, b = (ask(c, temperature=1.0, seed=5, max_tokens=8).choices[0] for _ in range(2))
+    finally:
+        server.close()
+    assert a.message.content == b.message.content and a.finish_reason == "length"
+
+
 # ---------------------------------------------------------------------------
 # a full queue
 
