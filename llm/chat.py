@@ -194,11 +194,12 @@ class Chat:
         """Add the user's `text`, generate the answer (streamed to on_text) and add it."""
         from llm.generate import generate  # torch-heavy: imported when chatting, not at import of llm.chat
 
+        before = list(self.history)
         self.history.append({"role": "user", "content": text})
         try:
             prompt, forgotten = self._fit()
         except ContextError:
-            self.history.pop()
+            self.history = before  # _fit may have dropped earlier turns on the way: nothing is lost
             raise
         stream, sink = TextStream(self.tok), on_text or (lambda piece: None)
         finish = "interrupted"

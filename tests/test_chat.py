@@ -218,6 +218,17 @@ def test_the_history_keeps_the_system_message_and_whole_exchanges(tok, model_dir
     assert chat.history[-2]["content"] == "question 3"
 
 
+def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
+    from llm.artifacts import load_model_dir
+    from llm.chat import ContextError
+    chat = Chat(load_model_dir(model_dir)[0], tok, system="Be brief.", temperature=0.0, max_new_tokens=8)
+    chat.reply("hi")
+    before = list(chat.history)
+    with pytest.raises(ContextError, match="tokens and the model's context is 64"):
+        chat.reply("x " * 80)
+    assert chat.history == before
+
+
 def test_a_message_longer_than_the_context_is_refused_with_its_length(tok, model_dir, monkeypatch, capsys):
     piped(monkeypatch, b"hi\n" + b"x " * 80 + b"\nshort\n")
     assert main([str(model_dir), "--max-new-tokens", "3"]) == 0
