@@ -16,8 +16,9 @@ content a string or a list of {"type": "text"} parts), temperature (0 to 2, defa
 0 = greedy), top_p, top_k (an extension, 0 = off), max_tokens or max_completion_tokens
 (default: the rest of the context), stop (a string or up to 4), seed, stream,
 stream_options.include_usage, n (1 only). Fields whose meaning this server cannot honour
-(tools, logprobs, n > 1, a JSON response_format) are refused with 400 rather than
-silently ignored; others are ignored.
+(tools, logprobs, penalties, logit_bias, n > 1, a JSON response_format) are refused with
+400 when set, rather than silently ignored; fields that do not change the answer (user,
+metadata, ...) are ignored.
 
 How requests run: one worker thread generates one answer at a time, the rest wait in a
 bounded queue (--max-queue) and a request that finds it full gets 503 at once. One at a
@@ -63,6 +64,7 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 200
 UNSUPPORTED = {  # field -> the value that means "not used"; anything else is refused
     "tools": None, "functions": None, "tool_choice": None, "function_call": None,
     "logprobs": False, "top_logprobs": None, "audio": None, "prediction": None,
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None,
 }
 
 

@@ -159,6 +159,12 @@ def test_the_seed_decides_the_sample(client):
     assert answers[0] == answers[1] != answers[2]
 
 
+def test_fields_at_their_do_nothing_values_are_accepted(client):
+    r = ask(client, max_tokens=2, frequency_penalty=0, presence_penalty=0, logprobs=False, n=1, user="u",
+            response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_top_p_that_keeps_one_token_is_greedy(client):
     greedy = ask(client, temperature=0, max_tokens=10).choices[0].message.content
     assert ask(client, temperature=1.5, top_p=1e-9, seed=1, max_tokens=10).choices[0].message.content == greedy
@@ -316,6 +322,7 @@ BAD = [
     ({"messages": HI, "n": 2}, 400, "n: this server returns one choice"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools is not supported"),
     ({"messages": HI, "logprobs": True}, 400, "logprobs is not supported"),
+    ({"messages": HI, "frequency_penalty": 0.5}, 400, "frequency_penalty is not supported"),
     ({"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"messages": HI, "model": "gpt-5"}, 404, "does not exist"),
     ({"messages": [{"role": "user", "content": "x " * 100}]}, 400, "this model's context is 64 tokens"),
