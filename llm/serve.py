@@ -22,10 +22,12 @@ metadata, ...) are ignored.
 
 How requests run: one worker thread generates one answer at a time, the rest wait in a
 bounded queue (--max-queue) and a request that finds it full gets 503 at once. One at a
-time because requests carry different sampling settings and seeds, and because decoding a
-small model is bound by per-step overhead, not arithmetic; batching requests that share
-settings is the next step if throughput matters. Without a seed each request gets one drawn
-from the server's own generator (--seed), so a server run is reproducible request by request.
+time keeps each request's sampling settings and seed its own (a batch would share one
+generator), so a seeded request gets the same answer whatever else is being served
+(tested with 8 concurrent clients). Batching would raise throughput, since decoding a
+small model is bound by per-step overhead that a batch shares; it is the next step if that
+matters. A request without a seed gets one drawn from the server's generator (--seed), so
+the same requests in the same order get the same answers.
 
 Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
 400 for a malformed request (including a prompt longer than the context, with its length),
