@@ -172,9 +172,18 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
 
 
 def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
+    """fsync every file and directory under root, giving each the umask-derived mode on the way:
+    writers that create private files (mkstemp, safetensors: 0600) would otherwise leave a
+    model directory that other users cannot read. Executable files stay executable."""
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            _public(os.path.join(dirpath, name), directory=True)
         for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                executable = os.stat(path).st_mode & 0o111
+                os.chmod(path, (0o777 if executable else 0o666) & ~_UMASK)
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(dirpath))
 

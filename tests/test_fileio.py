@@ -92,6 +92,22 @@ def test_exception_inside_atomic_dir_keeps_the_old_dir(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_atomic_dir_gives_private_files_the_usual_mode(tmp_path):
+    """mkstemp and safetensors create 0600 files; the finished directory has umask-derived modes
+    (0644 / 0755 under the common umask 022), executables stay executable."""
+    from llm.fileio import _UMASK
+
+    with atomic_dir(tmp_path / "m") as t:
+        os.close(os.open(t / "private", os.O_CREAT | os.O_WRONLY, 0o600))
+        (t / "sub").mkdir(mode=0o700)
+        os.close(os.open(t / "sub" / "tool", os.O_CREAT | os.O_WRONLY, 0o700))
+    def mode(p):
+        return p.stat().st_mode & 0o777
+
+    assert mode(tmp_path / "m" / "private") == 0o666 & ~_UMASK
+    assert mode(tmp_path / "m" / "sub") == mode(tmp_path / "m" / "sub" / "tool") == 0o777 & ~_UMASK
+
+
 def test_atomic_dir_replaces_existing(tmp_path):
     d = tmp_path / "model"
     with atomic_dir(d) as t:
