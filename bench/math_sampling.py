@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy = answer_questions(model, tok, questions, max_new_tokens=args.max_new_tokens, batch_size=64)
     flat = answer_questions(model, tok, [q for q in questions for _ in range(args.k)],
                             max_new_tokens=args.max_new_tokens, batch_size=128, temperature=args.temperature,
-                            generator=torch.Generator().manual_seed(args.seed))
+                            seed=args.seed)
     samples = [flat[i * args.k:(i + 1) * args.k] for i in range(len(problems))]
     table = summarize(problems, greedy, samples)
 

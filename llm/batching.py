@@ -6,9 +6,12 @@ JSON, so a resumed run sees exactly the batches it would have seen.
 
 Randomness is counter-based: the batch for a given position is drawn from a
 `torch.Generator` seeded by (seed, group index), never from a generator whose state has
-to be saved. Under DDP every rank computes the same *global* batch and takes its share
-(DistributedSampler-style), so N processes with batch B see exactly the samples one
-process with batch N*B (or grad_accum N) would see.
+to be saved. The samplers define a *global* sequence of micro-batches, the same whatever
+the number of processes: with N processes, rank r's d-th micro-batch is global micro-batch
+d * N + r, so an optimizer step of grad_accum micro-batches holds the same samples on 1
+process (grad_accum in a row) as on N (grad_accum / N each). The cursor in `state_dict()`
+is a global position (micro-batches taken by all ranks), so a run checkpointed on N
+processes resumes on M and continues from the same sample.
 
 1. Pretraining (`data/tokens/{train,val}.bin`, uint16 or uint32 memmaps):
    - `WindowSampler`: random windows of seq_len+1 tokens -> {"idx": (B, T), "targets": (B, T)}.
@@ -71,11 +74,10 @@ def _windows(tokens: np.ndarray, offsets: Sequence[int], seq_len: int) -> dict[s
 class WindowSampler:
     """Random windows of `seq_len + 1` tokens from a token array, as a resumable batch source.
 
-    Micro-batches are grouped by optimizer step: group g (= draws // grad_accum) is a
-    global set of world_size * grad_accum * batch_size window offsets drawn from a
-    generator seeded by (seed, g); micro-batch j of rank r takes the slice
-    [(j * world_size + r) * B, ... + B). So (world_size, grad_accum, batch_size) settings
-    with the same product see the same windows in every optimizer step.
+    Optimizer step g draws grad_accum * batch_size window offsets from a generator seeded by
+    (seed, g); global micro-batch m of that step is the slice [m * B, (m + 1) * B). Rank r of
+    world_size takes global micro-batches r, r + world_size, ... (grad_accum must be a multiple
+    of world_size), so every number of processes sees the same windows in every step.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, grad_accum: int = 1,
@@ -84,17 +86,20 @@ class WindowSampler:
             raise ValueError(f"token array has {len(tokens)} tokens; need more than seq_len + 1 = {seq_len + 1}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if grad_accum % world_size:
+            raise ValueError(f"grad_accum={grad_accum} micro-batches per step cannot be shared by {world_size}"
+                             f" processes; use a multiple of {world_size}")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.grad_accum, self.seed, self.rank, self.world_size = grad_accum, seed, rank, world_size
         self.draws = 0  # micro-batches taken by this rank so far
 
     def offsets(self, draw: int) -> list[int]:
-        group, micro = divmod(draw, self.grad_accum)
-        n = self.world_size * self.grad_accum * self.batch_size
+        """The window starts of this rank's micro-batch number `draw`."""
+        group, micro = divmod(draw * self.world_size + self.rank, self.grad_accum)
+        n = self.grad_accum * self.batch_size
         high = len(self.tokens) - (self.seq_len + 1) + 1  # last valid start + 1
         offs = torch.randint(0, high, (n,), generator=_generator("windows", self.seed, group))
-        start = (micro * self.world_size + self.rank) * self.batch_size
-        return offs[start:start + self.batch_size].tolist()
+        return offs[micro * self.batch_size:(micro + 1) * self.batch_size].tolist()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """{"idx": (B, T) int64, "targets": (B, T) int64}; targets are idx shifted by one."""
@@ -103,15 +108,24 @@ class WindowSampler:
         return batch
 
     def state_dict(self) -> dict:
-        return {"draws": self.draws, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-                "grad_accum": self.grad_accum, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        """position: global micro-batches taken (every rank's), valid between optimizer steps."""
+        return {"position": self.draws * self.world_size, "seed": self.seed, "grad_accum": self.grad_accum,
+                "batch_size": self.batch_size, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "world_size", "grad_accum", "batch_size", "seq_len"):
+        for k in ("seed", "grad_accum", "batch_size", "seq_len"):
             if state.get(k) != getattr(self, k):
                 raise ValueError(f"WindowSampler state: {k}={state.get(k)!r} in the checkpoint,"
                                  f" {getattr(self, k)!r} now; resuming would change the data order")
-        self.draws = int(state["draws"])
+        self.draws = _local_draws(int(state["position"]), self.world_size, "WindowSampler")
+
+
+def _local_draws(position: int, world_size: int, who: str) -> int:
+    """This rank's draws at a global position (taken between optimizer steps, so it divides)."""
+    if position % world_size:
+        raise ValueError(f"{who} state: global position {position} is not a multiple of {world_size}"
+                         f" processes; the checkpoint was not taken between optimizer steps")
+    return position // world_size
 
 
 def fixed_windows(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int,
@@ -136,10 +150,11 @@ class BucketBatchSampler:
     """Length-bucketed batches of example indices, shuffled per epoch; endless and resumable.
 
     Each epoch (generator seeded by (seed, epoch)): indices are shuffled, grouped by
-    `length // bucket_width`, cut into global batches of batch_size * world_size, and the
-    batches shuffled. Rank r takes global_batch[r::world_size]. A bucket's last, short
-    batch is kept (smaller batch) unless it has fewer examples than there are ranks.
-    `state_dict()` is (epoch, position within the epoch).
+    `length // bucket_width`, each bucket cut into batches of batch_size (its last one may be
+    shorter), and the batches shuffled. Every epoch has the same number of batches. Rank r of
+    world_size takes global batches r, r + world_size, ... (whole batches: a micro-batch is
+    never split), so the sequence of batches does not depend on the number of processes.
+    `state_dict()` is the global position (batches taken by every rank).
     """
 
     def __init__(self, lengths: Sequence[int], *, batch_size: int, bucket_width: int, seed: int,
@@ -148,60 +163,55 @@ class BucketBatchSampler:
             raise ValueError("BucketBatchSampler: no examples")
         if bucket_width < 1 or batch_size < 1:
             raise ValueError(f"bucket_width and batch_size must be >= 1, got {bucket_width}, {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size, self.bucket_width, self.seed = batch_size, bucket_width, seed
         self.rank, self.world_size = rank, world_size
-        self.epoch, self.position = 0, 0
-        self._batches: list[list[int]] | None = None
+        sizes = np.bincount(self.lengths // bucket_width)
+        self.per_epoch = int(sum(-(-int(n) // batch_size) for n in sizes if n))  # batches in every epoch
+        self.draws = 0  # batches taken by this rank
+        self._epoch: tuple[int, list[list[int]]] | None = None
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """The global batches (all ranks) of `epoch`, in order."""
+        """The global batches of `epoch`, in order."""
         g = _generator("buckets", self.seed, epoch)
         order = torch.randperm(len(self.lengths), generator=g).numpy()
         buckets: dict[int, list[int]] = {}
         for i in order:
             buckets.setdefault(int(self.lengths[i]) // self.bucket_width, []).append(int(i))
-        size = self.batch_size * self.world_size
+        size = self.batch_size
         batches = [b[s:s + size] for _, b in sorted(buckets.items()) for s in range(0, len(b), size)]
-        batches = [b for b in batches if len(b) >= self.world_size]
-        if not batches:
-            raise ValueError(f"BucketBatchSampler: {len(self.lengths)} examples cannot give each of"
-                             f" {self.world_size} ranks one example per batch")
         perm = torch.randperm(len(batches), generator=g).tolist()
         return [batches[p] for p in perm]
 
     def __len__(self) -> int:
         """Batches per epoch."""
-        return len(self.epoch_batches(0))
+        return self.per_epoch
 
     def next_indices(self) -> list[int]:
         """This rank's example indices for the next batch."""
-        if self._batches is None:
-            self._batches = self.epoch_batches(self.epoch)
-        if self.position >= len(self._batches):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._batches = self.epoch_batches(self.epoch)
-        batch = self._batches[self.position][self.rank::self.world_size]
-        self.position += 1
-        return batch
+        epoch, pos = divmod(self.draws * self.world_size + self.rank, self.per_epoch)
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, self.epoch_batches(epoch))
+        self.draws += 1
+        return self._epoch[1][pos]
 
     def __iter__(self):
         while True:
             yield self.next_indices()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batch_size": self.batch_size, "bucket_width": self.bucket_width,
-                "world_size": self.world_size, "n_examples": len(self.lengths)}
+        return {"position": self.draws * self.world_size, "seed": self.seed, "batch_size": self.batch_size,
+                "bucket_width": self.bucket_width, "n_examples": len(self.lengths)}
 
     def load_state_dict(self, state: dict) -> None:
         now = self.state_dict()
-        for k in ("seed", "batch_size", "bucket_width", "world_size", "n_examples"):
+        for k in ("seed", "batch_size", "bucket_width", "n_examples"):
             if state.get(k) != now[k]:
                 raise ValueError(f"BucketBatchSampler state: {k}={state.get(k)!r} in the checkpoint,"
                                  f" {now[k]!r} now; resuming would change the data order")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._batches = None
+        self.draws = _local_draws(int(state["position"]), self.world_size, "BucketBatchSampler")
 
 
 def pad_collate(sequences: Sequence[Sequence[int]], *, pad_id: int,

@@ -84,9 +84,40 @@ class CommonConfig:
     seed: int = _f(lo=0, hi=2 ** 32 - 1, doc="at most 2**32 - 1, the largest seed every RNG here accepts")
     device: Literal["auto", "cpu", "cuda"] = _f(doc="auto: cuda when available")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
-    nproc: int = _f(lo=1, hi=MAX_WORKERS, doc="processes per node; > 1 runs training stages under torchrun")
+    nproc: int = _f(lo=1, hi=MAX_WORKERS, doc="processes per node; > 1 runs the model stages under torchrun")
     num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads per process; 0 = torch's default")
     cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
+    # Several machines (torchrun's c10d rendezvous; docs/scale.md). The defaults here serve
+    # library code and tests; params.yaml lists every key.
+    nnodes: int = _f(1, lo=1, hi=MAX_WORKERS, doc="machines; > 1: every other one runs `python -m llm.stage join"
+                     " <stage>` (the world is nnodes x nproc processes)")
+    rdzv_endpoint: str = _f("", doc="host:port where the machines meet (a port free on that host); needed when"
+                                    " nnodes > 1")
+    rdzv_id: str = _f("llm", doc="the job's name at the rendezvous: machines with the same id join the same run")
+    rdzv_timeout: int = _f(300, lo=1, hi=86400, doc="seconds to wait for every machine to join before failing")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: nproc per machine x nnodes machines."""
+        return self.nproc * self.nnodes
+
+    def check(self, key: str) -> list[str]:
+        out = []
+        if self.nnodes > 1 and not _ENDPOINT.match(self.rdzv_endpoint):
+            out.append(f"{key}.rdzv_endpoint: nnodes={self.nnodes} needs host:port (the head machine and a port"
+                       f" free there, e.g. node0.cluster:29400), got {self.rdzv_endpoint!r}")
+        if self.nnodes > 1 and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.rdzv_id):
+            out.append(f"{key}.rdzv_id: expected 1-64 letters, digits, '_', '.' or '-', got {self.rdzv_id!r}")
+        return out
+
+
+# host:port of a rendezvous: a hostname, an IPv4 address or a bracketed IPv6 one, and a port
+_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([1-9][0-9]{0,4})$")
+
+# The keys of `common` that say where a run is placed, not what it computes: a checkpoint's
+# fingerprint leaves them out, so a run checkpointed on 2 processes resumes on 1 (the data
+# order and the global batch do not depend on them; llm/batching.py).
+PLACEMENT_KEYS = ("nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout")
 
 
 @dataclass(kw_only=True)
@@ -243,19 +274,39 @@ class LoopConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig(LoopConfig):
-    """The supervised training loop (llm/trainer.py): pretrain, SFT, reward model, DPO."""
-    batch_size: int = _f(lo=1, hi=MAX_BATCH, doc="sequences per micro-batch per process")
-    grad_accum: int = _f(lo=1, hi=MAX_BATCH, doc="micro-batches per optimizer step")
+    """The supervised training loop (llm/trainer.py): pretrain, SFT, reward model, DPO.
+
+    The global batch of an optimizer step is batch_size x grad_accum sequences whatever the
+    number of processes: each of N processes runs grad_accum / N micro-batches of batch_size."""
+    batch_size: int = _f(lo=1, hi=MAX_BATCH, doc="sequences per micro-batch (one process runs one at a time)")
+    grad_accum: int = _f(lo=1, hi=MAX_BATCH, doc="micro-batches per optimizer step, over all processes (a"
+                                                 " multiple of common.nproc x common.nnodes)")
+    distributed: Literal["ddp", "fsdp"] = _f("ddp", doc="DDP (each process holds the whole model) or FSDP2"
+                                                  " (parameters, gradients and AdamW moments sharded over the"
+                                                  " processes) when there is more than one process")
+
+    def check_world(self, key: str, common: CommonConfig) -> list[str]:
+        return _shared_out(key, "grad_accum", self.grad_accum, "micro-batches per optimizer step", common,
+                           f"the global batch stays batch_size x grad_accum = {self.batch_size * self.grad_accum}"
+                           f" sequences whatever the number of processes")
     eval_batches: int = _f(lo=1, hi=MAX_COUNT)
     log_every: int = _f(lo=1, hi=MAX_STEPS)
     activation_checkpointing: bool = _f()
     compile: bool = _f()
 
 
+def _shared_out(key: str, name: str, n: int, what: str, common: CommonConfig, why: str) -> list[str]:
+    """The problem, if any, with sharing `n` units of work out equally to common.world_size processes."""
+    world = common.world_size
+    if n % world == 0:
+        return []
+    return [f"{key}.{name}: {n} {what} cannot be shared equally by {world} processes (common.nproc={common.nproc}"
+            f" x common.nnodes={common.nnodes}); set it to a multiple of {world} ({why}), or change common.nproc"]
+
+
 @dataclass(kw_only=True)
 class PretrainConfig(TrainConfig):
     model: ModelConfig = _f()
-    distributed: Literal["ddp", "fsdp"] = _f(doc="strategy when common.nproc > 1")
 
 
 @dataclass(kw_only=True)
@@ -361,6 +412,10 @@ class PPOConfig(RLConfig):
     kl_alert_low: float = _f(lo=0.0)
     kl_alert_high: float = _f(lo=0.0)
 
+    def check_world(self, key: str, common: CommonConfig) -> list[str]:
+        return _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
+                           "each process rolls out and scores an equal share of them")
+
     def check(self, key: str) -> list[str]:
         out = super().check(key)
         if self.kl_alert_low > self.kl_alert_high:
@@ -383,6 +438,10 @@ class GRPOConfig(RLConfig):
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
     curriculum_levels: list[int] = _f(lo=1, hi=4)
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
+
+    def check_world(self, key: str, common: CommonConfig) -> list[str]:
+        return _shared_out(key, "prompts_per_step", self.prompts_per_step, "prompts (groups) per step", common,
+                           "each process samples and scores whole groups; a group is never split")
 
     def check(self, key: str) -> list[str]:
         out = super().check(key)
@@ -846,8 +905,14 @@ def to_dict(obj: Any) -> Any:
 
 
 def fingerprint(*parts: Any) -> str:
-    """sha256 over canonical JSON of dataclasses/dicts/strings: identifies a run's inputs."""
-    blob = json.dumps([to_dict(p) for p in parts], sort_keys=True, separators=(",", ":"), default=str)
+    """sha256 over canonical JSON of dataclasses/dicts/strings: identifies a run's inputs.
+
+    A CommonConfig counts without its PLACEMENT_KEYS: how many processes or machines run a
+    stage does not change what it computes, so its checkpoints resume on any world size."""
+    def identity(p: Any) -> Any:
+        d = to_dict(p)
+        return {k: v for k, v in d.items() if k not in PLACEMENT_KEYS} if isinstance(p, CommonConfig) else d
+    blob = json.dumps([identity(p) for p in parts], sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

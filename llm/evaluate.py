@@ -35,6 +35,7 @@ from llm.config import EvalConfig
 from llm.generate import generate
 from llm.reward_model import reward
 from llm.rollout import sampled_kl
+from llm.runtime import sharded_map
 from llm.rewards import is_correct, parse_answer
 
 _Z = {0.9: 1.6448536269514722, 0.95: 1.959963984540054, 0.99: 2.5758293035489004}
@@ -94,39 +95,50 @@ def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, n_boot
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
-                     temperature: float = 0.0, generator: torch.Generator | None = None
-                     ) -> tuple[list[str], list[int]]:
+                     temperature: float = 0.0, seed: int | None = None, rt=None) -> tuple[list[str], list[int]]:
     """The model's answer to each question (chat template, stop at <|end|> or <|endoftext|>),
     in input order: (texts, generated token counts incl. the stop token).
 
     Prompts are batched by length: similar prompts have similar answer lengths here (a level-4
     problem is long and so is its solution), and a batch decodes until its longest answer ends.
+    Sampling (temperature > 0) needs `seed`: batch b draws from a generator seeded by (seed, b),
+    so its answers do not depend on the batches before it. With a distributed `rt` the batches
+    are shared out over the ranks and gathered (llm.runtime.sharded_map): every rank gets the
+    answers one process would give.
     """
+    if temperature > 0 and seed is None:
+        raise ValueError("generate_answers: sampling (temperature > 0) needs a seed")
     model.eval()
+    device = model.wte.weight.device
     prompts = [user_prompt(q, tokenizer) for q in questions]
     stop = (tokenizer.special["<|end|>"], tokenizer.special["<|endoftext|>"])
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: repeats stay together
-    texts: list[str] = [""] * len(prompts)
-    counts: list[int] = [0] * len(prompts)
-    for s in range(0, len(order), batch_size):
-        ix = order[s:s + batch_size]
-        chunk = [prompts[i] for i in ix]
+    chunks = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+
+    def one(b: int) -> list[tuple[str, int]]:
+        chunk = [prompts[i] for i in chunks[b]]
         room = model.config.seq_len - max(map(len, chunk))
         if room < 1:
             raise ValueError(f"a prompt of {max(map(len, chunk))} tokens leaves no room in seq_len"
                              f" {model.config.seq_len}: raise pretrain.model.seq_len in params.yaml")
+        g = torch.Generator(device).manual_seed(derive_seed(seed, "batch", b)) if temperature > 0 else None
         gen = generate(model, chunk, min(max_new_tokens, room), temperature=temperature, stop_ids=stop,
-                       pad_id=tokenizer.pad_id, generator=generator)
-        for i, r, n in zip(ix, gen.responses(), gen.response_mask.sum(-1).tolist()):
-            texts[i], counts[i] = tokenizer.decode(r), n
+                       pad_id=tokenizer.pad_id, generator=g)
+        return [(tokenizer.decode(r), n) for r, n in zip(gen.responses(), gen.response_mask.sum(-1).tolist())]
+
+    texts: list[str] = [""] * len(prompts)
+    counts: list[int] = [0] * len(prompts)
+    for ix, answers in zip(chunks, sharded_map(one, len(chunks), rt)):
+        for i, (text, n) in zip(ix, answers):
+            texts[i], counts[i] = text, n
     return texts, counts
 
 
 def answer_questions(model, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
-                     temperature: float = 0.0, generator: torch.Generator | None = None) -> list[str]:
+                     temperature: float = 0.0, seed: int | None = None, rt=None) -> list[str]:
     """The model's answer text for each question (see `generate_answers`)."""
     return generate_answers(model, tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                            temperature=temperature, generator=generator)[0]
+                            temperature=temperature, seed=seed, rt=rt)[0]
 
 
 def score_math(problems: Sequence[dict], answers: Sequence[str], confidence: float = 0.95,
@@ -153,20 +165,19 @@ def score_math(problems: Sequence[dict], answers: Sequence[str], confidence: flo
 
 
 def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
-              confidence: float = 0.95, n_samples_kept: int = 5) -> dict:
+              confidence: float = 0.95, n_samples_kept: int = 5, rt=None) -> dict:
     """Greedy exact match on problems ({"question", "answer", "level"}), with a Wilson interval."""
     answers = answer_questions(model, tokenizer, [p["question"] for p in problems],
-                               max_new_tokens=max_new_tokens, batch_size=batch_size)
+                               max_new_tokens=max_new_tokens, batch_size=batch_size, rt=rt)
     return score_math(problems, answers, confidence, n_samples_kept)
 
 
 def math_pass_at_k(model, tokenizer, problems: Sequence[dict], *, k: int, temperature: float,
-                   max_new_tokens: int, batch_size: int, generator: torch.Generator,
-                   confidence: float = 0.95) -> dict:
+                   max_new_tokens: int, batch_size: int, seed: int, confidence: float = 0.95, rt=None) -> dict:
     """pass@k with n = k samples per problem, and a bootstrap interval over problems."""
     questions = [p["question"] for p in problems for _ in range(k)]
     answers = answer_questions(model, tokenizer, questions, max_new_tokens=max_new_tokens,
-                               batch_size=batch_size, temperature=temperature, generator=generator)
+                               batch_size=batch_size, temperature=temperature, seed=seed, rt=rt)
     per_problem = []
     for i, p in enumerate(problems):
         c = sum(is_correct(a, p["answer"]) for a in answers[i * k:(i + 1) * k])
@@ -177,20 +188,26 @@ def math_pass_at_k(model, tokenizer, problems: Sequence[dict], *, k: int, temper
 
 
 @torch.no_grad()
-def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None) -> dict:
+def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None, rt=None) -> dict:
     """Mean next-token loss over `batches` ({"idx", "targets"}: (B, T) long, -100 = unscored),
-    its perplexity, and bits per byte = loss / ln 2 / (bytes per token) when given."""
+    its perplexity, and bits per byte = loss / ln 2 / (bytes per token) when given. A distributed
+    `rt` shares the batches out over the ranks (the sum runs in batch order either way)."""
     was_training = model.training
     model.eval()
     device = model.wte.weight.device
+
+    def one(i: int) -> tuple[float, int]:
+        b = batches[i]
+        logits = model(b["idx"].to(device))                      # (B, T, V) float32
+        targets = b["targets"].to(device)                         # (B, T)
+        return (F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction="sum").item(), int((targets != -100).sum()))
+
     total, n = 0.0, 0
     try:
-        for b in batches:
-            logits = model(b["idx"].to(device))                      # (B, T, V) float32
-            targets = b["targets"].to(device)                         # (B, T)
-            total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                     reduction="sum").item()
-            n += int((targets != -100).sum())
+        for loss_sum, count in sharded_map(one, len(batches), rt):
+            total += loss_sum
+            n += count
     finally:
         model.train(was_training)
     if n == 0:
@@ -203,7 +220,8 @@ def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None
 
 
 @torch.no_grad()
-def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str], *, batch_size: int) -> list[float]:
+def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str], *, batch_size: int,
+              rt=None) -> list[float]:
     """The reward model's score of each (question, response): the conversation is rendered with
     the chat template (llm/chat.py render: BOS, user turn, assistant turn, closing <|end|>),
     cut to the RM's seq_len, and read at its last real token (llm.reward_model.reward)."""
@@ -218,11 +236,13 @@ def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str],
         if rendered is None:
             raise ValueError(f"rm_scores: question {i} alone fills the RM's seq_len={rm.config.seq_len}")
         seqs.append(rendered[0])
-    out: list[float] = []
-    for i in range(0, len(seqs), batch_size):
-        batch = pad_collate(seqs[i:i + batch_size], pad_id=tokenizer.pad_id, shift=False)
-        out += reward(rm, batch["idx"].to(device), batch["attention_mask"].to(device)).tolist()  # (B,)
-    return out
+    starts = range(0, len(seqs), batch_size)
+
+    def one(b: int) -> list[float]:
+        batch = pad_collate(seqs[starts[b]:starts[b] + batch_size], pad_id=tokenizer.pad_id, shift=False)
+        return reward(rm, batch["idx"].to(device), batch["attention_mask"].to(device)).tolist()  # (B,)
+
+    return [r for part in sharded_map(one, len(starts), rt) for r in part]
 
 
 def win_rate(scores: Sequence[float], ref_scores: Sequence[float], ties: Sequence[bool] | None = None,
@@ -254,7 +274,7 @@ def _mean(xs: Sequence[float]) -> float:
 def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
                    ref=None, rm=None, toxicity: Callable[[list[str]], list[float]] | None = None,
-                   toxicity_threshold: float = 0.5, n_samples_kept: int = 5) -> tuple[dict, dict]:
+                   toxicity_threshold: float = 0.5, n_samples_kept: int = 5, rt=None) -> tuple[dict, dict]:
     """Every measurement of one model -> (metrics, extras).
 
     metrics: flat, numbers only except `"toxicity": "unavailable"` when no scorer is given.
@@ -267,15 +287,16 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
     the first cfg.kl_prompts sampled for KL to `ref`. `ref` is the SFT model; pass `ref=model`
     when evaluating SFT itself (KL 0, win rate 0.5 by definition, nothing recomputed); None
     skips win rate and KL. `rm` None skips the RM metrics. Sampling uses generators seeded
-    from (seed, part), so the same seed gives the same numbers.
+    from (seed, part, batch), so the same seed gives the same numbers. A distributed `rt` (the
+    eval stage under torchrun) shares every batch loop out over the ranks, and every rank
+    returns what one process would (llm.runtime.sharded_map).
     """
-    device = model.wte.weight.device
     timing: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     extras: dict[str, Any] = {}
 
-    def gen(part: str) -> torch.Generator:
-        return torch.Generator(device).manual_seed(derive_seed(seed, "eval", part))
+    def part_seed(part: str) -> int:
+        return derive_seed(seed, "eval", part)
 
     @contextlib.contextmanager
     def timed(part: str):
@@ -285,12 +306,12 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
 
     if val_batches:
         with timed("ppl"):
-            metrics.update(lm_eval(model, val_batches, bytes_per_token))
+            metrics.update(lm_eval(model, val_batches, bytes_per_token, rt=rt))
 
     math_set = list(problems[:cfg.math_problems])
     with timed("math"):
         answers, n_tokens = generate_answers(model, tokenizer, [p["question"] for p in math_set],
-                                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+                                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
     scored = score_math(math_set, answers, cfg.confidence, n_samples_kept)
     extras["math_samples"] = scored.pop("samples")
     metrics.update(scored)
@@ -300,7 +321,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
         with timed("pass_k"):
             pk = math_pass_at_k(model, tokenizer, problems[:cfg.pass_k_problems], k=cfg.pass_k,
                                 temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                batch_size=cfg.batch_size, generator=gen("pass_k"), confidence=cfg.confidence)
+                                batch_size=cfg.batch_size, seed=part_seed("pass_k"), confidence=cfg.confidence,
+                                rt=rt)
         k = cfg.pass_k
         metrics.update({"math_pass_at_k": pk[f"math_pass_at_{k}"], "math_pass_at_k_lo": pk[f"math_pass_at_{k}_lo"],
                         "math_pass_at_k_hi": pk[f"math_pass_at_{k}_hi"], "math_pass_k": k,
@@ -313,8 +335,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             mine = answers[:len(rm_set)]
             if len(mine) < len(rm_set):
                 mine += answer_questions(model, tokenizer, qs[len(mine):], max_new_tokens=cfg.max_new_tokens,
-                                         batch_size=cfg.batch_size)
-            scores = rm_scores(rm, tokenizer, qs, mine, batch_size=cfg.batch_size)
+                                         batch_size=cfg.batch_size, rt=rt)
+            scores = rm_scores(rm, tokenizer, qs, mine, batch_size=cfg.batch_size, rt=rt)
             lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
             metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
                             "rm_prompts": len(rm_set)})
@@ -323,8 +345,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                     theirs, ref_scores = mine, scores
                 else:
                     theirs = answer_questions(ref, tokenizer, qs, max_new_tokens=cfg.max_new_tokens,
-                                              batch_size=cfg.batch_size)
-                    ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size)
+                                              batch_size=cfg.batch_size, rt=rt)
+                    ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size, rt=rt)
                 wr = win_rate(scores, ref_scores, [a == b for a, b in zip(mine, theirs)], cfg.confidence)
                 if ref is model:  # 0.5 by definition, not an estimate: no interval around it
                     wr["win_rate_lo"] = wr["win_rate_hi"] = 0.5
@@ -341,17 +363,18 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0})
         else:
             questions = [p["question"] for p in problems[:cfg.kl_prompts]]
-            texts = [""] * len(questions)
 
-            def keep_texts(ro, ix: list[int]) -> None:
-                for i, ids in zip(ix, ro.response_ids()):
-                    texts[i] = tokenizer.decode(ids)
+            def decode(ro, ix: list[int]) -> list[tuple[int, str]]:
+                return [(i, tokenizer.decode(ids)) for i, ids in zip(ix, ro.response_ids())]
 
             with timed("kl"):
                 kl = sampled_kl(model, ref, [user_prompt(q, tokenizer) for q in questions],
                                 max_new_tokens=cfg.max_new_tokens, temperature=1.0,
                                 stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                                generator=gen("kl"), batch_size=cfg.batch_size, visit=keep_texts)
+                                seed=part_seed("kl"), batch_size=cfg.batch_size, visit=decode, rt=rt)
+            texts = [""] * len(questions)
+            for i, text in (x for batch in kl.visits for x in batch):
+                texts[i] = text
             lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=derive_seed(seed, "eval", "kl_boot"))
             metrics.update({"kl_to_sft": kl.per_sequence, "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
                             "kl_to_sft_per_token": kl.per_token,
@@ -361,7 +384,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
 
     with timed("samples"):
         sample_answers = answer_questions(model, tokenizer, list(cfg.sample_prompts), max_new_tokens=cfg.max_new_tokens,
-                                          batch_size=cfg.batch_size) if cfg.sample_prompts else []
+                                          batch_size=cfg.batch_size, rt=rt) if cfg.sample_prompts else []
     extras["sample_prompts"] = [{"prompt": p, "response": a} for p, a in zip(cfg.sample_prompts, sample_answers)]
 
     if toxicity is None:

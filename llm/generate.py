@@ -149,7 +149,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, row_offset: int = 0,
+                total_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, V) float32 -> (token (B,) long, log-prob (B,) float32).
 
     temperature 0 is greedy (argmax, log-prob under softmax(logits)). Otherwise the token is
@@ -163,6 +164,10 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     log_softmax on the CPU); and the draw is by inverse CDF with one uniform number per row
     from `generator`, where torch.multinomial draws one exponential per vocabulary entry
     (6 ms of every decoding step at batch 64 x 4096 on the CPU).
+
+    row_offset, total_rows: these B rows are rows row_offset .. row_offset + B - 1 of a batch
+    of total_rows that other processes sample the rest of; total_rows uniforms are drawn and
+    these rows use theirs, so a row's token does not depend on how the batch is shared out.
     """
     if temperature == 0.0:
         tok = logits.argmax(-1)                         # (B,)
@@ -177,7 +182,10 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     # inverse CDF: the first index whose cumulative mass exceeds u ~ U[0, total); a token with
     # zero probability spans an empty interval and can never be drawn
     cdf = probs.cumsum(-1)                              # (B, V)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    B = cdf.shape[0]
+    total = B if total_rows is None else total_rows
+    u = torch.rand(total, 1, generator=generator, device=cdf.device, dtype=cdf.dtype)  # (total, 1)
+    u = u[row_offset:row_offset + B] * cdf[:, -1:]                                        # (B, 1)
     tok = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)  # (B, 1)
     return tok.squeeze(1), logp.gather(1, tok).squeeze(1)
 
@@ -205,9 +213,14 @@ def sampling_problem(*, temperature: float | None = None, top_k: int | None = No
 
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), pad_id: int,
-             generator: torch.Generator | None = None,
+             generator: torch.Generator | None = None, row_offset: int = 0, total_rows: int | None = None,
              stream: Callable[[torch.Tensor], bool | None] | None = None) -> Generation:
     """Continue each prompt by up to max_new_tokens tokens. See the module docstring.
+
+    row_offset, total_rows: the prompts are rows row_offset.. of a batch of total_rows
+    shared out over processes (data-parallel RL); every step draws total_rows random numbers
+    and these rows use theirs (`sample_next`), so each row samples exactly what it would in
+    one process sampling the whole batch. Default: the prompts are the whole batch.
 
     stream, if given, is called after every step with the (B,) tokens just emitted (pad_id for
     rows already done); if it returns True, generation ends after that step (a server uses
@@ -231,6 +244,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     problem = sampling_problem(temperature=temperature, top_k=top_k, top_p=top_p)
     if problem:
         raise ValueError(f"generate: {problem}")
+    if total_rows is not None and not 0 <= row_offset <= total_rows - B:
+        raise ValueError(f"generate: rows {row_offset}..{row_offset + B - 1} are not inside a batch of {total_rows}")
     device = model.wte.weight.device
     if temperature > 0.0:
         if generator is None:
@@ -264,7 +279,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             logits = model.logits(hidden[:, -1])        # (B, V): left padding puts every last token at P-1
             for i in range(N):
                 tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                      generator=generator)  # (B,), (B,)
+                                      generator=generator, row_offset=row_offset,
+                                      total_rows=total_rows)  # (B,), (B,)
                 if stop is not None:
                     live = ~done
                     tok.masked_fill_(done, pad_id)

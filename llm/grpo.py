@@ -37,25 +37,26 @@ import time
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from llm.config import GRPOConfig
 from llm.losses import aggregate, group_advantages, kl_estimate, masked_mean, ppo_policy_loss
 from llm.errors import QualityGateError
 from llm.loop import Updater
 from llm.rewards import RewardFn
-from llm.rl import Mean, minibatches, step_generator
+from llm.rl import Mean, Shares, gather_rows, global_sums, minibatches, step_generator
 from llm.rollout import response_forward, rollout
+from llm.runtime import Runtime
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
 
 
 class GRPO:
     def __init__(self, policy: nn.Module, ref: nn.Module | None, cfg: GRPOConfig, *, prompts_fn: PromptsFn,
-                 reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int):
+                 reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int, rt: Runtime | None = None):
         if cfg.beta > 0 and ref is None:
             raise ValueError("GRPO: beta > 0 needs a reference model")
-        self.model, self.ref, self.cfg = policy, ref, cfg
+        self.model, self.ref, self.cfg, self.rt = policy, ref, cfg, rt
         self.prompts_fn, self.reward_fn = prompts_fn, reward_fn
         self.stop_ids, self.pad_id, self.seed = tuple(stop_ids), pad_id, seed
         self.zero_std_streak = 0
@@ -69,21 +70,25 @@ class GRPO:
         self.zero_std_streak = int(state["zero_std_streak"])
 
     def step(self, step: int, updater: Updater) -> dict[str, float]:
-        cfg, policy = self.cfg, self.model
+        cfg, policy, rt = self.cfg, self.model, self.rt
         device = next(policy.parameters()).device
         T, G = cfg.temperature, cfg.group_size
 
-        # 1. rollout: every prompt G times ------------------------------------------------
+        # 1. rollout: every prompt G times; this rank's share of the groups ----------------
         t0 = time.perf_counter()
-        prompts, problems = self.prompts_fn(step)
+        prompts, problems = self.prompts_fn(step)                          # the global list, the same on every rank
+        share = Shares.of(len(prompts), G, rt)                              # rows [lo, hi) of B_all = n * G
+        first, last = share.lo // G, share.hi // G
+        prompts, problems = prompts[first:last], problems[first:last]
         n = len(prompts)
         ro = rollout(policy, [p for p in prompts for _ in range(G)], max_new_tokens=cfg.max_new_tokens,
                      temperature=T, stop_ids=self.stop_ids, pad_id=self.pad_id,
-                     generator=step_generator(self.seed, "rollout", step, device))
+                     generator=step_generator(self.seed, "rollout", step, device),
+                     row_offset=share.lo, total_rows=share.total)
         t1 = time.perf_counter()
 
         # 2. scoring ---------------------------------------------------------------------
-        mask = ro.response_mask                                             # (B, N), B = n * G
+        mask = ro.response_mask                                             # (B, N), B = n * G (this rank's)
         B = len(ro)
         rewards, rstats = self.reward_fn(ro, [p for p in problems for _ in range(G)])   # (B,)
         grouped = rewards.float().view(n, G)
@@ -98,67 +103,92 @@ class GRPO:
                 old_lp = response_forward(policy, ro, T).logprobs
             if cfg.beta > 0:
                 ref_lp = response_forward(self.ref, ro, T).logprobs         # (B, N)
+        # what every rank needs of the others' rows: response lengths and advantages (B_all,)
+        lengths_all = gather_rows(ro.lengths, rt).to(device).float()
+        adv_all = gather_rows(adv, rt).to(device)
         t2 = time.perf_counter()
 
-        frac_zero = float(zero_std.float().mean())
-        self.zero_std_streak = self.zero_std_streak + 1 if bool(zero_std.all()) else 0
+        (reward_sum, std_sum, n_zero, ent_sum, n_resp, len_sum, stop_sum, n_tokens, *rvals) = global_sums(
+            [rewards.double().sum(), grouped.std(dim=1).sum(), zero_std.sum(), (-ro.logprobs * mask).sum(),
+             mask.sum(), ro.lengths.sum(), ro.stopped.sum(), ro.attention_mask.sum(),
+             *(v * B for v in rstats.values())], rt)
+        n_all, B_all = len(lengths_all) // G, share.total
+        self.zero_std_streak = self.zero_std_streak + 1 if n_zero == n_all else 0
         if self.zero_std_streak >= cfg.max_zero_std_steps:
             raise QualityGateError(
                 f"grpo: quality gate failed: no informative group (every group's rewards were equal) for"
                 f" {self.zero_std_streak} consecutive steps up to step {step + 1} (grpo.max_zero_std_steps="
-                f"{cfg.max_zero_std_steps}); last mean reward {float(rewards.mean()):.3f}. The prompts are"
+                f"{cfg.max_zero_std_steps}); last mean reward {reward_sum / B_all:.3f}. The prompts are"
                 f" too hard (or too easy) for this policy: use easier grpo.curriculum_levels, a longer"
                 f" grpo.curriculum_steps, a larger grpo.group_size or a higher grpo.temperature")
 
         # 3. epochs of minibatch updates ----------------------------------------------------
-        # With beta = 0 a completion whose advantage is 0 (its group had equal rewards) adds
-        # exactly nothing to the loss, so only the others go through forward and backward;
-        # `share` rescales the minibatch loss to what the full minibatch would have given.
+        # Minibatches are a permutation of the global batch; this rank works on its rows of
+        # each and scales its loss by its part of the minibatch's normaliser (`part`), so the
+        # ranks' losses sum to the minibatch's loss. With beta = 0 a completion whose advantage
+        # is 0 (its group had equal rewards) adds exactly nothing to the loss, so only the
+        # others go through forward and backward, with the same normaliser.
         skip_zero = ref_lp is None
         stats = Mean()
         for epoch in range(cfg.epochs):
             g = step_generator(self.seed, f"minibatch-{epoch}", step)
-            for idx in minibatches(B, cfg.minibatch_size, g):
+            for idx in minibatches(B_all, cfg.minibatch_size, g):
                 idx = idx.to(device)
-                rows, share = idx, 1.0
-                if skip_zero:
-                    rows = idx[adv[idx] != 0]
-                    if cfg.loss_agg == "dapo":
-                        share = float(mask[rows].sum()) / max(float(mask[idx].sum()), 1.0)
-                    else:
-                        share = len(rows) / len(idx)
-                if len(rows) == 0:  # a zero loss: AdamW still takes its (momentum) step, as on the full batch
+                kept = idx[adv_all[idx] != 0] if skip_zero else idx          # the rows with a loss, all ranks
+                rows = share.local(kept)                                     # this rank's, local indices
+                part = _normaliser_part(rows, idx, mask, lengths_all, cfg.loss_agg)
+                if len(kept) == 0:  # a zero loss: AdamW still takes its (momentum) step, as on the full batch
                     loss = sum(p.sum() for p in updater.params) * 0.0
                     applied, gnorm = updater.minimize(loss)
-                    stats.add(loss=0.0, policy_loss=0.0, grad_norm=gnorm, skipped=float(not applied))
+                    stats.add(grad_norm=gnorm, skipped=float(not applied))
+                    stats.add_share(loss=0.0, policy_loss=0.0)
                     continue
-                mb, m = ro.select(rows), mask[rows]
-                lp = response_forward(policy, mb, T).logprobs                 # (b, N)
-                a = adv[rows].unsqueeze(1).expand_as(lp)                       # (b, N): one advantage per sequence
-                pg_tok, pst = ppo_policy_loss(lp, old_lp[rows], a, m, cfg.clip_epsilon)
-                per_tok = pg_tok
-                if ref_lp is not None:
-                    kl_tok = kl_estimate(lp, ref_lp[rows], "k3")               # (b, N), >= 0
-                    per_tok = pg_tok + cfg.beta * kl_tok
-                    stats.add(kl=masked_mean(kl_tok.detach(), m))
-                loss = aggregate(per_tok, m, cfg.loss_agg, max_len=cfg.max_new_tokens) * share
+                if len(rows) == 0:  # none of the minibatch's rows is this rank's: it still joins the update
+                    loss = sum(p.sum() for p in updater.params) * 0.0
+                    pg, pst, kl_mb, tok_mb = 0.0, {"clip_ratio": 0.0, "approxkl": 0.0}, 0.0, 0.0
+                else:
+                    mb, m = ro.select(rows), mask[rows]
+                    lp = response_forward(policy, mb, T).logprobs                 # (b, N)
+                    a = adv[rows].unsqueeze(1).expand_as(lp)                       # (b, N): one advantage per sequence
+                    pg_tok, pst = ppo_policy_loss(lp, old_lp[rows], a, m, cfg.clip_epsilon)
+                    per_tok = pg_tok
+                    kl_mb = 0.0
+                    if ref_lp is not None:
+                        kl_tok = kl_estimate(lp, ref_lp[rows], "k3")               # (b, N), >= 0
+                        per_tok = pg_tok + cfg.beta * kl_tok
+                        kl_mb = masked_mean(kl_tok.detach(), m)
+                    loss = aggregate(per_tok, m, cfg.loss_agg, max_len=cfg.max_new_tokens) * part
+                    pg = part * aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
+                    tok_mb = float(lengths_all[kept].sum())
                 applied, gnorm = updater.minimize(loss)
-                pg = aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
-                stats.add(policy_loss=share * pg,
-                          clip_ratio=pst["clip_ratio"], approxkl=pst["approxkl"], loss=loss.detach(),
-                          grad_norm=gnorm, skipped=float(not applied))
+                # token-mean statistics: this rank's mean weighted by its share of the kept tokens
+                w = float(mask[rows].sum()) / tok_mb if tok_mb else 0.0
+                stats.add(grad_norm=gnorm, skipped=float(not applied))
+                stats.add_share(policy_loss=pg, loss=loss.detach(), clip_ratio=w * pst["clip_ratio"],
+                                approxkl=w * pst["approxkl"])
+                if ref_lp is not None:
+                    stats.add_share(kl=w * kl_mb)
         t3 = time.perf_counter()
 
-        res = stats.result()
+        res = stats.result(rt)
         res.setdefault("kl", 0.0)  # beta = 0: no reference, KL not tracked in training
         for k in ("clip_ratio", "approxkl"):
             res.setdefault(k, 0.0)  # no informative completion this step: nothing was clipped
         # entropy of the sampling distribution, estimated by -log pi_old(a_t) of the sampled tokens
         # (unbiased, and free: no (B, N, V) softmax over all completions)
-        res["entropy"] = float(masked_mean(-ro.logprobs, mask))
-        n_tokens = int(ro.attention_mask.sum())
-        return {"reward": float(rewards.mean()), "reward_std": float(grouped.std(dim=1).mean()),
-                "frac_reward_zero_std": frac_zero, **res,
-                "response_length": float(ro.lengths.float().mean()), "stop_rate": float(ro.stopped.float().mean()),
-                **rstats, "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
-                "tokens_per_s": n_tokens / (t3 - t0)}
+        res["entropy"] = ent_sum / max(n_resp, 1.0)
+        return {"reward": reward_sum / B_all, "reward_std": std_sum / n_all,
+                "frac_reward_zero_std": n_zero / n_all, **res,
+                "response_length": len_sum / B_all, "stop_rate": stop_sum / B_all,
+                **{k: v / B_all for k, v in zip(rstats, rvals)}, "rollout_s": t1 - t0, "scoring_s": t2 - t1,
+                "update_s": t3 - t2, "tokens_per_s": n_tokens / (t3 - t0)}
+
+
+def _normaliser_part(rows: Tensor, idx: Tensor, mask: Tensor, lengths_all: Tensor, loss_agg: str) -> float:
+    """This rank's `rows` share of minibatch `idx`'s loss normaliser (all ranks' parts sum to the
+    normaliser's share that the kept rows carry): for grpo and dr_grpo the sequences, for dapo
+    the response tokens. `aggregate` over `rows` times this part is the rows' share of the
+    minibatch's loss; in one process with every row kept it is exactly 1."""
+    if loss_agg == "dapo":
+        return float(mask[rows].sum()) / max(float(lengths_all[idx].sum()), 1.0)
+    return len(rows) / len(idx)

@@ -47,10 +47,10 @@ from torch import nn
 
 from llm.checkpoint import checkpoint_path, find_resume, quarantine_stale, save_checkpoint
 from llm.config import LoopConfig
-from llm.errors import NonFiniteError
+from llm.errors import CheckpointError, NonFiniteError
 from llm.monitor import Monitor, Plots
 from llm.optim import build_optimizer, lr_for, set_lr
-from llm.runtime import Runtime, all_reduce, barrier
+from llm.runtime import Runtime, all_gather_object, all_reduce, barrier
 
 
 class StopFlag:
@@ -95,8 +95,9 @@ class Updater:
     """
 
     def __init__(self, model: nn.Module, cfg: LoopConfig, rt: Runtime, *, stage: str,
-                 say: Callable[[str], None] = lambda m: print(m, flush=True)):
-        self.cfg, self.stage, self.say = cfg, stage, say
+                 say: Callable[[str], None] = lambda m: print(m, flush=True), sum_gradients: bool = False):
+        self.cfg, self.stage, self.say, self.rt = cfg, stage, say, rt
+        self.sum_gradients = sum_gradients and rt.distributed
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg, rt.device)
         self.scaler = torch.amp.GradScaler(rt.device.type) if rt.dtype == torch.float16 else None
@@ -115,6 +116,8 @@ class Updater:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def apply(self, stats: torch.Tensor) -> tuple[str, list[float], float]:
+        if self.sum_gradients:
+            stats = self._sum_over_ranks(stats)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
@@ -157,9 +160,25 @@ class Updater:
         self.say(what + f"; update skipped ({self.skips}/{self.cfg.nonfinite_budget} of the budget)")
         return SKIPPED, values, gnorm_v
 
+    def _sum_over_ranks(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum every rank's gradients and `stats` in one all-reduce (a parameter this rank's loss
+        did not reach counts as zero); returns the summed stats. For a model trained without
+        DDP's hooks (the RL policy runs `hidden_states` and its heads, not `forward`): each rank's
+        loss is its rows' share of the global loss (its numerator over the global denominator),
+        so the sum is the gradient of the global loss, whatever the number of ranks."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [stats.detach().reshape(-1).to(grads[0].dtype)])
+        all_reduce(flat, self.rt)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+        return flat[offset:].to(stats.dtype)
+
     def minimize(self, loss: torch.Tensor) -> tuple[bool, float]:
         """backward(loss), then apply: one optimizer step on one loss (the RL minibatch update).
-        Returns (whether the update was applied, the gradient norm before clipping)."""
+        Returns (whether the update was applied, the gradient norm before clipping). With
+        sum_gradients, `loss` is this rank's share: every rank calls this once per update."""
         self.backward(loss)
         outcome, _, gnorm = self.apply(loss.reshape(1))
         return outcome == APPLIED, gnorm
@@ -221,6 +240,12 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
     hist: list[dict] = []
     val_hist: list[dict] = []
     ck, stale = find_resume(run_dir, fingerprint, warn=say)
+    if rt.distributed:  # every rank must resume the same checkpoint, or the collectives below diverge
+        seen = all_gather_object(ck.step if ck is not None else None, rt)
+        if len(set(seen)) > 1:
+            raise CheckpointError(f"{stage}: the processes see different checkpoints in {run_dir} (step per rank:"
+                                  f" {seen}); every machine must see the same run directory: put the repository"
+                                  f" on a filesystem that all of them share")
     if ck is not None:
         set_model_state_dict(model, ck.model_state, options=StateDictOptions(full_state_dict=True, strict=True))
         ts = ck.train_state
@@ -230,7 +255,10 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         step, train_time, eval_time, elapsed0 = ts["step"], ts["train_time_s"], ts["eval_time_s"], ts["elapsed_s"]
         hist, val_hist = list(ts["history"]), list(ts["val_history"])
         resumed_from = ck.step
-        say(f"{stage}: resumed from {ck.path} (step {step})")
+        was = ts.get("world_size", 1)
+        say(f"{stage}: resumed from {ck.path} (step {step})"
+            + (f"; written by {was} process(es), continuing on {rt.world_size} from the same global sample"
+               if was != rt.world_size else ""))
         ck = None  # free the loaded tensors
     barrier(rt)  # every rank has read run_dir before rank 0 moves anything in it
     if stale and rt.is_main:

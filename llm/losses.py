@@ -19,6 +19,8 @@ max(count, 1) and returns exactly 0 with zero gradient.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -99,12 +101,16 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     raise ValueError(f"kl estimator must be 'k1' or 'k3', got {kind!r}")
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the masked entries; masked-out entries become 0."""
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           reduce: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """(x - mean) / std over the masked entries; masked-out entries become 0.
+
+    reduce: sums a tensor over the processes that hold the rest of the batch (data-parallel
+    PPO), so mean and variance are the global batch's; the identity in one process."""
     m = mask.to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n
-    var = (((x - mean) * m) ** 2).sum() / n
+    n = reduce(m.sum()).clamp(min=1)
+    mean = reduce((x * m).sum()) / n
+    var = reduce((((x - mean) * m) ** 2).sum()) / n
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -38,6 +38,7 @@ from llm.batching import derive_seed
 from llm.config import PairsConfig
 from llm.fileio import DataError, read_jsonl
 from llm.rewards import math_reward, parse_answer, to_number
+from llm.runtime import sharded_map
 
 CORRECT, FORMAT = 1.0, 0.2  # the verifier's rewards (llm.rewards.math_reward defaults)
 
@@ -83,29 +84,37 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
 
 
 def sample_responses(policy, tok, prompt_ids: list[list[int]], cfg: PairsConfig, seed: int, device,
-                     say: Callable[[str], None] = lambda m: None) -> tuple[list[list[dict]], int]:
-    """Per prompt, the samples {"text", "temperature", "tokens", "stopped"}; and the tokens generated."""
+                     say: Callable[[str], None] = lambda m: None, rt=None) -> tuple[list[list[dict]], int]:
+    """Per prompt, the samples {"text", "temperature", "tokens", "stopped"}; and the tokens generated.
+
+    Prompts are batched by length; batch b of temperature ti's sample s draws from its own
+    generator, seeded by (seed, ti, s, b), so no batch depends on another. A distributed `rt`
+    shares the batches out over the ranks and gathers them (llm.runtime.sharded_map): every
+    rank gets the samples one process would draw."""
     from llm import generate as gen_lib  # looked up at run time (tests substitute a fake generate)
 
     seq_len = policy.config.seq_len
     stop = (tok.end_id, tok.eot_id)
     samples: list[list[dict]] = [[] for _ in prompt_ids]
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    chunks = [order[b:b + cfg.batch_size] for b in range(0, len(order), cfg.batch_size)]
     gen_tokens = 0
     for ti, temp in enumerate(cfg.temperatures):
         for s in range(cfg.samples_per_temperature):
-            g = torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", ti, s))
-            for b in range(0, len(order), cfg.batch_size):
-                ix = order[b:b + cfg.batch_size]
-                chunk = [prompt_ids[i] for i in ix]
+            def one(b: int) -> tuple[list[dict], int]:
+                chunk = [prompt_ids[i] for i in chunks[b]]
                 room = min(cfg.max_new_tokens, seq_len - max(map(len, chunk)))
+                g = torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", ti, s, b))
                 gen = gen_lib.generate(policy, chunk, room, temperature=temp, stop_ids=stop, pad_id=tok.pad_id,
                                        generator=g)
                 resp = gen.responses()
-                gen_tokens += int(gen.response_mask.sum())
-                for j, i in enumerate(ix):
-                    samples[i].append({"text": tok.decode(resp[j]), "temperature": temp, "tokens": len(resp[j]),
-                                       "stopped": bool(gen.stopped[j])})
+                return ([{"text": tok.decode(r), "temperature": temp, "tokens": len(r), "stopped": bool(stopped)}
+                         for r, stopped in zip(resp, gen.stopped.tolist())], int(gen.response_mask.sum()))
+
+            for ix, (drawn, n) in zip(chunks, sharded_map(one, len(chunks), rt)):
+                gen_tokens += n
+                for i, smp in zip(ix, drawn):
+                    samples[i].append(smp)
             say(f"pairs: sampled temperature {temp} #{s + 1}")
     return samples, gen_tokens
 

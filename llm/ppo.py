@@ -43,8 +43,9 @@ from llm.config import PPOConfig
 from llm.losses import gae, kl_estimate, masked_mean, ppo_policy_loss, ppo_value_loss, whiten
 from llm.loop import Updater
 from llm.rewards import RewardFn
-from llm.rl import Mean, minibatches, step_generator
+from llm.rl import Mean, Shares, gather_rows, global_sums, minibatches, step_generator
 from llm.rollout import response_forward, rollout
+from llm.runtime import Runtime, all_reduce
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
 
@@ -141,10 +142,10 @@ def token_rewards(score: Tensor, kl: Tensor, kl_coef: float, lengths: Tensor) ->
 class PPO:
     def __init__(self, policy: nn.Module, ref: nn.Module, cfg: PPOConfig, *, prompts_fn: PromptsFn,
                  reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, rt: Runtime | None = None):
         if policy.value_head is None:
             raise ValueError("PPO: the policy needs a value head; call policy.add_head('value') first")
-        self.model, self.ref, self.cfg = policy, ref, cfg
+        self.model, self.ref, self.cfg, self.rt = policy, ref, cfg, rt
         self.prompts_fn, self.reward_fn = prompts_fn, reward_fn
         self.stop_ids, self.pad_id, self.seed, self.log = tuple(stop_ids), pad_id, seed, log
         self.kl_ctl = KLController(cfg.init_kl_coef, adaptive=cfg.adaptive_kl, target=cfg.kl_target,
@@ -160,20 +161,23 @@ class PPO:
         self.alert.load_state_dict(state["alert"])
 
     def step(self, step: int, updater: Updater) -> dict[str, float]:
-        cfg, policy = self.cfg, self.model
+        cfg, policy, rt = self.cfg, self.model, self.rt
         device = next(policy.parameters()).device
         T = cfg.temperature
 
-        # 1. rollout ---------------------------------------------------------------------
+        # 1. rollout: this rank's share of the step's prompts ------------------------------
         t0 = time.perf_counter()
-        prompts, problems = self.prompts_fn(step)
+        prompts, problems = self.prompts_fn(step)                          # the global list, the same on every rank
+        share = Shares.of(len(prompts), 1, rt)
+        prompts, problems = prompts[share.lo:share.hi], problems[share.lo:share.hi]
         ro = rollout(policy, prompts, max_new_tokens=cfg.max_new_tokens, temperature=T, stop_ids=self.stop_ids,
-                     pad_id=self.pad_id, generator=step_generator(self.seed, "rollout", step, device))
+                     pad_id=self.pad_id, generator=step_generator(self.seed, "rollout", step, device),
+                     row_offset=share.lo, total_rows=share.total)
         t1 = time.perf_counter()
 
         # 2. scoring -----------------------------------------------------------------------
         mask = ro.response_mask                                             # (B, N)
-        B = len(ro)
+        B, B_all = len(ro), share.total
         with torch.no_grad():
             old = response_forward(policy, ro, T, values=True)
             ref_lp = response_forward(self.ref, ro, T).logprobs            # (B, N)
@@ -185,46 +189,65 @@ class PPO:
             kl_tok = kl_estimate(old_lp, ref_lp, cfg.kl_estimator).masked_fill(~mask, 0.0)   # (B, N)
             kl_coef = self.kl_ctl.value
             rewards = token_rewards(score, kl_tok, kl_coef, ro.lengths)     # (B, N)
-            # 4. GAE and whitening
+            # 4. GAE and whitening (mean and variance over the global batch's response tokens)
             adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:
-                adv = whiten(adv, mask)
+                adv = whiten(adv, mask, reduce=lambda t: all_reduce(t, rt) if rt is not None else t)
+        lengths_all = gather_rows(ro.lengths, rt).to(device).float()       # (B_all,) every rank's rows
         t2 = time.perf_counter()
 
         # 5. epochs of minibatch updates -----------------------------------------------------
+        # minibatches are a permutation of the global batch; each rank's losses are its rows'
+        # token means weighted by its share of the minibatch's tokens (`w`): they sum to the
+        # minibatch's token means over the ranks
         stats = Mean()
         for epoch in range(cfg.epochs):
             g = step_generator(self.seed, f"minibatch-{epoch}", step)
-            for idx in minibatches(B, cfg.minibatch_size, g):
+            for idx in minibatches(B_all, cfg.minibatch_size, g):
                 idx = idx.to(device)
-                mb, m = ro.select(idx), mask[idx]
+                rows = share.local(idx)
+                if len(rows) == 0:  # none of the minibatch's rows is this rank's: it still joins the update
+                    loss = sum(p.sum() for p in updater.params) * 0.0
+                    applied, gnorm = updater.minimize(loss)
+                    stats.add(grad_norm=gnorm, skipped=float(not applied))
+                    stats.add_share(policy_loss=0.0, value_loss=0.0, entropy=0.0, clip_ratio=0.0, approxkl=0.0,
+                                    vf_clipfrac=0.0, loss=0.0)
+                    continue
+                mb, m = ro.select(rows), mask[rows]
+                w = float(m.sum()) / max(float(lengths_all[idx].sum()), 1.0)  # exactly 1 in one process
                 out = response_forward(policy, mb, T, values=True, entropy=True, entropy_grad=cfg.ent_coef > 0)
-                pg_tok, pst = ppo_policy_loss(out.logprobs, old_lp[idx], adv[idx], m, cfg.clip_epsilon)
-                policy_loss = masked_mean(pg_tok, m)
-                value_loss, vf_clipfrac = ppo_value_loss(out.values, old_values[idx], returns[idx], m, cfg.value_clip)
-                entropy = masked_mean(out.entropy, m)
+                pg_tok, pst = ppo_policy_loss(out.logprobs, old_lp[rows], adv[rows], m, cfg.clip_epsilon)
+                policy_loss = masked_mean(pg_tok, m) * w
+                value_loss, vf_clipfrac = ppo_value_loss(out.values, old_values[rows], returns[rows], m,
+                                                         cfg.value_clip)
+                value_loss = value_loss * w
+                entropy = masked_mean(out.entropy, m) * w
                 loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
                 applied, gnorm = updater.minimize(loss)
-                stats.add(policy_loss=policy_loss.detach(), value_loss=value_loss.detach(),
-                          entropy=entropy.detach(), clip_ratio=pst["clip_ratio"], approxkl=pst["approxkl"],
-                          vf_clipfrac=vf_clipfrac, loss=loss.detach(), grad_norm=gnorm, skipped=float(not applied))
+                stats.add(grad_norm=gnorm, skipped=float(not applied))
+                stats.add_share(policy_loss=policy_loss.detach(), value_loss=value_loss.detach(),
+                                entropy=entropy.detach(), clip_ratio=w * pst["clip_ratio"],
+                                approxkl=w * pst["approxkl"], vf_clipfrac=w * vf_clipfrac, loss=loss.detach())
         t3 = time.perf_counter()
 
-        # 6. KL control and alerts -------------------------------------------------------------
-        kl = float(masked_mean(kl_tok, mask))
-        self.kl_ctl.update(kl, n_steps=B)
+        # 6. KL control and alerts, on the global batch ----------------------------------------
+        kl_sum, n_tok, kl_seq_sum, score_sum, score_sq, len_sum, stop_sum, n_tokens, *rvals = global_sums(
+            [kl_tok.double().sum(), mask.sum(), kl_tok.double().sum(1).sum(), score.double().sum(),
+             (score.double() ** 2).sum(), ro.lengths.sum(), ro.stopped.sum(), ro.attention_mask.sum(),
+             *(v * B for v in rstats.values())], rt)
+        kl = kl_sum / max(n_tok, 1.0)
+        self.kl_ctl.update(kl, n_steps=B_all)
         for msg in (self.alert.check(kl, step + 1),
                     self.alert.finish(step + 1) if step + 1 == cfg.max_steps else None):  # the last step
             if msg:
                 self.log(f"ppo: {msg}")
-        lengths = ro.lengths.float()
-        n_tokens = int(ro.attention_mask.sum())
-        return {"reward": float(score.mean()), "reward_std": float(score.std()) if B > 1 else 0.0,
-                "non_score_reward": float(-kl_coef * kl_tok.sum(1).mean()),
-                "kl": kl, "kl_seq": float(kl_tok.sum(1).mean()), "kl_coef": kl_coef,
-                **stats.result(), "response_length": float(lengths.mean()),
-                "stop_rate": float(ro.stopped.float().mean()),
-                **rstats,
+        reward = score_sum / B_all
+        reward_var = (score_sq - B_all * reward ** 2) / (B_all - 1) if B_all > 1 else 0.0
+        return {"reward": reward, "reward_std": max(reward_var, 0.0) ** 0.5,
+                "non_score_reward": -kl_coef * kl_seq_sum / B_all,
+                "kl": kl, "kl_seq": kl_seq_sum / B_all, "kl_coef": kl_coef,
+                **stats.result(rt), "response_length": len_sum / B_all, "stop_rate": stop_sum / B_all,
+                **{k: v / B_all for k, v in zip(rstats, rvals)},
                 "kl_alerts": self.alert.alerts,
                 "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
                 "tokens_per_s": n_tokens / (t3 - t0)}

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from llm.batching import pad_right
 from llm.losses import masked_mean, token_logprobs
+from llm.runtime import sharded_map
 
 Batch = dict[str, Tensor]
 
@@ -141,12 +142,14 @@ def reward_loss_fn(label_smoothing: float, margin: float) -> Callable:
 
 @torch.no_grad()
 def score_sequences(model: nn.Module, seqs: Sequence[Sequence[int]], *, pad_id: int, batch_size: int,
-                    device: torch.device | str = "cpu", autocast: Callable[[], Any] | None = None) -> Tensor:
+                    device: torch.device | str = "cpu", autocast: Callable[[], Any] | None = None,
+                    rt=None) -> Tensor:
     """Reward of each token list (N,) float32, in input order, from a GPT with a reward head
     or a RewardModel. Batched by length (less padding), right-padded, eval mode.
 
     autocast: a context-manager factory run around each forward, e.g. `Runtime.autocast`
-    (bf16 on CUDA); None = full precision.
+    (bf16 on CUDA); None = full precision. rt: a distributed llm.runtime.Runtime shares the
+    batches out over its ranks (llm.runtime.sharded_map); every rank gets every score.
     """
     if not seqs:
         return torch.zeros(0)
@@ -154,14 +157,17 @@ def score_sequences(model: nn.Module, seqs: Sequence[Sequence[int]], *, pad_id: 
     was = model.training
     model.eval()
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    chunks = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+
+    def one(b: int) -> Tensor:
+        idx, mask, _ = pad_right([seqs[i] for i in chunks[b]], pad_id)
+        with (autocast or contextlib.nullcontext)():
+            return score(idx.to(device), mask.to(device)).float().cpu()  # (b,)
+
     out = torch.empty(len(seqs))
     try:
-        for s in range(0, len(order), batch_size):
-            ix = order[s:s + batch_size]
-            idx, mask, _ = pad_right([seqs[i] for i in ix], pad_id)
-            with (autocast or contextlib.nullcontext)():
-                r = score(idx.to(device), mask.to(device))
-            out[torch.as_tensor(ix)] = r.float().cpu()
+        for ix, r in zip(chunks, sharded_map(one, len(chunks), rt)):
+            out[torch.as_tensor(ix)] = r
     finally:
         model.train(was)
     return out

@@ -10,7 +10,18 @@ stage does: resume, checkpoints (policy with its value head, AdamW moments, the 
 state such as the KL coefficient), signals, the optimizer step with clipping and the
 non-finite policy. Sampling randomness is counter-based (`step_generator`: a torch.Generator
 seeded from (seed, what, step)), so a resumed run repeats the uninterrupted one exactly on
-the CPU. RL runs in one process (common.nproc is for the supervised stages).
+the CPU.
+
+Data parallel (common.nproc > 1, under torchrun; `Shares`): every rank draws the step's
+global prompt list from the same generator and takes an equal, contiguous share of its rows
+(a GRPO group is never split); it samples its rows with the whole batch's random numbers
+(llm.generate.generate's row_offset), so each row's tokens are those one process would
+sample. Each rank's loss is its rows' part of the global loss (its numerator over the
+global denominator), the Updater sums the gradients over the ranks, and every statistic
+(advantage whitening, the KL controller, the gates, every logged number) is taken on the
+global batch. Minibatches are a permutation of the global batch, so minibatch k holds the
+same rows as in one process; a rank with none of them still joins the update. The result
+is one process's trajectory up to the order of floating-point sums.
 
 Also here: `MathPrompts` (prompt pools by level, sampled per step), `heldout_eval` (greedy exact
 match via llm.evaluate.math_eval, plus KL to the reference on the policy's own samples via
@@ -45,7 +56,7 @@ from llm.loop import LoopResult, Updater, run_loop
 from llm.monitor import Plots, publish_curves
 from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
 from llm.rollout import sampled_kl
-from llm.runtime import Runtime
+from llm.runtime import Runtime, all_gather_object, all_reduce
 
 
 def step_generator(seed: int, what: str, step: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -60,10 +71,15 @@ def minibatches(n: int, size: int, generator: torch.Generator) -> list[Tensor]:
 
 
 class Mean:
-    """Running means of named floats (minibatch statistics -> one row)."""
+    """Running means of named floats over minibatches (minibatch statistics -> one row).
+
+    `add` takes numbers every rank holds alike (the gradient norm); `add_share` takes this
+    rank's share of a global number (its rows' part of the minibatch loss), summed over the
+    ranks by `result(rt)`. Every rank must call both for the same minibatches and keys."""
 
     def __init__(self):
         self.sums: dict[str, float] = defaultdict(float)
+        self.shares: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
 
     def add(self, **values: float | Tensor) -> None:
@@ -71,8 +87,54 @@ class Mean:
             self.sums[k] += float(v)
             self.counts[k] += 1
 
-    def result(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+    def add_share(self, **values: float | Tensor) -> None:
+        for k, v in values.items():
+            self.shares[k] += float(v)
+            self.counts[k] += 1
+
+    def result(self, rt: Runtime | None = None) -> dict[str, float]:
+        keys = sorted(self.shares)
+        if keys and rt is not None and rt.distributed:
+            summed = all_reduce(torch.tensor([self.shares[k] for k in keys], dtype=torch.float64, device=rt.device),
+                                rt).tolist()
+            shares = dict(zip(keys, summed))
+        else:
+            shares = dict(self.shares)
+        return {k: (self.sums[k] if k in self.sums else shares[k]) / self.counts[k] for k in self.counts}
+
+
+@dataclass
+class Shares:
+    """This rank's contiguous share of a global batch of `total` rows: rows [lo, hi)."""
+    lo: int
+    hi: int
+    total: int
+
+    @classmethod
+    def of(cls, n_items: int, rows_per_item: int, rt: Runtime | None) -> "Shares":
+        """Items (prompts; each rows_per_item rows, a GRPO group) shared out equally over the ranks."""
+        rank, world = (rt.rank, rt.world_size) if rt is not None else (0, 1)
+        if n_items % world:
+            raise ValueError(f"{n_items} prompts per step cannot be shared equally by {world} processes")
+        per = n_items // world * rows_per_item
+        return cls(rank * per, (rank + 1) * per, n_items * rows_per_item)
+
+    def local(self, idx: Tensor) -> Tensor:
+        """The rows of global indices `idx` that are this rank's, as local indices (in idx's order)."""
+        return idx[(idx >= self.lo) & (idx < self.hi)] - self.lo
+
+
+def gather_rows(x: Tensor, rt: Runtime | None) -> Tensor:
+    """Every rank's (n, ...) rows of x concatenated in rank order: the global batch's (on CPU)."""
+    return torch.cat([t for t in all_gather_object(x.detach().cpu(), rt)])
+
+
+def global_sums(values: list[float | Tensor], rt: Runtime | None) -> list[float]:
+    """Each value summed over the ranks (float64; the values themselves in one process)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if rt is not None and rt.distributed:
+        t = all_reduce(t.to(rt.device), rt)
+    return t.tolist()
 
 
 class Algorithm(Protocol):
@@ -136,7 +198,7 @@ class MathPrompts:
 @torch.no_grad()
 def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequence[dict], *, max_new_tokens: int,
                  temperature: float, seed: int, batch_size: int = 64, reward_fn: RewardFn | None = None,
-                 confidence: float = 0.95) -> tuple[dict[str, float], list[dict]]:
+                 confidence: float = 0.95, rt: Runtime | None = None) -> tuple[dict[str, float], list[dict]]:
     """Held-out numbers for one model state, and a few sample answers.
 
     - math exact match (greedy; llm.evaluate.math_eval) with its Wilson interval;
@@ -145,30 +207,27 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
       for the same policy);
     - `reward`: mean reward_fn score of those samples (e.g. the RM), if given; with a combined
       reward (rm_verifier_reward) also its RM part alone, `rm_score`.
+    A distributed `rt` shares the batches out over the ranks; every rank returns the numbers.
     """
     ev = math_eval(policy, tokenizer, problems, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                   confidence=confidence)
+                   confidence=confidence, rt=rt)
     out = {k: v for k, v in ev.items() if k != "samples" and isinstance(v, (int, float))}
-    device = next(policy.parameters()).device
-    rewards, rm_sum, rm_n = [], 0.0, 0
 
-    def score(ro, ix: list[int]) -> None:
-        nonlocal rm_sum, rm_n
+    def score(ro, ix: list[int]) -> tuple[float, int, float | None]:
         r, stats = reward_fn(ro, [problems[i] for i in ix])
-        rewards.append(r)
-        if "rm_score" in stats:
-            rm_sum, rm_n = rm_sum + stats["rm_score"] * len(ix), rm_n + len(ix)
+        return float(r.double().sum()), len(ix), stats.get("rm_score")
 
     kl = sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
                     max_new_tokens=max_new_tokens, temperature=temperature,
                     stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                    generator=torch.Generator(device=device).manual_seed(derive_seed(seed, "heldout")),
-                    batch_size=batch_size, visit=score if reward_fn is not None else None)
+                    seed=derive_seed(seed, "heldout"), batch_size=batch_size,
+                    visit=score if reward_fn is not None else None, rt=rt)
     out["kl"] = kl.per_token
-    if rewards:
-        out["reward"] = float(torch.cat(rewards).mean())
-    if rm_n:
-        out["rm_score"] = rm_sum / rm_n
+    if kl.visits:
+        out["reward"] = sum(v[0] for v in kl.visits) / sum(v[1] for v in kl.visits)
+        with_rm = [v for v in kl.visits if v[2] is not None]
+        if with_rm:
+            out["rm_score"] = sum(v[2] * v[1] for v in with_rm) / sum(v[1] for v in with_rm)
     return out, ev["samples"]
 
 
@@ -215,9 +274,12 @@ def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: 
            progress: bool = True) -> LoopResult:
     """Train `algo` for cfg.max_steps RL steps in the run skeleton (llm.loop.run_loop): the policy in
     eval mode (no dropout: the ratio pi / pi_old must compare the same function, as in TRL),
-    AdamW over its trainable parameters, each step under the runtime's autocast."""
+    AdamW over its trainable parameters, each step under the runtime's autocast. Under torchrun
+    the Updater sums the ranks' gradients (no DDP wrapper: the policy is trained through
+    `hidden_states` and its heads, whose calls DDP's forward hooks would not see)."""
     algo.model.eval()
-    updater = Updater(algo.model, cfg, rt, stage=stage)
+    say = (lambda m: print(m, flush=True)) if rt.is_main else (lambda m: None)
+    updater = Updater(algo.model, cfg, rt, stage=stage, say=say, sum_gradients=True)
     return run_loop(algo, updater, cfg, rt, stage=stage, model=algo.model, run_dir=run_dir, fingerprint=fingerprint,
                     evaluate=evaluate, plots=plots, progress=progress, step_context=rt.autocast)
 
@@ -312,13 +374,14 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     The metrics are `summarize`'s, the final KL (held-out, else the last training steps') and
     its gate, `extra_metrics(result)` (the algorithm's own numbers), the prompt counts, the
     step resumed from and three held-out samples. A failed gate raises QualityGateError
-    before the model and the metrics are written."""
+    before the model and the metrics are written. Under torchrun every rank trains and evaluates
+    (a share of each held-out batch) and rank 0 alone writes."""
     stage = setup.stage
     samples: list[dict] = []
 
     def eval_fn(model) -> dict:
         row, s = heldout_eval(model, setup.ref, setup.tokenizer, setup.val, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=setup.seed, reward_fn=setup.reward_fn)
+                              temperature=cfg.temperature, seed=setup.seed, reward_fn=setup.reward_fn, rt=rt)
         samples[:] = s[:3]
         return row
 
@@ -342,7 +405,9 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
                 "resumed_from": result.resumed_from, "math_samples": samples})
-    check_final_kl(final_kl, cfg.max_kl, stage)
+    check_final_kl(final_kl, cfg.max_kl, stage)  # the same numbers on every rank: all fail together
+    if not rt.is_main:
+        return out
     save_model_dir(model, setup.policy.cpu(), setup.tokenizer,
                    {"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
                     "parent": str(setup.sft), "steps": result.step})

@@ -30,13 +30,15 @@ log-probs equal `response_forward`'s.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from llm.batching import derive_seed
 from llm.generate import generate
+from llm.runtime import sharded_map
 
 
 @dataclass
@@ -79,16 +81,18 @@ class Rollout:
 
 @torch.no_grad()
 def rollout(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-            stop_ids: Sequence[int], pad_id: int, generator: torch.Generator) -> Rollout:
+            stop_ids: Sequence[int], pad_id: int, generator: torch.Generator, row_offset: int = 0,
+            total_rows: int | None = None) -> Rollout:
     """Sample one response per prompt (repeat a prompt G times for a GRPO group).
 
     temperature must be > 0 (RL samples; the log-probs are those of the tempered
-    distribution, which the losses recompute with the same temperature).
+    distribution, which the losses recompute with the same temperature). row_offset,
+    total_rows: this process's rows of a batch shared out over processes (llm.generate.generate).
     """
     if temperature <= 0.0:
         raise ValueError(f"rollout: temperature must be > 0 for RL sampling, got {temperature}")
     g = generate(model, prompts, max_new_tokens, temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
-                 generator=generator)
+                 generator=generator, row_offset=row_offset, total_rows=total_rows)
     return Rollout(tokens=g.tokens, attention_mask=g.attention_mask, prompt_len=g.prompt_len,
                    response_mask=g.response_mask, logprobs=g.logprobs, stopped=g.stopped)
 
@@ -134,12 +138,13 @@ class SampledKL:
     per_sequence: float           # mean over responses of sum_t KL_t (nats per response)
     sequences: list[float]        # sum_t KL_t of each response, in prompt order
     tokens: int                   # response tokens measured (the stop tokens included)
+    visits: list = field(default_factory=list)  # what `visit` returned for each batch, in batch order
 
 
 @torch.no_grad()
 def sampled_kl(policy, ref, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-               stop_ids: Sequence[int], pad_id: int, generator: torch.Generator, batch_size: int,
-               visit: Callable[[Rollout, list[int]], None] | None = None) -> SampledKL:
+               stop_ids: Sequence[int], pad_id: int, seed: int, batch_size: int,
+               visit: Callable[[Rollout, list[int]], Any] | None = None, rt=None) -> SampledKL:
     """The one measure of "KL to the reference on sampled responses", used by PPO, GRPO, DPO and eval.
 
     For each prompt x one response y is sampled from the policy at `temperature` (as `rollout`),
@@ -150,29 +155,40 @@ def sampled_kl(policy, ref, prompts: Sequence[Sequence[int]], *, max_new_tokens:
 
         KL_t = sum_v pi(v | x, y_<t) (log pi(v | x, y_<t) - log ref(v | x, y_<t))
 
-    Prompts are batched by length (less padding). `visit(rollout, indices)` sees each batch of
-    samples with the prompt indices of its rows (e.g. to score them with a reward).
+    Prompts are batched by length (less padding); batch b samples from its own generator,
+    seeded by (seed, b), so a batch's samples do not depend on the batches before it. With a
+    distributed `rt` (llm.runtime.Runtime) the batches are shared out over the ranks and the
+    results gathered (llm.runtime.sharded_map): every rank returns the numbers one process
+    would. `visit(rollout, indices)` sees each batch of samples with the prompt indices of its
+    rows, on the rank that sampled it; what it returns is gathered into `visits`, in batch order.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    seq = [0.0] * len(prompts)
-    total, n_tok = 0.0, 0
-    for s in range(0, len(order), batch_size):
-        ix = order[s:s + batch_size]
+    chunks = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    device = next(policy.parameters()).device
+
+    def one(b: int) -> tuple[list[float], float, int, Any]:
+        ix = chunks[b]
         chunk = [prompts[i] for i in ix]
         room = min(max_new_tokens, policy.config.seq_len - max(map(len, chunk)))
         if room < 1:
             raise ValueError(f"sampled_kl: a prompt of {max(map(len, chunk))} tokens leaves no room in"
                              f" seq_len {policy.config.seq_len}")
+        g = torch.Generator(device=device).manual_seed(derive_seed(seed, "batch", b))
         ro = rollout(policy, chunk, max_new_tokens=room, temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
-                     generator=generator)
+                     generator=g)
         lp = torch.log_softmax(response_forward(policy, ro, temperature, keep_logits=True).logits, -1)  # (B, N, V)
         lq = torch.log_softmax(response_forward(ref, ro, temperature, keep_logits=True).logits, -1)
         kl = (lp.exp() * (lp - lq)).sum(-1) * ro.response_mask                 # (B, N), 0 off the responses
-        for i, v in zip(ix, kl.sum(1).tolist()):
+        return (kl.sum(1).tolist(), float(kl.sum()), int(ro.response_mask.sum()),
+                visit(ro, ix) if visit is not None else None)
+
+    seq = [0.0] * len(prompts)
+    total, n_tok, visits = 0.0, 0, []
+    for ix, (sums, kl_sum, tokens, seen) in zip(chunks, sharded_map(one, len(chunks), rt)):
+        for i, v in zip(ix, sums):
             seq[i] = v
-        total += float(kl.sum())
-        n_tok += int(ro.response_mask.sum())
-        if visit is not None:
-            visit(ro, ix)
+        total += kl_sum
+        n_tok += tokens
+        visits.append(seen)
     return SampledKL(per_token=total / max(n_tok, 1), per_sequence=sum(seq) / max(len(seq), 1), sequences=seq,
-                     tokens=n_tok)
+                     tokens=n_tok, visits=visits if visit is not None else [])

@@ -3,6 +3,7 @@
     rt = setup_runtime(common)      # common: llm.config.CommonConfig
     rt.device, rt.dtype, rt.rank, rt.world_size, rt.is_main, rt.autocast()
     model = wrap_model(raw, rt, "ddp" | "fsdp")   # DDP / FSDP2 when WORLD_SIZE > 1, else `raw`
+    results = sharded_map(work, n, rt)  # [work(0), ..., work(n-1)] on every rank, rank r doing r, r+N, ...
     rt.close()                      # the process group, if any
 
 Under torchrun (WORLD_SIZE > 1) `setup_runtime` initialises the process group: gloo on the CPU,
@@ -14,7 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -92,8 +97,33 @@ def setup_runtime(common: CommonConfig) -> Runtime:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Runtime(device=device, dtype=resolve_dtype(common, device), rank=rank,
-                   local_rank=local_rank, world_size=world)
+    rt = Runtime(device=device, dtype=resolve_dtype(common, device), rank=rank, local_rank=local_rank,
+                 world_size=world)
+    if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several machines
+        check_shared_directory(rt)
+    return rt
+
+
+def check_shared_directory(rt: Runtime, directory: Path | None = None) -> None:
+    """Several machines read the stage's inputs and checkpoints and rank 0 writes its outputs,
+    all in the repository: every rank must see the same directory. Rank 0 writes a file there
+    (the current directory by default) and every rank looks for it; if some cannot see it, every
+    rank raises ConfigError naming them (all ranks agree, so none waits for the others)."""
+    directory = Path.cwd() if directory is None else directory
+    name = all_gather_object(f".llm-shared-check-{uuid.uuid4().hex}" if rt.is_main else None, rt)[0]
+    probe = directory / name
+    if rt.is_main:
+        probe.write_text(name, encoding="utf-8")
+    barrier(rt)
+    seen = all_gather_object((socket.gethostname(), probe.is_file()), rt)
+    barrier(rt)
+    if rt.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, (host, ok) in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError([f"{directory}: {', '.join(blind)} cannot see the file rank 0 wrote there: the machines of"
+                           f" a run (common.nnodes > 1) must share the repository's directory (a network filesystem), since every rank reads the"
+                           f" inputs and checkpoints and rank 0 writes the outputs there"])
 
 
 def teardown_runtime() -> None:
@@ -111,6 +141,38 @@ def all_reduce(t: torch.Tensor, rt: Runtime, op=None) -> torch.Tensor:
 def barrier(rt: Runtime) -> None:
     if rt.distributed:
         dist.barrier()
+
+
+def all_gather_object(obj: Any, rt: Runtime | None) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank; [obj] in one process."""
+    if rt is None or not rt.distributed:
+        return [obj]
+    out: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+T = TypeVar("T")
+
+
+def sharded_map(work: Callable[[int], T], n: int, rt: Runtime | None) -> list[T]:
+    """[work(0), ..., work(n - 1)] on every rank, each item computed on one rank only.
+
+    Rank r of N computes the items r, r + N, r + 2N, ... and the results are gathered (pickled:
+    return CPU tensors and plain values) in item order. When each item (a batch of prompts,
+    say) is computed the same way whichever rank runs it, with its own seeded generator, the
+    result does not depend on N: the eval and pairs stages write the same bytes on 1 process
+    as on 8. Every rank must call it, with the same n. In one process (rt None or world 1)
+    it is a plain loop.
+    """
+    if rt is None or not rt.distributed:
+        return [work(i) for i in range(n)]
+    mine = {i: work(i) for i in range(rt.rank, n, rt.world_size)}
+    out: list[Any] = [None] * n
+    for part in all_gather_object(mine, rt):
+        for i, v in part.items():
+            out[i] = v
+    return out
 
 
 # ---------------------------------------------------------------------------

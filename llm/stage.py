@@ -17,20 +17,44 @@ required, and `--help` lists them. Every stage also takes `--params FILE` and
 Paths and returns the line to print (None on ranks > 0).
 
 `setup`: for stages that run a model, `llm.runtime.setup_runtime` (threads, the CPU kernels
-switch, the device and dtype, the process group); with `torchrun=True` and common.nproc > 1
-the stage re-runs itself under `torchrun --standalone --nproc_per_node=<nproc>`. Data stages
-pass none and get rt=None. (This module imports neither torch nor llm/runtime.py, so editing
+switch, the device and dtype, the process group). Data stages pass none and get rt=None.
+(This module imports torch only to launch processes, and never llm/runtime.py, so editing
 the training code never reruns a data stage under DVC.)
 
+Several processes (`torchrun=True` and common.nproc x common.nnodes > 1): the stage checks
+what it can before starting anything (the params' divisibility by the number of processes,
+common.nproc against the GPUs present) and then runs itself under torchrun's launcher,
+`torch.distributed.run` (the code behind the `torchrun` command, called in-process so that
+its failures can be reported in one line): common.nproc processes on this machine, on one
+machine `--standalone`, on several a c10d rendezvous at common.rdzv_endpoint that every
+other machine joins with `python -m llm.stage join <stage>` (docs/scale.md). Each process
+runs the same `python -m stages.<name> ...` with torchrun's environment, so the code path is
+the one of a single process. What the launcher reports:
+
+- a rendezvous that does not complete within common.rdzv_timeout (an endpoint that cannot be
+  reached, a machine that never joins): "<stage>: the rendezvous at HOST:PORT ...", exit 1;
+- a process that fails: the launcher stops the others, and the stage prints the failing
+  rank's own message (a stage error, an exception, or the signal that killed it), exit 1;
+- SIGTERM/SIGINT: passed on to the processes, which checkpoint and stop (llm/loop.py).
+
 A ConfigError from the params, or any error a user or an input file can cause (STAGE_ERRORS,
-plus the stage's own `errors`), prints "<stage>: <message>" on stderr and returns 1; anything
-else is a bug and keeps its traceback. The process group is torn down whatever happens.
+plus the stage's own `errors`), prints "<stage>: <message>" on stderr and returns 1 (under
+the launcher the message goes to it, and it prints the failing rank's); anything else is a
+bug and keeps its traceback. The process group is torn down whatever happens.
+
+    python -m llm.stage join <stage> [--params params.yaml]
+
+runs the command dvc.yaml gives <stage> (eval@<model> for one of eval's), to join from
+another machine the run that `dvc repro <stage>` starts on the head one.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,8 +81,23 @@ def training_outputs(model: str) -> dict[str, str]:
 
 def _stage_error(stage: str, e: Exception) -> int:
     msg = str(e)  # some messages (quality gates) already start with the stage's name
-    print(msg if msg.startswith(f"{stage}: ") else f"{stage}: {msg}", file=sys.stderr)
+    line = msg if msg.startswith(f"{stage}: ") else f"{stage}: {msg}"
+    if not _tell_launcher(line, stage_error=True):
+        print(line, file=sys.stderr)
     return 1
+
+
+def _tell_launcher(message: str, *, stage_error: bool) -> bool:
+    """Under torchrun's launcher, leave `message` in the error file it reads when this process
+    exits non-zero (it then reports one failing rank instead of every rank repeating the same
+    line); False when there is no launcher to tell."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") if under_torchrun() else None
+    if not path:
+        return False
+    rank = os.environ.get("RANK", "?")
+    Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time()), "rank": rank,
+                                      "stage_error": stage_error}), encoding="utf-8")
+    return True
 
 
 def _option(name: str) -> str:
@@ -69,12 +108,15 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
                outputs: dict[str, str], section: str | None = None,
                setup: Callable[[CommonConfig], Any] | None = None, torchrun: bool = False,
                errors: tuple[type[Exception], ...] = (),
-               options: Callable[[argparse.ArgumentParser], object] | None = None) -> int:
+               options: Callable[[argparse.ArgumentParser], object] | None = None,
+               module: str | None = None) -> int:
     """`python -m stages.<stage> --<input> PATH ... --<output> PATH ... [--params FILE]`; returns the exit status.
 
     doc       the stage's docstring: its first paragraph is --help's description, all of it the epilog
     section   the params section the stage reads besides `common` (default: the stage's name)
     options   options(parser) adds the stage's other command-line options
+    torchrun  the stage runs as several processes when common.nproc x common.nnodes > 1
+    module    what each process runs (`python -m <module> argv`; default stages.<stage>)
     """
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=doc.split("\n\n")[0],
@@ -100,23 +142,164 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
         except (*STAGE_ERRORS, *errors) as e:
             return _stage_error(stage, e)
     else:
-        if common.nproc > 1 and not torchrun:
-            print(f"{stage}: runs in one process (common.nproc={common.nproc} applies to the stages that train"
+        if common.world_size > 1 and not torchrun:
+            print(f"{stage}: runs in one process (common.nproc={common.nproc} applies to the stages that run"
                   f" under torchrun)", flush=True)
-        elif common.nproc > 1 and not under_torchrun():
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={common.nproc}",
-                   "-m", f"stages.{stage}", *argv]
-            print(f"{stage}: common.nproc={common.nproc}: re-running under torchrun: {' '.join(cmd[1:])}", flush=True)
-            os.execv(sys.executable, cmd)  # does not return
+        elif common.world_size > 1 and not under_torchrun():
+            try:
+                check_placement(common, cfg, section)
+            except ConfigError as e:
+                return _stage_error(stage, e)
+            return launch(stage, module or f"stages.{stage}", argv, common)
         rt = None
         try:
             rt = setup(common)
             summary = work(args, common, cfg, rt)
         except (*STAGE_ERRORS, *errors) as e:
             return _stage_error(stage, e)
+        except Exception as e:  # a bug: the traceback goes to stderr, its last line to the launcher
+            _tell_launcher(f"{type(e).__name__}: {e}", stage_error=False)
+            raise
         finally:
             if rt is not None:
                 rt.close()
     if summary is not None:
         print(summary)
     return 0
+
+
+# ---------------------------------------------------------------------------
+# Several processes: checks, the launcher, joining from another machine
+
+def check_placement(common: CommonConfig, cfg: Any, section: str) -> None:
+    """What can be checked before any process starts: that the section's per-step work shares
+    out equally over common.world_size processes (its `check_world`), and that a machine has a
+    GPU for each of its common.nproc processes when they run on GPUs. Raises ConfigError."""
+    problems = list(cfg.check_world(section, common)) if hasattr(cfg, "check_world") else []
+    import torch
+    on_gpu = common.device == "cuda" or (common.device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        count = torch.cuda.device_count()
+        if common.nproc > count:
+            problems.append(f"common.nproc: {common.nproc} processes per machine, one per GPU, but this machine has"
+                            f" {count} GPU(s) (torch.cuda.device_count()); set common.nproc to at most {count},"
+                            f" or common.device: cpu to run the processes on the CPU")
+    if problems:
+        raise ConfigError(problems)
+
+
+def torchrun_args(common: CommonConfig, module: str, argv: list[str]) -> list[str]:
+    """The `torchrun` arguments that run `python -m module argv` as this run's processes."""
+    out = [f"--nnodes={common.nnodes}", f"--nproc-per-node={common.nproc}", "--max-restarts=0"]
+    if common.nnodes == 1:
+        out.append("--standalone")
+    else:
+        t = common.rdzv_timeout
+        out += ["--rdzv-backend=c10d", f"--rdzv-endpoint={common.rdzv_endpoint}", f"--rdzv-id={common.rdzv_id}",
+                f"--rdzv-conf=join_timeout={t},read_timeout={t}"]
+    return out + ["-m", module, *argv]
+
+
+def launch(stage: str, module: str, argv: list[str], common: CommonConfig) -> int:
+    """Run the stage as common.nproc processes on this machine (of common.world_size in all) under
+    torch.distributed.run, and turn its failures into one line; returns the exit status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    args = torchrun_args(common, module, argv)
+    where = (f"{common.nproc} processes on this machine" if common.nnodes == 1 else
+             f"{common.nproc} processes on each of {common.nnodes} machines, meeting at {common.rdzv_endpoint}"
+             f" (the others join with `python -m llm.stage join {stage}`)")
+    print(f"{stage}: {where}: torchrun {' '.join(args)}", flush=True)
+    t0 = time.monotonic()
+    try:
+        torchrun.run(torchrun.parse_args(args))
+    except ChildFailedError as e:
+        print(failure_line(stage, e.failures, common.world_size), file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as e:
+        print(f"{stage}: the rendezvous at {common.rdzv_endpoint} (common.rdzv_endpoint, job"
+              f" {common.rdzv_id!r}) did not complete in {time.monotonic() - t0:.0f} s (common.rdzv_timeout="
+              f"{common.rdzv_timeout}): {type(e).__name__}: {e}. Check that the endpoint's host is reachable"
+              f" from here and the port is free there, and that all {common.nnodes} machines run the stage with"
+              f" the same params", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:  # the processes got the signal too: they checkpoint and stop
+        print(f"{stage}: {e.sigval.name}: stopped the processes", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def failure_line(stage: str, failures: dict[int, Any], world: int) -> str:
+    """One line naming the rank that failed first and why; `failures` is torchrun's {rank:
+    ProcessFailure}. The root cause is a stage error (the message the rank would have printed)
+    before a death by signal before anything else (a peer's broken connection, most often),
+    then the earliest."""
+    def data(f) -> dict:
+        d = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        return d if d.get("message") != "<NONE>" else {}  # torchrun's stand-in when there is no error file
+
+    def kind(f) -> int:
+        return 0 if data(f).get("stage_error") else 1 if f.exitcode < 0 else 2
+
+    rank, f = min(failures.items(), key=lambda rf: (kind(rf[1]), rf[1].timestamp, rf[0]))
+    if f.exitcode < 0:
+        why = f"killed by {f.signal_name()} (exit code {f.exitcode})"
+    elif data(f):
+        why = f.message.removeprefix(f"{stage}: ")
+    else:
+        why = f"exit code {f.exitcode} (no message; see its output above)"
+    others = sorted(r for r in failures if r != rank)
+    tail = f"; rank(s) {', '.join(map(str, others))} stopped with it" if others else ""
+    return f"{stage}: rank {rank} of {world} failed: {why}{tail}"
+
+
+def join_command(stage: str, dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
+    """The argv (after `python -m`) of `stage` as dvc.yaml runs it; `eval@sft` names one item of a foreach."""
+    import yaml
+    name, _, item = stage.partition("@")
+    stages = yaml.safe_load(Path(dvc_yaml).read_text(encoding="utf-8")).get("stages", {})
+    if name not in stages:
+        raise ConfigError([f"{dvc_yaml}: no stage {name!r}; stages: {', '.join(stages)}"])
+    st = stages[name]
+    if "foreach" in st:
+        if item not in st["foreach"]:
+            raise ConfigError([f"{dvc_yaml}: {name} runs once per item; name one: "
+                               + ", ".join(f"{name}@{x}" for x in st["foreach"])])
+        cmd = st["do"]["cmd"].replace("${item}", item)
+    else:
+        cmd = st["cmd"]
+    argv = shlex.split(cmd)
+    if argv[:2] != ["python", "-m"]:
+        raise ConfigError([f"{dvc_yaml}: stage {stage}: expected `python -m ...`, got {cmd!r}"])
+    return argv[2:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m llm.stage join <stage>`: run dvc.yaml's command of <stage> here, to join from
+    another machine the several-machine run that `dvc repro <stage>` starts on the head one."""
+    ap = argparse.ArgumentParser(prog="python -m llm.stage", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    j = sub.add_parser("join", help="join another machine's run of a stage (common.nnodes > 1)")
+    j.add_argument("stage", help="the stage, as `dvc repro` names it: pretrain, grpo, eval@sft, ...")
+    j.add_argument("--dvc-yaml", default="dvc.yaml", help="the pipeline file (default: %(default)s)")
+    args = ap.parse_args(argv)
+    try:
+        module, *stage_argv = join_command(args.stage, args.dvc_yaml)
+        params = stage_argv[stage_argv.index("--params") + 1] if "--params" in stage_argv else "params.yaml"
+        common = load_sections(["common"], params)["common"]
+        if common.nnodes < 2:
+            raise ConfigError([f"{params}: common.nnodes is {common.nnodes}: there is no other machine to join;"
+                               f" run the stage with `dvc repro {args.stage}`"])
+    except ConfigError as e:
+        print(f"join: {e}", file=sys.stderr)
+        return 1
+    import importlib
+    print(f"join: {args.stage}: python -m {module} {' '.join(stage_argv)}", flush=True)
+    return importlib.import_module(module).main(stage_argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

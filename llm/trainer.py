@@ -14,14 +14,18 @@ A stage brings three things and calls `train(...)`:
 skeleton of llm/loop.py (resume, checkpoints, signals, evaluation, monitoring, the optimizer
 step and the non-finite policy) with `SupervisedStep` as the step body:
 
-Per optimizer step the body takes grad_accum micro-batches, counts each one's weight
-*before* any forward (`batch_weight`: batch["weight"], else the targets that are not
--100), all-reduces the total W over ranks, and back-propagates loss_sum * world / W for
-each micro-batch (DDP averages over ranks), so k micro-batches on N ranks give the
-gradients of one big batch of the same examples. DDP gradient sync happens only on the
-last micro-batch (`no_sync`; FSDP: `set_requires_gradient_sync`). Dropout's RNG is
-reseeded from (seed, rank, step) at every step, and samplers are counter-based, so a run
-resumed from a checkpoint reproduces the uninterrupted run bit for bit on CPU.
+An optimizer step is cfg.grad_accum micro-batches over all ranks: each of N ranks takes
+grad_accum / N of them (the batch sources hand rank r the global micro-batches r, r + N, ...,
+llm/batching.py), so the global batch and its samples do not depend on N. The body counts
+each micro-batch's weight *before* any forward (`batch_weight`: batch["weight"], else the
+targets that are not -100), all-reduces the total W over ranks, and back-propagates
+loss_sum * world / W for each micro-batch (DDP averages over ranks), so k micro-batches on N
+ranks give the gradients of one big batch of the same examples. DDP gradient sync happens
+only on the last micro-batch (`no_sync`; FSDP: `set_requires_gradient_sync`). Dropout's RNG
+is reseeded from (seed, step, global micro-batch) before every micro-batch, and samplers are
+counter-based, so a run resumed from a checkpoint reproduces the uninterrupted run bit for
+bit on CPU, and one resumed on another number of processes continues from the same sample
+with the same dropout masks.
 """
 from __future__ import annotations
 
@@ -184,10 +188,12 @@ LOSS_PANELS = [("loss (nats/token)", [("train", "loss", "train loss"), ("val", "
 
 
 class SupervisedStep:
-    """One optimizer step over grad_accum micro-batches (the step body of `train`)."""
+    """One optimizer step over grad_accum micro-batches, grad_accum / world of them on this rank
+    (the step body of `train`)."""
 
     def __init__(self, wrapped: nn.Module, batches: BatchSource, loss_fn: LossFn, rt: Runtime, *, seed: int,
                  grad_accum: int, sync: Callable[[bool], Any], flops_per_token: int | None, peak: float | None):
+        assert grad_accum % rt.world_size == 0, "checked by train()"
         self.wrapped, self.batches, self.loss_fn, self.rt = wrapped, batches, loss_fn, rt
         self.seed, self.grad_accum, self.sync = seed, grad_accum, sync
         self.flops_per_token, self.peak = flops_per_token, peak
@@ -197,9 +203,17 @@ class SupervisedStep:
     def step(self, step: int, updater: Updater) -> dict[str, Any] | None:
         rt = self.rt
         t0 = time.perf_counter()
-        seed_step(rt, derive_seed(self.seed, "dropout", rt.rank, step))
-        micro = [self.batches.next_batch() for _ in range(self.grad_accum)]
-        stats, ekeys = accumulate_gradients(self.wrapped, micro, self.loss_fn, rt, scaler=updater.scaler,
+        mine = self.grad_accum // rt.world_size
+        micro = [self.batches.next_batch() for _ in range(mine)]
+        # dropout masks keyed by the global micro-batch (j-th of this rank = j * world + rank), so
+        # they do not depend on how many processes share the step
+        seeds = iter(derive_seed(self.seed, "dropout", step, j * rt.world_size + rt.rank) for j in range(mine))
+
+        def loss_fn(model: nn.Module, batch: Batch):
+            seed_step(rt, next(seeds))
+            return self.loss_fn(model, batch)
+
+        stats, ekeys = accumulate_gradients(self.wrapped, micro, loss_fn, rt, scaler=updater.scaler,
                                             sync=self.sync, check_weights=not self.checked_weights)
         self.checked_weights = True
         outcome, values, gnorm = updater.apply(stats)
@@ -237,13 +251,15 @@ class TrainResult:
 def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: int,
           batches: BatchSource, loss_fn: LossFn = lm_loss, val_batches: Sequence[Batch] | None = None,
           run_dir: str | Path, fingerprint: str, plots: Plots | None = None,
-          bytes_per_token: float | None = None, distributed: str = "ddp",
-          find_unused_parameters: bool = False, progress: bool = True) -> TrainResult:
+          bytes_per_token: float | None = None, find_unused_parameters: bool = False,
+          progress: bool = True) -> TrainResult:
     """Train `model` for cfg.max_steps optimizer steps, resuming from `run_dir` if it can.
 
     model: on any device; moved to rt.device. Pass the unwrapped module; `loss_fn`
     receives the wrapped one (DDP/FSDP/compiled): call it (forward) rather than other
     methods so gradient sync works, and use `unwrap(model)` for anything else.
+    cfg.distributed: DDP or FSDP2 when rt.world_size > 1; cfg.grad_accum must be a multiple of
+    rt.world_size (the micro-batches of a step are shared out over the ranks).
     seed: derive it from (common.seed, stage); dropout and nothing else uses the global RNG.
     run_dir: checkpoints (ckpt-<step>/), resumed from when their fingerprint matches.
     plots: where the curves go (panels default to loss and lr).
@@ -252,12 +268,15 @@ def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: 
     tokens_per_s, mfu (None where the device peak is unknown), nonfinite_skips,
     amp_overflows, train_time_s, and mem_*_gb on CUDA.
     """
+    if cfg.grad_accum % rt.world_size:
+        raise ValueError(f"{stage}.grad_accum: {cfg.grad_accum} micro-batches per step cannot be shared by"
+                         f" {rt.world_size} processes; set it to a multiple of {rt.world_size}")
     raw = model.to(rt.device)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(raw)
-    wrapped = wrap_model(raw, rt, distributed, find_unused_parameters)
+    wrapped = wrap_model(raw, rt, cfg.distributed, find_unused_parameters)
     ddp = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
-    fsdp = rt.distributed and distributed == "fsdp"
+    fsdp = rt.distributed and cfg.distributed == "fsdp"
     say = (lambda m: print(m, flush=True)) if rt.is_main else (lambda m: None)
     updater = Updater(raw, cfg, rt, stage=stage, say=say)
     if cfg.compile:

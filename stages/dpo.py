@@ -63,8 +63,6 @@ OUTPUTS = training_outputs("the DPO model directory")
 
 def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True) -> dict | None:
-    import torch
-
     from llm.artifacts import load_model_dir, save_model_dir
     from llm.chat import render_prompt
     from llm.model import GPT
@@ -123,11 +121,10 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
             prompts.append(list(ids))
     prompts = prompts[:cfg.kl_prompts]
     t0 = time.perf_counter()
-    g = torch.Generator(device=rt.device).manual_seed(derive_seed(common.seed, STAGE, "kl"))
     with rt.autocast():
         kl = sampled_kl(out_model, reference, prompts, max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                        stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, generator=g,
-                        batch_size=2 * cfg.batch_size)
+                        stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id,
+                        seed=derive_seed(common.seed, STAGE, "kl"), batch_size=2 * cfg.batch_size)
     t_kl = time.perf_counter() - t0
     m = result.metrics
     # the baseline a policy that only sharpens SFT would reach: pairs whose chosen answer the

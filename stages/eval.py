@@ -20,7 +20,9 @@ the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's 
 to the same prompts (ties count half); KL to SFT on `eval.kl_prompts` prompts (responses sampled
 from the model at temperature 1; 0 for SFT itself); the Detoxify toxicity rate when
 `eval.detoxify_checkpoint` is set, else "unavailable"; greedy answers to `eval.sample_prompts`.
-Sampling is seeded from (common.seed, part): two runs give the same file.
+Sampling is seeded from (common.seed, part, batch): two runs give the same file. With
+`common.nproc` > 1 it runs under torchrun, each rank generating and scoring a share of every
+batch loop; rank 0 writes files byte for byte equal to a one-process run's (timings aside).
 
 Writes
 
@@ -55,8 +57,9 @@ def _token_meta(path: Path) -> dict:
 
 
 def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: Path, rm: Path, test: Path,
-        tokens: Path, metrics: Path, samples: Path, device: str | None = None) -> tuple[dict, dict]:
-    """Evaluate the model `name` in directory `model`; write and return (metrics, samples)."""
+        tokens: Path, metrics: Path, samples: Path, device: str | None = None, rt=None) -> tuple[dict, dict]:
+    """Evaluate the model `name` in directory `model`; write (rank 0) and return (metrics, samples).
+    rt: a distributed llm.runtime.Runtime shares the work out over its ranks."""
     from llm.artifacts import load_model_dir
     from llm.evaluate import evaluate_model
     from llm.runtime import resolve_device
@@ -100,10 +103,12 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
 
     m, extras = evaluate_model(policy, tok, cfg, seed=derive_seed(common.seed, STAGE), problems=problems,
                                val_batches=val_batches, bytes_per_token=tmeta["val_bytes"] / tmeta["val_tokens"],
-                               ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold)
+                               ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold,
+                               rt=rt)
     s = {"model": name, "model_fingerprint": meta.get("fingerprint", ""), "device": dev, **extras}
-    atomic_write_json(metrics, m)
-    atomic_write_json(samples, s)
+    if rt is None or rt.is_main:
+        atomic_write_json(metrics, m)
+        atomic_write_json(samples, s)
     return m, s
 
 
@@ -111,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     from llm.runtime import setup_runtime
     from llm.stage import stage_main
 
-    def work(args, common: CommonConfig, cfg: EvalConfig, rt) -> str:
+    def work(args, common: CommonConfig, cfg: EvalConfig, rt) -> str | None:
         if cfg.num_threads:
             import torch
             torch.set_num_threads(cfg.num_threads)
-        m, s = run(args.name, common, cfg, device=str(rt.device), **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)})
+        m, s = run(args.name, common, cfg, device=str(rt.device), rt=rt,
+                   **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)})
+        if not rt.is_main:
+            return None
         parts = [f"math exact match {m['math_exact_match']:.1%} [{m['math_exact_match_lo']:.1%},"
                  f" {m['math_exact_match_hi']:.1%}]"]
         if "val_bpb" in m:
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return f"{STAGE} {args.name}: " + ", ".join(parts) + f"; {s['timing_s']['total']:.1f} s; wrote {args.metrics}"
 
     return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True,
                       options=lambda ap: ap.add_argument("name", choices=MODELS, help="which model (a label)"))
 
 

@@ -11,7 +11,10 @@ Reads the `common` and `grpo` sections of params.yaml and
 Each step samples grpo.prompts_per_step problems (grpo.curriculum_levels for the first
 grpo.curriculum_steps steps, then grpo.levels), grpo.group_size completions each, scores them
 with the safe verifier (llm.rewards.math_reward: correct_reward + format_reward, capped) and
-updates the policy with the clipped surrogate + beta * k3 KL (llm/grpo.py). Held-out exact
+updates the policy with the clipped surrogate + beta * k3 KL (llm/grpo.py). With
+`common.nproc` > 1 it runs under torchrun: each rank rolls out and scores whole groups of
+the step's prompts, and the trajectory is one process's up to the order of float sums
+(llm/rl.py). Held-out exact
 match (greedy), held-out reward and KL to the reference are measured before the first step,
 every grpo.eval_every steps and at the end.
 
@@ -46,15 +49,17 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
     setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data,
                            levels=(cfg.levels, cfg.curriculum_levels))
     policy, tok = setup.policy, setup.tokenizer
-    print(f"{STAGE}: {setup.train_problems} train problems ({setup.pool.dropped} too long for"
-          f" seq_len={policy.config.seq_len}), {len(setup.val)} held-out; {policy.summary()}", flush=True)
+    if rt.is_main:
+        print(f"{STAGE}: {setup.train_problems} train problems ({setup.pool.dropped} too long for"
+              f" seq_len={policy.config.seq_len}), {len(setup.val)} held-out; {policy.summary()};"
+              f" {rt.world_size} process(es)", flush=True)
 
     def prompts_fn(step: int):
         levels = cfg.curriculum_levels if step < cfg.curriculum_steps else cfg.levels
         return setup.pool.sample(cfg.prompts_per_step, levels, step_generator(setup.seed, "prompts", step))
 
     algo = GRPO(policy, setup.ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
-                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed)
+                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed, rt=rt)
 
     def extra_metrics(result) -> dict:
         zero_std = [r["frac_reward_zero_std"] for r in result.history]
@@ -69,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         from llm.rl import summary_line
         m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
                 progress=not args.no_progress)
-        return summary_line(STAGE, m, args.model, args.metrics)
+        return summary_line(STAGE, m, args.model, args.metrics) if rt.is_main else None
 
-    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime)
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the reward model (scores task responses), math questions with their answers (sco
 verifier) and the SFT conversations (the prompts of non-math sources are the task prompts).
 The procedure, seeded from (common.seed, "pairs"), is llm/pairs.py's: prompts, samples at
 several temperatures, scores, best vs worst per prompt (ties dropped), adversarial
-format-broken pairs, a split by prompt.
+format-broken pairs, a split by prompt. With `common.nproc` > 1 it runs under torchrun: each
+rank samples and scores a share of the batches (each batch seeded on its own), and rank 0
+writes the same files as one process would (llm.runtime.sharded_map).
 
 Writes the pairs directory ({train,val}.jsonl: records {"id", "prompt", "chosen", "rejected", "kind",
 "source", "scorer", "reward_chosen", "reward_rejected", "preference_score", "adversarial",
@@ -40,8 +42,11 @@ OUTPUTS = {"out": "the pairs directory", "metrics": "the metrics JSON", "plots":
 
 
 def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, math: Path, sft_data: Path,
-        out: Path, metrics: Path, plots: Path, progress: bool = True) -> dict:
+        out: Path, metrics: Path, plots: Path, progress: bool = True, rt: Runtime | None = None) -> dict:
+    """Make, write (rank 0) and return the pairs' metrics. rt: a distributed Runtime shares the
+    sampling and the scoring out over its ranks; the files are those of one process."""
     t_start = time.perf_counter()
+    main = rt is None or rt.is_main
     seed = derive_seed(common.seed, STAGE)
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
     reward_model, rm_tok, rm_meta = load_model_dir(rm, device=device, heads=("reward",))
@@ -56,18 +61,19 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) < seq_len]
     too_long = len(prompts) - len(keep)
     prompts, prompt_ids = [prompts[i] for i in keep], [prompt_ids[i] for i in keep]
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
-    print(f"{STAGE}: {len(prompts)} prompts ({sum(p['kind'] == 'math' for p in prompts)} math),"
-          f" {len(cfg.temperatures)} temperatures x {cfg.samples_per_temperature} samples; {policy.summary()}",
-          flush=True)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if progress and main else (lambda m: None)
+    if main:
+        print(f"{STAGE}: {len(prompts)} prompts ({sum(p['kind'] == 'math' for p in prompts)} math),"
+              f" {len(cfg.temperatures)} temperatures x {cfg.samples_per_temperature} samples; {policy.summary()}"
+              + (f"; {rt.world_size} processes" if rt is not None and rt.distributed else ""), flush=True)
 
     t0 = time.perf_counter()
-    samples, gen_tokens = lib.sample_responses(policy, tok, prompt_ids, cfg, seed, device, say)
+    samples, gen_tokens = lib.sample_responses(policy, tok, prompt_ids, cfg, seed, device, say, rt=rt)
     t_gen = time.perf_counter() - t0
 
     def rm_score(seqs: list[list[int]]) -> list[float]:
         return score_sequences(reward_model, seqs, pad_id=tok.pad_id, batch_size=cfg.batch_size,
-                               device=device).tolist()
+                               device=device, rt=rt).tolist()
 
     t0 = time.perf_counter()
     lib.score_samples(samples, prompts, prompt_ids, rm_score, tok, seq_len)
@@ -86,6 +92,8 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
          "generate_tokens_per_s": gen_tokens / t_gen if t_gen else None, "score_time_s": t_score,
          "stage_time_s": time.perf_counter() - t_start,
          "inputs": {"sft": sft_meta.get("fingerprint", ""), "reward": rm_meta.get("fingerprint", "")}}
+    if not main:
+        return m
     with atomic_dir(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "val.jsonl", val)
@@ -95,18 +103,21 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    def work(args, common: CommonConfig, cfg: PairsConfig, rt: Runtime) -> str:
+    def work(args, common: CommonConfig, cfg: PairsConfig, rt: Runtime) -> str | None:
         if not cfg.temperatures or any(t <= 0 for t in cfg.temperatures):
             raise ValueError(f"pairs.temperatures: expected a non-empty list of temperatures > 0,"
                              f" got {cfg.temperatures}")
         m = run(common, cfg, rt.device, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
-                progress=not args.no_progress)  # generation runs in one process
+                progress=not args.no_progress, rt=rt)
+        if not rt.is_main:
+            return None
         ps = m["preference_score"]
         return (f"{STAGE}: {m['pairs']} pairs ({m['train_pairs']} train / {m['val_pairs']} val, {m['adversarial']}"
                 f" adversarial), {m['ties_dropped']} ties dropped; preference_score mean {ps['mean']:.3f}"
                 f" [p05 {ps['p05']:.3f}, p95 {ps['p95']:.3f}]; wrote {args.out}/ and {args.metrics}")
 
-    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime)
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

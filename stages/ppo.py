@@ -15,6 +15,8 @@ Each step samples ppo.rollout_prompts prompts, one response each, scores them (R
 adds the per-token KL penalty (ppo.kl_estimator, coefficient from the adaptive KL controller),
 runs GAE and ppo.epochs passes of clipped-surrogate + clipped-value + entropy updates over
 minibatches (llm/ppo.py). A KL outside [kl_alert_low, kl_alert_high] is reported as an ALERT.
+With `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores a share of
+the prompts, and the trajectory is one process's up to the order of float sums (llm/rl.py).
 Held-out exact match (greedy), held-out reward (sampled responses scored the same way) and KL
 to the reference are measured before the first step, every ppo.eval_every steps and at the end.
 
@@ -54,16 +56,17 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Pat
     policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
     source = {"rm": f"the reward model {rm}", "verifier": "the verifier",
               "rm+verifier": f"the reward model {rm} plus the verifier"}[cfg.reward_source]
-    print(f"{STAGE}: reward from {source};"
-          f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
-          f" held-out; {policy.summary()}", flush=True)
+    if rt.is_main:
+        print(f"{STAGE}: reward from {source};"
+              f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
+              f" held-out; {policy.summary()}; {rt.world_size} process(es)", flush=True)
 
     def prompts_fn(step: int):
         return setup.pool.sample(cfg.rollout_prompts, cfg.levels, step_generator(setup.seed, "prompts", step))
 
     algo = PPO(policy, setup.ref, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed,
-               log=lambda m: print(m, file=sys.stderr, flush=True))
+               log=(lambda m: print(m, file=sys.stderr, flush=True)) if rt.is_main else (lambda m: None), rt=rt)
     return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model=model, metrics=metrics,
                            plots=plots, progress=progress,
                            extra_metrics=lambda result: {"reward_source": cfg.reward_source,
@@ -76,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from llm.rl import summary_line
         m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
                 progress=not args.no_progress)
-        return summary_line(STAGE, m, args.model, args.metrics)
+        return summary_line(STAGE, m, args.model, args.metrics) if rt.is_main else None
 
-    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime)
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

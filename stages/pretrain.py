@@ -2,9 +2,9 @@
 
     dvc repro pretrain        (dvc.yaml passes the paths: `python -m stages.pretrain --help`)
 
-With `common.nproc > 1` it re-runs itself under `torchrun --standalone
---nproc_per_node=<nproc>` (DDP, or FSDP with `pretrain.distributed: fsdp`); the code path
-is the same as with one process.
+With `common.nproc > 1` (or `common.nnodes > 1`) it runs under torchrun's launcher (DDP, or
+FSDP2 with `pretrain.distributed: fsdp`; llm/stage.py); the code path is the same as with
+one process, and so is the global batch (pretrain.batch_size x pretrain.grad_accum).
 
 Reads the `common` and `pretrain` sections of params.yaml, the token shards (train.bin,
 val.bin, meta.json; llm.batching.open_tokens) and the tokenizer (vocab_size comes from it).
@@ -103,8 +103,7 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path,
     result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val, run_dir=run_dir,
                    fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png",
                                                tb_dir=run_dir / "tb"),
-                   bytes_per_token=meta["val_bytes"] / meta["val_tokens"], distributed=cfg.distributed,
-                   progress=progress)
+                   bytes_per_token=meta["val_bytes"] / meta["val_tokens"], progress=progress)
 
     state = full_model_state(gpt, rt)  # every rank joins (FSDP gathers); a dict on rank 0 only
     if not rt.is_main:

@@ -43,6 +43,14 @@ def dvc_command(stage: str, item: str | None = None) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
+def common_params(**over) -> dict:
+    """A complete `common` params section for a test's params file (override any key)."""
+    from llm.config import CommonConfig, to_dict
+
+    base = CommonConfig(seed=7, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True)
+    return {**to_dict(base), **over}
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

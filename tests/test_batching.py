@@ -50,14 +50,37 @@ def test_state_from_other_settings_is_refused():
 
 
 def test_ranks_and_accumulation_see_the_same_global_batch():
-    # one process, batch 8  ==  one process, 2 x 4 accumulated  ==  two ranks x 4
+    # one process, batch 8  ==  one process, 2 x 4 accumulated  ==  two ranks, one of the 2 x 4 each
     one = WindowSampler(TOKENS, seq_len=8, batch_size=8, seed=3)
     accum = WindowSampler(TOKENS, seq_len=8, batch_size=4, grad_accum=2, seed=3)
-    ranks = [WindowSampler(TOKENS, seq_len=8, batch_size=4, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    ranks = [WindowSampler(TOKENS, seq_len=8, batch_size=4, grad_accum=2, seed=3, rank=r, world_size=2)
+             for r in (0, 1)]
     for _ in range(3):  # three optimizer steps
         big = _starts(one.next_batch())
-        assert sorted(_starts(accum.next_batch()) + _starts(accum.next_batch())) == big
-        assert sorted(_starts(ranks[0].next_batch()) + _starts(ranks[1].next_batch())) == big
+        a, b = accum.next_batch(), accum.next_batch()
+        assert sorted(_starts(a) + _starts(b)) == big
+        assert _starts(ranks[0].next_batch()) == _starts(a) and _starts(ranks[1].next_batch()) == _starts(b)
+
+
+def test_window_cursor_is_global_and_resumes_on_another_number_of_processes():
+    """A state taken after 3 steps on 2 ranks resumes in 1 process (and back) at the same window."""
+    kw = dict(seq_len=8, batch_size=3, grad_accum=4, seed=9)
+    ref = WindowSampler(TOKENS, **kw)
+    seq = [_starts(ref.next_batch()) for _ in range(6 * 4)]  # 6 steps, one process
+    two = [WindowSampler(TOKENS, **kw, rank=r, world_size=2) for r in (0, 1)]
+    for _ in range(3 * 2):
+        for s in two:
+            s.next_batch()
+    one = WindowSampler(TOKENS, **kw)
+    one.load_state_dict(two[0].state_dict())
+    assert [_starts(one.next_batch()) for _ in range(4)] == seq[12:16]  # step 4, one process
+    back = [WindowSampler(TOKENS, **kw, rank=r, world_size=2) for r in (0, 1)]
+    for s in back:
+        s.load_state_dict(one.state_dict())
+    got = [_starts(back[r].next_batch()) for _ in range(2) for r in (0, 1)]  # step 5, two ranks
+    assert sorted(got) == sorted(seq[16:20])
+    with pytest.raises(ValueError, match="grad_accum"):
+        WindowSampler(TOKENS, seq_len=8, batch_size=3, grad_accum=3, seed=9, rank=0, world_size=2)
 
 
 def test_fixed_windows_are_fixed_and_span_the_array():
@@ -92,9 +115,7 @@ def test_buckets_group_lengths_and_cover_each_example_once_per_epoch():
     assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
     for b in batches:
         assert len({LENGTHS[i] // 10 for i in b}) == 1, b
-    assert s.state_dict()["epoch"] == 0
-    s.next_indices()
-    assert s.state_dict()["epoch"] == 1  # endless: the next epoch starts
+    assert s.next_indices() in s.epoch_batches(1)  # endless: the next epoch starts
 
 
 def test_buckets_resume_mid_epoch_and_across_epochs():
@@ -115,12 +136,18 @@ def test_bucket_epochs_are_shuffled_by_seed():
     assert ea != eb and ea == a.epoch_batches(0) and ea != a.epoch_batches(1)
 
 
-def test_bucket_ranks_split_each_global_batch():
+def test_bucket_ranks_take_whole_batches_in_turn_and_resume_on_another_number_of_processes():
+    one = BucketBatchSampler(LENGTHS, batch_size=2, bucket_width=10, seed=3)
+    seq = [one.next_indices() for _ in range(3 * len(one))]  # three epochs, one process
     kw = dict(batch_size=2, bucket_width=10, seed=3, world_size=2)
     r0, r1 = BucketBatchSampler(LENGTHS, rank=0, **kw), BucketBatchSampler(LENGTHS, rank=1, **kw)
-    for glob in r0.epoch_batches(0):
-        a, b = r0.next_indices(), r1.next_indices()
-        assert a and b and sorted(a + b) == sorted(glob) and not set(a) & set(b)
+    got = []
+    for _ in range(len(one)):  # two epochs on two ranks
+        got += [r0.next_indices(), r1.next_indices()]
+    assert got == seq[:2 * len(one)]
+    back = BucketBatchSampler(LENGTHS, batch_size=2, bucket_width=10, seed=3)
+    back.load_state_dict(r0.state_dict())  # global position 2 * len(one): resumes in one process
+    assert [back.next_indices() for _ in range(5)] == seq[2 * len(one):2 * len(one) + 5]
 
 
 def test_pad_collate_hand_built():

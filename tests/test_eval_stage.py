@@ -26,7 +26,7 @@ from llm.evaluate import evaluate_model, lm_eval, rm_scores, win_rate
 from llm.generators import math_problem
 from llm.model import GPT
 from llm.tokenizer import Tokenizer
-from tests.conftest import ROOT, dvc_command
+from tests.conftest import ROOT, common_params, dvc_command
 
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
                    rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
@@ -91,7 +91,7 @@ def world(tmp_path_factory, one_thread):
     meta = {"dtype": "uint16", "val_tokens": len(ids), "val_bytes": len(text.encode()), "vocab_size": tok.vocab_size,
             "tokenizer_sha256": tok.sha256(), "train_tokens": 0, "train_bytes": 0}
     (root / "data/tokens/meta.json").write_text(json.dumps(meta))
-    params = {"common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1, "cpu_kernels": True},
+    params = {"common": common_params(),
               "eval": EVAL_PARAMS}
     import yaml
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

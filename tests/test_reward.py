@@ -28,7 +28,7 @@ from llm.reward_model import RewardModel, bradley_terry_loss, reward, reward_los
 from llm.runtime import Runtime
 from llm.tokenizer import Tokenizer
 from llm.trainer import train
-from tests.conftest import ROOT, dvc_command
+from tests.conftest import ROOT, common_params, dvc_command
 
 CPU = Runtime(torch.device("cpu"))
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,7 +65,7 @@ def tcfg(**kw) -> dict:
 def params(**sections) -> dict:
     """params.yaml for the workspace: common + reward + pairs + dpo, overridable per section."""
     p = {
-        "common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1, "cpu_kernels": True},
+        "common": common_params(),
         "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0,
                    "logprob_feature": False, "train_trunk": True, **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,

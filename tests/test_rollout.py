@@ -102,11 +102,10 @@ def test_response_forward_gradients_reach_policy_and_value_head():
 def test_sampled_kl_is_zero_against_itself_and_positive_against_another_model():
     a, b = model(4), model(5)
     ps = [[1, 2, 6, 3], [1, 3, 4], [1, 2, 7, 8, 9, 3]]
-    g = lambda: torch.Generator().manual_seed(0)
-    same = sampled_kl(a, a, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, generator=g(),
+    same = sampled_kl(a, a, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, seed=0,
                       batch_size=2)
     assert same.per_token == pytest.approx(0.0, abs=1e-6) and same.tokens == 3 * 6
-    diff = sampled_kl(a, b, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, generator=g(),
+    diff = sampled_kl(a, b, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, seed=0,
                       batch_size=2)
     assert diff.per_token > 1e-3 and diff.per_sequence == pytest.approx(diff.per_token * 6, rel=1e-5)
     assert sum(diff.sequences) / 3 == pytest.approx(diff.per_sequence)
@@ -117,7 +116,7 @@ def test_sampled_kl_matches_a_hand_computation_for_one_token(temperature):
     a, b = model(6), model(7)
     prompt = [1, 2, 3, 4]
     out = sampled_kl(a, b, [prompt], max_new_tokens=1, temperature=temperature, stop_ids=(), pad_id=PAD,
-                     generator=torch.Generator().manual_seed(0), batch_size=1)
+                     seed=0, batch_size=1)
     with torch.no_grad():  # the two next-token distributions at that temperature, over the whole vocabulary
         lp = torch.log_softmax(a(torch.tensor([prompt]))[0, -1] / temperature, -1)
         lq = torch.log_softmax(b(torch.tensor([prompt]))[0, -1] / temperature, -1)
@@ -128,14 +127,29 @@ def test_sampled_kl_matches_a_hand_computation_for_one_token(temperature):
 def test_sampled_kl_shows_each_batch_of_samples_to_the_visitor_in_prompt_order():
     a, b = model(4), model(5)
     ps = [[1, 2, 6, 3, 3, 3], [1, 3], [1, 2, 7]]
-    seen = {}
 
     def visit(ro, ix):
-        for i, row in zip(ix, ro.tokens[:, :ro.prompt_len].tolist()):
-            seen[i] = row[ro.prompt_len - len(ps[i]):]  # prompts are left-padded
-    sampled_kl(a, b, ps, max_new_tokens=3, temperature=1.0, stop_ids=(), pad_id=PAD,
-               generator=torch.Generator().manual_seed(0), batch_size=2, visit=visit)
-    assert seen == {i: p for i, p in enumerate(ps)}  # every prompt once, under its own index
+        return {i: row[ro.prompt_len - len(ps[i]):]  # prompts are left-padded
+                for i, row in zip(ix, ro.tokens[:, :ro.prompt_len].tolist())}
+    out = sampled_kl(a, b, ps, max_new_tokens=3, temperature=1.0, stop_ids=(), pad_id=PAD, seed=0, batch_size=2,
+                     visit=visit)
+    assert len(out.visits) == 2  # one return value per batch, in batch order (shortest prompts first)
+    assert out.visits[0] == {1: ps[1], 2: ps[2]} and out.visits[1] == {0: ps[0]}
+
+
+def test_sampled_kl_batches_do_not_depend_on_each_other():
+    """Each batch draws from its own generator, seeded by (seed, batch): a batch's samples are the
+    same whatever ran before it, which is what lets the batches be shared out over processes."""
+    a, b = model(4), model(5)
+    ps = [[1, 2, 6, 3], [1, 3, 4], [1, 2, 7, 8, 9, 3], [1, 4]]
+    kw = dict(max_new_tokens=4, temperature=1.0, stop_ids=(), pad_id=PAD, seed=3, batch_size=2,
+              visit=lambda ro, ix: ro.response_ids())
+    whole = sampled_kl(a, b, ps, **kw)
+    order = sorted(range(len(ps)), key=lambda i: len(ps[i]))
+    tail = sampled_kl(a, b, [ps[i] for i in order[2:]], **kw)  # the second batch alone is batch 0 here
+    assert whole.visits[1] != tail.visits[0]  # another batch index, another generator
+    first = sampled_kl(a, b, [ps[i] for i in order[:2]], **kw)
+    assert whole.visits[0] == first.visits[0]  # batch 0 is batch 0 with or without the batches after it
 
 
 def test_rollout_needs_a_positive_temperature():

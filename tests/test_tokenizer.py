@@ -218,7 +218,8 @@ def test_vocab_size_below_bytes_plus_specials():
 
 def test_vocab_size_config_error_from_params(tmp_path):
     p = tmp_path / "params.yaml"
-    p.write_text("common: {seed: 1, device: cpu, dtype: fp32, nproc: 1, num_threads: 0, cpu_kernels: true}\n"
+    p.write_text("common: {seed: 1, device: cpu, dtype: fp32, nproc: 1, num_threads: 0, cpu_kernels: true, nnodes: 1,"
+                 " rdzv_endpoint: '', rdzv_id: llm, rdzv_timeout: 300}\n"
                  "tokenizer: {vocab_size: 262, max_pairs: 1000, min_frequency: 2,"
                  " required_tokens: ['####'], max_train_chars: 0}\n")
     with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size.*263.*got 262"):

@@ -450,13 +450,12 @@ def _child(argv: list[str]) -> None:
             if not sent:
                 sent.append(os.kill(os.getpid(), signal.SIGTERM))
             return loss
-        loss_fn = Inject(opt["term_at_attempt"], term_once)
-    cfg = tcfg(**opt.get("cfg", {}))
+        loss_fn = Inject(opt["term_at_attempt"], term_once, grad_accum=2 // rt.world_size)  # micro-batches per rank
+    cfg = tcfg(**{"distributed": opt.get("distributed") or "ddp", **opt.get("cfg", {})})
     model = tiny_model(dropout=opt.get("dropout", 0.1))
     if opt.get("trainable"):
         set_trainable(model, opt["trainable"])
-    res, model = run(opt["run_dir"], cfg, model=model, loss_fn=loss_fn, rt=rt,
-                     distributed=opt.get("distributed") or "ddp")
+    res, model = run(opt["run_dir"], cfg, model=model, loss_fn=loss_fn, rt=rt)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rt.distributed))
     if rt.is_main:  # (a collective under FSDP: every rank gathers, rank 0 writes)
@@ -536,7 +535,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Global batch 8 sequences per step in both: 1 process x 4 x accum 2  vs  2 processes x 2 x accum 2.
+# Global batch 8 sequences per step in both: 1 process runs both micro-batches of 4, 2 processes one each.
 DDP_TOL = 1e-5  # absolute, on per-step losses (~4.1) and on every final weight (fp32 sum order differs)
 
 
@@ -552,7 +551,7 @@ def _launch2(opt: dict) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy):
     """SIGTERM on rank 0 only: every rank stops at the same step, one checkpoint, exact resume."""
-    base = {"dropout": 0.1, "distributed": strategy, "cfg": {"batch_size": 2}}
+    base = {"dropout": 0.1, "distributed": strategy}
     ref = _launch2({**base, "run_dir": str(tmp_path / "ref"), "out": str(tmp_path / "ref")})
     assert [rc for rc, _ in ref] == [0, 0], ref
     stop = _launch2({**base, "run_dir": str(tmp_path / "run"), "out": str(tmp_path / "x"), "term_at_attempt": 4})
@@ -570,7 +569,7 @@ def _distributed_matches_single(tmp_path, strategy: str, **extra):
     rc, out = _child_run(single)
     assert rc == 0, out
     res = _launch2({"run_dir": str(tmp_path / "ddp"), "out": str(tmp_path / "ddp"), "dropout": 0.0,
-                    "distributed": strategy, "cfg": {"batch_size": 2}, **extra})
+                    "distributed": strategy, **extra})
     assert [rc for rc, _ in res] == [0, 0], res
     one, two = _result(str(tmp_path / "one")), _result(str(tmp_path / "ddp"))
     dl = max(abs(x[1] - y[1]) for x, y in zip(one[0]["losses"], two[0]["losses"]))
@@ -628,7 +627,7 @@ def _stage_project(root: Path, nproc: int) -> None:
         "val_bytes": round(nbytes * 0.1), "tokenizer_sha256": tok.sha256(), "vocab_size": tok.vocab_size}))
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["common"].update(nproc=nproc, num_threads=1, device="cpu")
-    params["pretrain"].update(max_steps=20, batch_size=4, grad_accum=1, warmup_steps=2, eval_every=10,
+    params["pretrain"].update(max_steps=20, batch_size=4, grad_accum=2, warmup_steps=2, eval_every=10,
                               eval_batches=2, log_every=5, checkpoint_every=10)
     params["pretrain"]["model"].update(preset="custom", seq_len=32, n_layer=2, n_embd=32, n_head=2, n_kv_head=2)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -642,7 +641,7 @@ def test_pretrain_stage_under_torchrun_writes_every_output(tmp_path):
     p = subprocess.run(dvc_command("pretrain"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
-    assert "re-running under torchrun" in out and "2 process(es)" in out
+    assert "2 processes on this machine: torchrun" in out and "2 process(es)" in out
     m = json.loads((tmp_path / "metrics" / "pretrain.json").read_text())
     for k in ("train_loss", "val_loss", "val_ppl", "val_bpb", "unigram_bpb", "tokens_seen", "tokens_per_s", "mfu",
               "nonfinite_skips", "n_params"):
