@@ -92,8 +92,10 @@ class CommonConfig:
     nnodes: int = _f(1, lo=1, hi=MAX_WORKERS, doc="machines; > 1: every other one runs `python -m llm.stage join"
                      " <stage>` (the world is nnodes x nproc processes)")
     rdzv_endpoint: str = _f("", doc="host:port where the machines meet (a port free on that host); needed when"
-                                    " nnodes > 1")
-    rdzv_id: str = _f("llm", doc="the job's name at the rendezvous: machines with the same id join the same run")
+                                    " nnodes > 1. The host may be an environment variable, ${HEAD}:29400, read"
+                                    " when the stage starts (a batch job learns its machines only then)")
+    rdzv_id: str = _f("llm", doc="the job's name at the rendezvous: machines with the same id join the same run;"
+                                 " may be an environment variable, e.g. ${SLURM_JOB_ID}")
     rdzv_timeout: int = _f(300, lo=1, hi=86400, doc="seconds to wait for every machine to join before failing")
 
     @property
@@ -105,14 +107,18 @@ class CommonConfig:
         out = []
         if self.nnodes > 1 and not _ENDPOINT.match(self.rdzv_endpoint):
             out.append(f"{key}.rdzv_endpoint: nnodes={self.nnodes} needs host:port (the head machine and a port"
-                       f" free there, e.g. node0.cluster:29400), got {self.rdzv_endpoint!r}")
-        if self.nnodes > 1 and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.rdzv_id):
-            out.append(f"{key}.rdzv_id: expected 1-64 letters, digits, '_', '.' or '-', got {self.rdzv_id!r}")
+                       f" free there, e.g. node0.cluster:29400 or ${{HEAD}}:29400), got {self.rdzv_endpoint!r}")
+        if self.nnodes > 1 and not _RDZV_ID.match(self.rdzv_id):
+            out.append(f"{key}.rdzv_id: expected 1-64 letters, digits, '_', '.' or '-' (or ${{VAR}}), got"
+                       f" {self.rdzv_id!r}")
         return out
 
 
-# host:port of a rendezvous: a hostname, an IPv4 address or a bracketed IPv6 one, and a port
-_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([1-9][0-9]{0,4})$")
+# host:port of a rendezvous: a hostname, an IPv4 address, a bracketed IPv6 one or an environment
+# variable ($HEAD, ${HEAD}) that names one when the stage starts, and a port
+_VAR = r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?"
+_ENDPOINT = re.compile(rf"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|{_VAR}):([1-9][0-9]{{0,4}})$")
+_RDZV_ID = re.compile(rf"^([A-Za-z0-9_.-]{{1,64}}|{_VAR})$")
 
 # The keys of `common` that say where a run is placed, not what it computes: a checkpoint's
 # fingerprint leaves them out, so a run checkpointed on 2 processes resumes on 1 (the data

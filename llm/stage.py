@@ -95,7 +95,8 @@ def _tell_launcher(message: str, *, stage_error: bool) -> bool:
     if not path:
         return False
     rank = os.environ.get("RANK", "?")
-    Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time()), "rank": rank,
+    now = time.time()  # "timestamp" is whole seconds (what torchrun reads); "time" orders the failures
+    Path(path).write_text(json.dumps({"message": message, "timestamp": int(now), "time": now, "rank": rank,
                                       "stage_error": stage_error}), encoding="utf-8")
     return True
 
@@ -188,14 +189,31 @@ def check_placement(common: CommonConfig, cfg: Any, section: str) -> None:
         raise ConfigError(problems)
 
 
+def rendezvous(common: CommonConfig) -> tuple[str, str]:
+    """(endpoint, id) of a several-machine run, with the environment variables they name read
+    now; an unset one is a ConfigError naming the key and the variable."""
+    out, problems = [], []
+    for key in ("rdzv_endpoint", "rdzv_id"):
+        value = getattr(common, key)
+        got = os.path.expandvars(value)
+        if "$" in got:
+            problems.append(f"common.{key}: {value!r} names an environment variable that is not set on this"
+                            f" machine; export it on every machine before the stage starts")
+        out.append(got)
+    if problems:
+        raise ConfigError(problems)
+    return out[0], out[1]
+
+
 def torchrun_args(common: CommonConfig, module: str, argv: list[str]) -> list[str]:
     """The `torchrun` arguments that run `python -m module argv` as this run's processes."""
     out = [f"--nnodes={common.nnodes}", f"--nproc-per-node={common.nproc}", "--max-restarts=0"]
     if common.nnodes == 1:
         out.append("--standalone")
     else:
+        endpoint, run_id = rendezvous(common)
         t = common.rdzv_timeout
-        out += ["--rdzv-backend=c10d", f"--rdzv-endpoint={common.rdzv_endpoint}", f"--rdzv-id={common.rdzv_id}",
+        out += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
                 f"--rdzv-conf=join_timeout={t},read_timeout={t}"]
     return out + ["-m", module, *argv]
 
@@ -208,9 +226,13 @@ def launch(stage: str, module: str, argv: list[str], common: CommonConfig) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    args = torchrun_args(common, module, argv)
+    try:
+        args = torchrun_args(common, module, argv)
+    except ConfigError as e:
+        return _stage_error(stage, e)
+    endpoint = rendezvous(common)[0] if common.nnodes > 1 else ""
     where = (f"{common.nproc} processes on this machine" if common.nnodes == 1 else
-             f"{common.nproc} processes on each of {common.nnodes} machines, meeting at {common.rdzv_endpoint}"
+             f"{common.nproc} processes on each of {common.nnodes} machines, meeting at {endpoint}"
              f" (the others join with `python -m llm.stage join {stage}`)")
     print(f"{stage}: {where}: torchrun {' '.join(args)}", flush=True)
     t0 = time.monotonic()
@@ -220,8 +242,8 @@ def launch(stage: str, module: str, argv: list[str], common: CommonConfig) -> in
         print(failure_line(stage, e.failures, common.world_size), file=sys.stderr, flush=True)
         return 1
     except RendezvousError as e:
-        print(f"{stage}: the rendezvous at {common.rdzv_endpoint} (common.rdzv_endpoint, job"
-              f" {common.rdzv_id!r}) did not complete in {time.monotonic() - t0:.0f} s (common.rdzv_timeout="
+        print(f"{stage}: the rendezvous at {endpoint} (common.rdzv_endpoint, job"
+              f" {rendezvous(common)[1]!r}) did not complete in {time.monotonic() - t0:.0f} s (common.rdzv_timeout="
               f"{common.rdzv_timeout}): {type(e).__name__}: {e}. Check that the endpoint's host is reachable"
               f" from here and the port is free there, and that all {common.nnodes} machines run the stage with"
               f" the same params", file=sys.stderr, flush=True)
@@ -244,7 +266,7 @@ def failure_line(stage: str, failures: dict[int, Any], world: int) -> str:
     def kind(f) -> int:
         return 0 if data(f).get("stage_error") else 1 if f.exitcode < 0 else 2
 
-    rank, f = min(failures.items(), key=lambda rf: (kind(rf[1]), rf[1].timestamp, rf[0]))
+    rank, f = min(failures.items(), key=lambda rf: (kind(rf[1]), data(rf[1]).get("time", rf[1].timestamp), rf[0]))
     if f.exitcode < 0:
         why = f"killed by {f.signal_name()} (exit code {f.exitcode})"
     elif data(f):

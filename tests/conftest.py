@@ -43,6 +43,15 @@ def dvc_command(stage: str, item: str | None = None) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous or a process group's store)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def common_params(**over) -> dict:
     """A complete `common` params section for a test's params file (override any key)."""
     from llm.config import CommonConfig, to_dict

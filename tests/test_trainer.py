@@ -9,7 +9,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from llm.errors import NonFiniteError
 from llm.monitor import Plots
 from llm.runtime import Runtime, enable_activation_checkpointing, resolve_device, resolve_dtype
 from llm.trainer import accumulate_gradients, lm_loss, train
-from tests.conftest import dvc_command
+from tests.conftest import dvc_command, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = np.random.default_rng(0).integers(0, 64, 6000).astype(np.uint16)
@@ -529,19 +528,13 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
     assert not any(p.name.startswith(".ckpt-") for p in run_dir.iterdir())  # cleaned by the next save
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Global batch 8 sequences per step in both: 1 process runs both micro-batches of 4, 2 processes one each.
 DDP_TOL = 1e-5  # absolute, on per-step losses (~4.1) and on every final weight (fp32 sum order differs)
 
 
 def _launch2(opt: dict) -> list[tuple[int, str]]:
     """Run _child(opt) as 2 gloo ranks (the env torchrun would set), return (rc, output) per rank."""
-    port = _free_port()
+    port = free_port()
     procs = [_spawn(opt, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                           "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
     return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
