@@ -204,10 +204,12 @@ def test_a_supervised_run_resumes_on_another_number_of_processes_from_the_same_s
 # ---------------------------------------------------------------------------
 # Eval and pairs: shared out by whole batches, the same bytes as one process
 
-def _copy_with_nproc(src: Path, dst: Path, nproc: int, **common) -> Path:
+def _copy_with_nproc(src: Path, dst: Path, nproc: int, **sections: dict) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     p = yaml.safe_load((dst / "params.yaml").read_text())
-    p["common"].update(nproc=nproc, num_threads=1, **common)
+    p["common"].update(nproc=nproc, num_threads=1)
+    for name, over in sections.items():
+        p[name].update(over)
     (dst / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     return dst
 
@@ -221,7 +223,8 @@ def _stage(ws: Path, stage: str, item: str | None = None, timeout: int = 600) ->
 def test_eval_on_two_processes_writes_the_bytes_of_one(tmp_path, world):
     runs = {}
     for n in (1, 2):
-        ws = _copy_with_nproc(world["root"], tmp_path / f"n{n}", n)
+        # batches of 2: every sampling loop (pass@k, KL) spans several batches, shared out over the ranks
+        ws = _copy_with_nproc(world["root"], tmp_path / f"n{n}", n, eval={"batch_size": 2})
         r = _stage(ws, "eval", "ppo")
         assert r.returncode == 0, r.stdout + r.stderr
         runs[n] = ws
@@ -439,3 +442,23 @@ def test_the_rendezvous_may_name_its_host_by_an_environment_variable(monkeypatch
     monkeypatch.setenv("LLM_TEST_HEAD", "node17")
     args = torchrun_args(common, "stages.pretrain", ["--x"])
     assert "--rdzv-endpoint=node17:29400" in args and "--rdzv-id=job-7" in args and args[-3:] == ["-m", "stages.pretrain", "--x"]
+
+
+def test_a_sampled_batch_does_not_depend_on_the_batches_before_it(world):
+    """What lets eval share its batches out: batch b samples from its own generator, seeded by
+    (seed, b), whatever ran before it (a generator shared by the batches would hand batch 1
+    whatever batch 0 left of its stream)."""
+    from llm.batching import derive_seed
+    from llm.chat import user_prompt
+    from llm.evaluate import generate_answers
+    from llm.generate import generate
+    tok, model = world["tok"], world["base"]  # the barely trained model: its samples vary with the draws
+    qs = sorted((p["question"] for p in world["test"]), key=lambda q: len(user_prompt(q, tok)))
+    first, last = qs[:2], qs[-2:]
+    got, _ = generate_answers(model, tok, first + last, max_new_tokens=12, batch_size=2, temperature=1.0, seed=11)
+    alone = generate(model, [user_prompt(q, tok) for q in last], 12, temperature=1.0, pad_id=tok.pad_id,
+                     stop_ids=(tok.special["<|end|>"], tok.special["<|endoftext|>"]),
+                     generator=torch.Generator().manual_seed(derive_seed(11, "batch", 1)))
+    assert got[2:] == [tok.decode(r) for r in alone.responses()]
+    again, _ = generate_answers(model, tok, first + last, max_new_tokens=12, batch_size=2, temperature=1.0, seed=12)
+    assert again[2:] != got[2:]  # another seed, other samples: the equality above is not vacuous
