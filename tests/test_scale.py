@@ -37,12 +37,13 @@ def _env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _ranks(child: str, opt: dict, world: int) -> list[tuple[int, str]]:
-    """Run tests.test_scale.<child>(opt) as `world` gloo ranks (torchrun's environment); (rc, output) per rank."""
-    code = f"import sys; from tests import test_scale; test_scale.{child}(sys.argv[1])"
+def _ranks(child: str, opt: dict, world: int, machines: int = 1) -> list[tuple[int, str]]:
+    """Run tests.test_scale.<child>(opt) as `world` gloo ranks (torchrun's environment, as if on
+    `machines` machines); (rc, output) per rank."""
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import test_scale; test_scale.{child}(sys.argv[1])"
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world)} if world > 1 else {}
+           "LOCAL_WORLD_SIZE": str(world // machines)} if world > 1 else {}
     procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(opt)], cwd=ROOT,
                               env=_env(**env, **({"RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else {})),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
@@ -462,3 +463,27 @@ def test_a_sampled_batch_does_not_depend_on_the_batches_before_it(world):
     assert got[2:] == [tok.decode(r) for r in alone.responses()]
     again, _ = generate_answers(model, tok, first + last, max_new_tokens=12, batch_size=2, temperature=1.0, seed=12)
     assert again[2:] != got[2:]  # another seed, other samples: the equality above is not vacuous
+
+
+def shared_child(arg: str) -> None:
+    """Rank r starts in opt["dirs"][r] and sets up its runtime as one of several machines."""
+    from llm.runtime import setup_runtime
+    opt = json.loads(arg)
+    os.chdir(opt["dirs"][int(os.environ["RANK"])])
+    try:
+        setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True,
+                                   nnodes=2, rdzv_endpoint="127.0.0.1:1"))
+    except ConfigError as e:
+        print(e)
+        sys.exit(1)
+
+
+@pytest.mark.slow
+def test_machines_that_do_not_share_the_directory_are_named_by_every_rank(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    same = _ranks("shared_child", {"dirs": [str(tmp_path / "a")] * 2}, world=2, machines=2)
+    assert [rc for rc, _ in same] == [0, 0], same
+    apart = _ranks("shared_child", {"dirs": [str(tmp_path / "a"), str(tmp_path / "b")]}, world=2, machines=2)
+    assert [rc for rc, _ in apart] == [1, 1], apart  # both ranks stop: neither waits for the other
+    assert all("rank 1 on " in out and "cannot see the file rank 0 wrote" in out for _, out in apart)
+    assert not list((tmp_path / "a").iterdir())  # the probe is gone
