@@ -142,6 +142,9 @@ def kv_cache_bytes(mcfg, batch: int, max_len: int) -> int:
     return kv + batch * max_len + batch * 8
 
 
+_SIZES: dict[Any, ModelSize] = {}
+
+
 class _Setting:
     """What the estimate needs from common + the model: device, widths, sizes."""
 
@@ -158,15 +161,14 @@ class _Setting:
         self.context = CUDA_CONTEXT if self.cuda else CPU_PROCESS
         self.rm_heads = ("lm", "reward", "reward_logprob") if params["reward"]["logprob_feature"] else ("lm", "reward")
         self.logprob_feature = params["reward"]["logprob_feature"]
-        self._sizes: dict[Any, ModelSize] = {}
 
     def size(self, heads: tuple[str, ...], trainable: tuple[str, ...] | None = None,
              reward_view: bool = False) -> ModelSize:
-        k = (heads, trainable, reward_view)
-        if k not in self._sizes:
-            self._sizes[k] = model_size(self.m, heads, trainable=list(trainable) if trainable else None,
-                                        reward_view=reward_view)
-        return self._sizes[k]
+        k = (tuple(sorted(vars(self.m).items())), heads, trainable, reward_view)
+        if k not in _SIZES:  # a meta-device build takes ~40 ms at 406m; largest_fitting asks often
+            _SIZES[k] = model_size(self.m, heads, trainable=list(trainable) if trainable else None,
+                                   reward_view=reward_view)
+        return _SIZES[k]
 
     # -- formulas -------------------------------------------------------------------------
 

@@ -223,9 +223,11 @@ def table(rows: list[Row]) -> list[str]:
     return format_table(cells)
 
 
-def rehearse(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None) -> int:
+def rehearse(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None,
+             tmp: Path | None = None) -> int:
     """`python -m llm.profile rehearse NAME`: 0 all stages passed, 1 one failed, 2 refused.
-    `only`: run just these stages (the first ones of the DAG; a test's shortcut)."""
+    `only`: run just these stages (the first ones of the DAG; a test's shortcut); `tmp`: where the
+    scratch directory goes (default: the system's temporary directory)."""
     from llm.config import load_params_text
     from llm.profile import render, to_yaml
 
@@ -247,7 +249,7 @@ def rehearse(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str]
               file=sys.stderr)
         return 2
 
-    scratch = Path(tempfile.mkdtemp(prefix=f"rehearse-{name}-"))
+    scratch = Path(tempfile.mkdtemp(prefix=f"rehearse-{name}-", dir=tmp))
     repo = scratch / "repo"
     repo.mkdir()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
