@@ -221,9 +221,9 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
                            logits=st.logits(tokens, LM_TRAIN_LOGITS[st.b]))]
         if name == "sft" and c["eval_math_problems"]:
             # the trained model and the copy that is saved, decoding the held-out math check
-            phases.append(st.phase("math eval", None, weights=2 * lm.weight_bytes,
-                                   kv_cache=kv_cache_bytes(m, SFT_EVAL_BATCH, st.gen_len(c["max_new_tokens"])),
-                                   activations=st.infer_acts(SFT_EVAL_BATCH * st.gen_len(c["max_new_tokens"]))))
+            B, G = min(SFT_EVAL_BATCH, c["eval_math_problems"]), st.gen_len(c["max_new_tokens"])
+            phases.append(st.phase("math eval", None, weights=2 * lm.weight_bytes, kv_cache=kv_cache_bytes(m, B, G),
+                                   activations=st.infer_acts(B * G)))
         out[name] = StageMemory(name, phases)
 
     # reward: 2B sequences a batch (chosen, rejected); the likelihood feature reads the logits

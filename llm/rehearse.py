@@ -30,6 +30,8 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
     every batch_size / minibatch_size 1,            the smallest batch; grad_accum 1; one epoch
       grad_accum 1, epochs 1, rollout_prompts 1,
       prompts_per_step 1, group_size 2 (its minimum)
+      except pairs.batch_size 16                    the 16 prompts in one generate call per
+                                                    temperature, not 48 calls (221 s at 77m)
     eval_every, checkpoint_every, log_every 1;      evaluation and checkpointing run once, on
       eval_batches 1                                the single step
     *.max_new_tokens 8                              generation proves the KV-cache path in 8 steps
@@ -72,7 +74,7 @@ CUTS: dict[str, dict] = {
     "pretrain": STEPS,
     "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8},
     "reward": {**STEPS, "min_accuracy": 0.0},
-    "pairs": {"n_prompts": 16, "batch_size": 1, "max_new_tokens": 8},
+    "pairs": {"n_prompts": 16, "batch_size": 16, "max_new_tokens": 8},
     "dpo": {**STEPS, "kl_prompts": 1, "max_new_tokens": 8, "max_kl": 1e9},
     "ppo": {**RL, "rollout_prompts": 1},
     "grpo": {**RL, "prompts_per_step": 1, "group_size": 2, "max_zero_std_steps": 1000},
@@ -81,24 +83,51 @@ CUTS: dict[str, dict] = {
 }
 
 
-def cut(params: dict) -> dict:
-    """A profile's params with the rehearsal's cuts (see the module docstring); a new dict."""
+def cut(params: dict, device: str = "cpu") -> dict:
+    """A profile's params with the rehearsal's cuts (see the module docstring); a new dict.
+    device "cuda": the same cuts in bf16 on a GPU (bench/gpu_check.py's DAG part)."""
     out = copy.deepcopy(params)
     for section, values in CUTS.items():
         for k, v in values.items():
             if k in out[section]:
                 out[section][k] = v
     out["eval"]["sample_prompts"] = out["eval"]["sample_prompts"][:1]
+    if device == "cuda":
+        out["common"].update(device="cuda", dtype="bf16")
     return out
+
+
+OUTPUTS = {".git", ".venv", "data", "models", "runs", "tmp"}  # at the top of the repository
+CACHES = {"__pycache__", ".pytest_cache", ".hypothesis"}
+
+
+def _not_source(src: Path):
+    """shutil.copytree's ignore: outputs at the top, caches anywhere, DVC's cache and tmp."""
+    def ignore(d: str, names: list[str]) -> set[str]:
+        here = Path(d)
+        out = {n for n in names if n in CACHES or n.endswith(".pyc")}
+        if here == src:
+            out |= OUTPUTS & set(names)
+        if here == src / ".dvc":
+            out |= {"cache", "tmp"} & set(names)
+        return out
+    return ignore
 
 
 def scratch_copy(src: Path, dest: Path) -> int:
     """Copy the files git tracks or would track (not ignored) from `src` into `dest`; returns how many.
 
     Uncommitted edits are rehearsed too; ignored outputs (data/, models/, runs/) are not copied.
+    Outside a git work tree (a bare copy of one), everything but those outputs and caches.
     """
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=src,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    p = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=src,
+                       capture_output=True)
+    if p.returncode:  # not a git work tree (e.g. a copy of one): everything but outputs and caches
+        shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True, ignore=_not_source(src))
+        n = sum(1 for f in dest.rglob("*") if f.is_file())
+        subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+        return n
+    names = p.stdout.decode().split("\0")
     n = 0
     for name in dict.fromkeys(names):
         f = src / name
@@ -188,12 +217,10 @@ def last_line(log: Path) -> str:
 
 
 def estimates(params: dict) -> dict[str, tuple[int, int]]:
-    """{stage: (exact weights+gradients+optimizer, estimated total)} of each stage's largest phase."""
-    out = {}
-    for name, sm in stage_memory(params).items():
-        p = sm.peak
-        out[name] = (sum(p.parts.get(k, 0) for k in ("weights", "gradients", "optimizer")), p.total)
-    return out
+    """{stage: (the most weights + gradients + optimizer it holds at once, exact; the estimated total of
+    its largest phase)}."""
+    return {name: (max(sum(p.parts.get(k, 0) for k in ("weights", "gradients", "optimizer")) for p in sm.phases),
+                   sm.peak.total) for name, sm in stage_memory(params).items()}
 
 
 def available_memory() -> int:
@@ -223,32 +250,36 @@ def table(rows: list[Row]) -> list[str]:
     return format_table(cells)
 
 
-def rehearse(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None,
-             tmp: Path | None = None) -> int:
-    """`python -m llm.profile rehearse NAME`: 0 all stages passed, 1 one failed, 2 refused.
-    `only`: run just these stages (the first ones of the DAG; a test's shortcut); `tmp`: where the
-    scratch directory goes (default: the system's temporary directory)."""
+def rehearse(name: str, *, keep: bool = False, **kw) -> int:
+    """`python -m llm.profile rehearse NAME`: 0 every stage passed, 1 one failed, 2 refused."""
+    return run(name, keep=keep, **kw)[0]
+
+
+def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None, tmp: Path | None = None,
+        device: str = "cpu") -> tuple[int, list[Row]]:
+    """The rehearsal: (exit status, one Row per stage run). `only`: run just these stages (the
+    first ones of the DAG; a test's shortcut); `tmp`: where the scratch directory goes (default:
+    the system's temporary directory); `device`: "cuda" runs the stages on a GPU in bf16."""
     from llm.config import load_params_text
     from llm.profile import render, to_yaml
 
-    params, desc = render(name, src / "env" / "profiles")
-    rehearsal = cut(params)
+    rehearsal = cut(render(name, src / "env" / "profiles")[0], device)
     text = to_yaml(rehearsal, name, f"rehearsal of {name}: cut by llm/rehearse.py")
     load_params_text(text, f"{name} (rehearsal)")  # the cuts must leave a valid params file
     est = estimates(rehearsal)
     need, worst = max((e[1], s) for s, e in est.items())
     have = available_memory()
     m = rehearsal["pretrain"]["model"]
+    where = "fp32 on the CPU" if device == "cpu" else "bf16 on the GPU"
     print(f"rehearse {name}: GPT {m['preset']} ({m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads,"
-          f" seq_len {m['seq_len']}, vocab {rehearsal['tokenizer']['vocab_size']}), fp32 on the CPU, every stage"
-          f" cut to one step (llm/rehearse.py); largest estimate {need / GIB:.1f} GiB ({worst}),"
-          f" {have / GIB:.1f} GiB available", flush=True)
-    if need > have:
+          f" seq_len {m['seq_len']}, vocab {rehearsal['tokenizer']['vocab_size']}), {where}, every stage cut to"
+          f" one step (llm/rehearse.py); largest estimate {need / GIB:.1f} GiB ({worst}), {have / GIB:.1f} GiB"
+          f" of host memory available", flush=True)
+    if device == "cpu" and need > have:
         print(f"rehearse {name}: refused: stage {worst} is estimated at {need / GIB:.1f} GiB of memory and this"
               f" machine has {have / GIB:.1f} GiB available; free memory or rehearse on a larger machine",
               file=sys.stderr)
-        return 2
-
+        return 2, []
     scratch = Path(tempfile.mkdtemp(prefix=f"rehearse-{name}-", dir=tmp))
     repo = scratch / "repo"
     repo.mkdir()
@@ -283,4 +314,4 @@ def rehearse(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str]
             print(f"rehearse {name}: scratch copy kept in {scratch}", flush=True)
         else:
             shutil.rmtree(scratch, ignore_errors=True)
-    return 0 if rows and all(r.ok for r in rows) else 1
+    return (0 if rows and all(r.ok for r in rows) else 1), rows

@@ -114,7 +114,8 @@ def expected(params: dict, a: Allocated) -> dict[str, dict[str, dict[str, int]]]
     w3 = 2 * w_lm + w_rm
     return {
         "pretrain": {"train": lm},
-        "sft": {"train": lm, "math eval": {"weights": 2 * w_lm, "kv_cache": a.kv(64, gen("sft"))}},
+        "sft": {"train": lm, "math eval": {"weights": 2 * w_lm,
+                                           "kv_cache": a.kv(min(64, params["sft"]["eval_math_problems"]), gen("sft"))}},
         "reward": {"train": rmt, "held-out scoring": {"weights": 2 * rmt["weights"]}},
         "pairs": {"generate": {"weights": w_lm + w_rm, "kv_cache": a.kv(params["pairs"]["batch_size"], gen("pairs"))},
                   "RM scoring": {"weights": w_lm + w_rm}},

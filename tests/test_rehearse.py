@@ -54,6 +54,18 @@ def test_shape_problem_reads_a_short_vocabulary_from_the_stage_metrics(tmp_path)
     assert rh.declared(tmp_path, "pretrain", "outs", persist=True) == [tmp_path / "runs/pretrain"]
 
 
+def test_scratch_copy_outside_git_leaves_outputs_and_caches_behind(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    for f in ("llm/model.py", "dvc.yaml", ".dvc/config", "data/tokens/train.bin", "models/base/x",
+              "llm/__pycache__/model.pyc", ".dvc/cache/ab/cd", "tests/data/keep.txt"):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_text("x")
+    dest.mkdir()
+    assert rh.scratch_copy(src, dest) == 4
+    assert sorted(str(f.relative_to(dest)) for f in dest.rglob("*") if f.is_file() and ".git/" not in str(f)) == \
+        [".dvc/config", "dvc.yaml", "llm/model.py", "tests/data/keep.txt"]
+
+
 def test_refuses_with_both_figures_when_memory_is_short(monkeypatch, capsys):
     monkeypatch.setattr(rh, "available_memory", lambda: 2**20)
     monkeypatch.setattr(rh, "scratch_copy", lambda *a: pytest.fail("refusal must come before any work"))
