@@ -52,9 +52,10 @@ import torch  # noqa: E402
 from llm.config import ModelConfig, PPOConfig, GRPOConfig, TrainConfig  # noqa: E402
 from llm.memory import CUDA_CONTEXT, GIB, format_table, stage_memory  # noqa: E402
 from llm.model import GPT  # noqa: E402
-from llm.monitor import peak_flops  # noqa: E402
+from llm.monitor import Plots, peak_flops  # noqa: E402
 from llm.profile import render  # noqa: E402
-from llm.trainer import Runtime, lm_loss, train  # noqa: E402
+from llm.runtime import Runtime  # noqa: E402
+from llm.trainer import lm_loss, train  # noqa: E402
 
 PROFILES = ROOT / "env" / "profiles"
 MARKER = 1               # the RL steps' random prompts end with it, as a chat prompt ends with <|assistant|>
@@ -173,8 +174,8 @@ def run_train(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndarray, run
     src = WindowSampler(tokens, seq_len=model.config.seq_len, batch_size=cfg.batch_size, grad_accum=1, seed=0)
     with contextlib.redirect_stdout(sys.stderr):
         return train(model, cfg, rt, stage="bench", seed=0, batches=src, loss_fn=loss_fn, val_batches=None,
-                     run_dir=run_dir, fingerprint="bench-gpu-check", tsv_path=run_dir.parent / f"{run_dir.name}.tsv",
-                     progress=False)
+                     run_dir=run_dir, fingerprint="bench-gpu-check",
+                     plots=Plots(tsv=run_dir.parent / f"{run_dir.name}.tsv"), progress=False)
 
 
 def matmul_ceiling(rt: Runtime, n: int = 8192, reps: int = 10) -> float | None:
@@ -237,8 +238,8 @@ def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
 def part_rl(s: Setup, tmp: Path) -> list[dict]:
     from llm.grpo import GRPO
     from llm.ppo import PPO
+    from llm.loop import Updater
     from llm.memory import PROMPT_TOKENS
-    from llm.rl import Updater
 
     params = profile_params(s.rl_profile, s.rl_overrides)
     mcfg = model_config(params)
@@ -271,9 +272,10 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
                 rm.add_head("reward_logprob", marker=MARKER)
             rm = rm.to(s.rt.device).eval().requires_grad_(False)
 
-            def reward_fn(ro, problems):  # the RM's score, as llm.rl.rm_reward, without decoding text
+            def reward_fn(ro, problems):  # the RM's score, as llm/rewards.py's, without decoding text
+                from llm.reward_model import reward
                 with torch.no_grad():
-                    return rm.reward(ro.tokens, ro.attention_mask).float().cpu(), {}
+                    return reward(rm, ro.tokens, ro.attention_mask).float().cpu(), {}
             algo = PPO(policy, ref, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn, stop_ids=stop, pad_id=pad,
                        seed=0, log=say)
         else:
@@ -281,7 +283,7 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
                 return torch.arange(len(ro), dtype=torch.float32) % cfg.group_size, {}
             algo = GRPO(policy, ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn,
                         stop_ids=stop, pad_id=pad, seed=0)
-        updater = Updater(policy, cfg, s.rt.device, name)
+        updater = Updater(policy, cfg, s.rt, stage=name, say=say)
         updater.set_step(0)
         with s.rt.autocast():
             row = algo.step(0, updater)

@@ -30,7 +30,8 @@ estimated (formulas below; `b` = 2 with bf16/fp16 autocast, 4 in fp32):
                 copy, the gradient), SEQ_LOGITS (sequence log-probs with grad: + the log-softmax
                 kept for backward), RESP_LOGITS (RL update over the response positions: the
                 tempered logits, log-softmax, entropy, gradients), INFER_LOGITS (no grad: logits
-                + log-softmax), KL_LOGITS (two models' log-softmax + exp, difference, product)
+                + log-softmax), KL_LOGITS (llm.rollout.sampled_kl over the response positions:
+                both models' log-softmax + exp, difference, product)
     context     CUDA context, cuBLAS workspace and allocator slack: ~1 GiB on a GPU; on the CPU
                 the Python process with torch and the libraries (~0.3 GiB)
 
@@ -58,7 +59,7 @@ LM_TRAIN_LOGITS = {2: 10, 4: 8}    # per token per vocab entry
 SEQ_LOGITS = {2: 14, 4: 12}
 RESP_LOGITS = {2: 26, 4: 24}
 INFER_LOGITS = {2: 10, 4: 8}
-KL_LOGITS = 20
+KL_LOGITS = 20                     # per response token per vocab entry
 PROMPT_TOKENS = 256                # longest prompt assumed where a stage generates (see the docstring)
 CUDA_CONTEXT = 1 * GIB
 CPU_PROCESS = int(0.3 * GIB)
@@ -118,7 +119,7 @@ def model_size(mcfg, heads: tuple[str, ...], *, trainable: list[str] | None = No
     if trainable is not None:
         set_trainable(gpt, trainable, "trainable")
     if reward_view:
-        from llm.preference import RewardModel
+        from llm.reward_model import RewardModel
         RewardModel(gpt)  # freezes an untied LM head the reward does not read
     params = {id(p): (n, p) for n, p in gpt.named_parameters()}.values()
     weights = sum(p.numel() * p.element_size() for _, p in params)
@@ -264,10 +265,10 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
         st.phase("train", "dpo.batch_size", **train, activations=st.train_acts(B2 * T, pol),
                  logits=st.logits(B2 * T, SEQ_LOGITS[st.b])),
         # the trained policy, its saved copy and the reference; responses sampled, then both
-        # models' log-softmax over the whole sequence
+        # models' log-softmax at the response positions (llm.rollout.sampled_kl)
         st.phase("KL to SFT", "dpo.batch_size", weights=2 * pol.weight_bytes + lm.weight_bytes,
                  kv_cache=kv_cache_bytes(m, B2, G), activations=st.infer_acts(B2 * G),
-                 logits=st.logits(B2 * G, KL_LOGITS))])
+                 logits=st.logits(B2 * c["max_new_tokens"], KL_LOGITS))])
 
     # ppo and grpo: every model stays resident, and AdamW's moments from the first update on
     for name in ("ppo", "grpo"):
@@ -313,7 +314,7 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
         st.phase("RM scoring", "eval.batch_size", weights=w3, activations=st.infer_acts(B * G, 4),
                  logits=st.logits(B * G, INFER_LOGITS[4]) if st.logprob_feature else 0),
         st.phase("KL to SFT", "eval.batch_size", weights=w3, kv_cache=kv_cache_bytes(m, B, G),
-                 activations=st.infer_acts(B * G, 4), logits=st.logits(B * G, KL_LOGITS))])
+                 activations=st.infer_acts(B * G, 4), logits=st.logits(B * c["max_new_tokens"], KL_LOGITS))])
     return out
 
 

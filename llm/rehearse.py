@@ -26,7 +26,7 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
     prepare.*_train/_val/_test, math_pretrain_docs  generated data down to what every stage needs
     tokenizer.min_frequency 1                       so the smaller corpus still gives the profile's
                                                     vocab_size (pairs seen once are merged too)
-    *.max_steps / ppo,grpo.steps 1, warmup 0        one optimizer step proves the step runs
+    *.max_steps 1, warmup_steps 0                   one optimizer step proves the step runs
     every batch_size / minibatch_size 1,            the smallest batch; grad_accum 1; one epoch
       grad_accum 1, epochs 1, rollout_prompts 1,
       prompts_per_step 1, group_size 2 (its minimum)
@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 STEPS = {"max_steps": 1, "warmup_steps": 0, "eval_every": 1, "eval_batches": 1, "log_every": 1,
          "checkpoint_every": 1, "batch_size": 1, "grad_accum": 1, "compile": False}
-RL = {"steps": 1, "warmup_steps": 0, "minibatch_size": 1, "epochs": 1, "max_new_tokens": 8, "eval_every": 1,
+RL = {"max_steps": 1, "warmup_steps": 0, "minibatch_size": 1, "epochs": 1, "max_new_tokens": 8, "eval_every": 1,
       "eval_problems": 1, "checkpoint_every": 1, "max_kl": 1e9}
 CUTS: dict[str, dict] = {
     "common": {"device": "cpu", "dtype": "fp32", "nproc": 1},
@@ -85,12 +85,14 @@ CUTS: dict[str, dict] = {
 
 def cut(params: dict, device: str = "cpu") -> dict:
     """A profile's params with the rehearsal's cuts (see the module docstring); a new dict.
-    device "cuda": the same cuts in bf16 on a GPU (bench/gpu_check.py's DAG part)."""
+    device "cuda": the same cuts in bf16 on a GPU (bench/gpu_check.py's DAG part). A cut key the
+    params lack is an error: a renamed key must not leave its stage uncut."""
     out = copy.deepcopy(params)
     for section, values in CUTS.items():
         for k, v in values.items():
-            if k in out[section]:
-                out[section][k] = v
+            if k not in out[section]:
+                raise KeyError(f"llm/rehearse.py cuts {section}.{k}, which the params do not have")
+            out[section][k] = v
     out["eval"]["sample_prompts"] = out["eval"]["sample_prompts"][:1]
     if device == "cuda":
         out["common"].update(device="cuda", dtype="bf16")

@@ -1,39 +1,39 @@
 """Stage `report`: the stage-by-stage comparison as markdown and as an offline HTML page.
 
-    python -m stages.report [--params params.yaml]
+    dvc repro report        (dvc.yaml passes the paths: `python -m stages.report --help`)
 
-Reads the `common` and `report` sections of params.yaml and whatever exists of
+Reads the `common` and `report` sections of params.yaml and whatever exists, under the
+metrics directory, of
 
-    metrics/eval/<model>.json, <model>_samples.json   the eval stage's metrics and samples
-    metrics/<stage>.json                               tokenizer, pretrain, clean_sft, sft, reward,
-                                                       pairs, dpo, ppo, grpo
-    metrics/plots/*.tsv                                per-step training curves (llm/monitor.py)
+    eval/<model>.json, <model>_samples.json   the eval stage's metrics and samples
+    <stage>.json                               tokenizer, pretrain, clean_sft, sft, reward,
+                                               pairs, dpo, ppo, grpo
+    plots/*.tsv                                per-step training curves (llm/monitor.py)
 
-A missing file is listed under "Not available" in the report, never invented. Writes
+A missing file is listed under "Not available" in the report, never invented. Writes, into
+the same directory:
 
-    metrics/report.md            the table (value [95% interval], delta vs parent), curves, samples
-    metrics/report.html          the same, one self-contained file: no scripts, no network, images
-                                 as base64 data URIs; the stage fails if an http(s) URL slipped in
-    metrics/report_curves.png    training curves (pretrain/SFT loss, RM accuracy, PPO/GRPO reward
-                                 and KL, DPO), also declared as a DVC image plot
-    metrics/report_eval.png      math exact match, win rate and KL per model with 95% intervals
+    report.md            the table (value [95% interval], delta vs parent), curves, samples
+    report.html          the same, one self-contained file: no scripts, no network, images as
+                         base64 data URIs; the stage fails if an http(s) URL slipped in
+    report_curves.png    training curves (pretrain/SFT loss, RM accuracy, PPO/GRPO reward and
+                         KL, DPO), also declared as a DVC image plot
+    report_eval.png      math exact match, win rate and KL per model with 95% intervals
 
 `report.max_samples` caps the prompts shown per sample table.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from llm.config import ConfigError, ReportConfig, load_sections
+from llm.config import ReportConfig
 from llm.fileio import atomic_write_bytes, atomic_write_text
 
 STAGE = "report"
-METRICS = Path("metrics")
+INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and plots/ (it writes the report there)"}
 
 
-def run(cfg: ReportConfig, metrics_dir: Path = METRICS) -> dict:
+def run(cfg: ReportConfig, metrics_dir: Path) -> dict:
     """Write the report files under metrics_dir; returns what was collected."""
     from llm.report import (collect, curves_png, eval_png, find_urls, placeholder_png, render_html,
                             render_markdown)
@@ -56,25 +56,16 @@ def run(cfg: ReportConfig, metrics_dir: Path = METRICS) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        sections = load_sections(["common", STAGE], args.params)
-    except ConfigError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    try:
-        data = run(sections[STAGE])
-    except ValueError as e:
-        print(f"{STAGE}: {e}", file=sys.stderr)
-        return 1
-    print(f"{STAGE}: {len(data['evals'])} model(s) evaluated, {len(data['stages'])} stage metrics,"
-          f" {len(data['curves'])} curve files; {len(data['notes'])} missing input(s);"
-          f" wrote {METRICS}/report.md and {METRICS}/report.html", flush=True)
-    return 0
+    from llm.stage import stage_main
+
+    def work(args, common, cfg: ReportConfig, rt) -> str:
+        data = run(cfg, args.metrics)
+        m = args.metrics
+        return (f"{STAGE}: {len(data['evals'])} model(s) evaluated, {len(data['stages'])} stage metrics,"
+                f" {len(data['curves'])} curve files; {len(data['notes'])} missing input(s);"
+                f" wrote {m}/report.md and {m}/report.html")
+
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs={}, work=work)
 
 
 if __name__ == "__main__":

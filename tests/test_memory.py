@@ -60,7 +60,7 @@ class Allocated:
         key = ("t", heads, trainable, reward_view)
         if key not in self._cache:
             from llm.optim import build_optimizer, set_trainable
-            from llm.preference import RewardModel
+            from llm.reward_model import RewardModel
             gpt = self._gpt(heads)
             if trainable is not None:
                 set_trainable(gpt, list(trainable))

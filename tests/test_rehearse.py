@@ -26,9 +26,15 @@ def test_cut_keeps_the_shapes_and_gives_a_valid_params_file(name):
     for section in ("pretrain", "sft", "reward", "dpo"):
         c = getattr(p, section)
         assert (c.max_steps, c.batch_size, c.grad_accum, c.compile) == (1, 1, 1, False), section
-    assert (p.ppo.steps, p.ppo.rollout_prompts, p.grpo.prompts_per_step, p.grpo.group_size) == (1, 1, 1, 2)
+    assert (p.ppo.max_steps, p.ppo.rollout_prompts, p.grpo.prompts_per_step, p.grpo.group_size) == (1, 1, 1, 2)
     assert p.dpo.trainable == params["dpo"]["trainable"]  # what trains is not a size: kept
     assert params["common"]["device"] == "cuda"  # the profile itself is untouched
+
+
+def test_a_cut_key_the_params_lack_is_an_error(monkeypatch):
+    monkeypatch.setitem(rh.CUTS, "ppo", {"steps": 1})  # as if the key were renamed in config
+    with pytest.raises(KeyError, match="cuts ppo.steps, which the params do not have"):
+        rh.cut(render("gpu-13m", PROFILES)[0])
 
 
 def test_parse_dry_run_reads_stages_and_their_commands_in_order():
