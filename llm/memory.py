@@ -65,7 +65,6 @@ CUDA_CONTEXT = 1 * GIB
 CPU_PROCESS = int(0.3 * GIB)
 EXACT = ("weights", "gradients", "optimizer", "kv_cache")
 ESTIMATED = ("activations", "logits", "context")
-STAGES = ("pretrain", "sft", "reward", "pairs", "dpo", "ppo", "grpo", "eval")
 SFT_EVAL_BATCH = 64      # stages/sft.py: the held-out math check after training
 HELDOUT_BATCH = 64       # llm.rl.heldout_eval's default, used by PPO and GRPO
 
@@ -109,7 +108,7 @@ class ModelSize:
 def model_size(mcfg, heads: tuple[str, ...], *, trainable: list[str] | None = None,
                reward_view: bool = False) -> ModelSize:
     """Sizes of GPT(mcfg, heads), with `trainable` globs frozen as llm.optim.set_trainable does
-    (None: all), and as llm.preference.RewardModel sees it when reward_view."""
+    (None: all), and as llm.reward_model.RewardModel sees it when reward_view."""
     from llm.model import GPT
     from llm.optim import set_trainable
 
@@ -196,8 +195,9 @@ class _Setting:
     def infer_acts(self, tokens: int, width: int | None = None) -> int:
         return INFER_ACT[width or self.b] * tokens * self.m.n_embd
 
-    def logits(self, elements_per_vocab: int, per: int) -> int:
-        return per * elements_per_vocab * self.m.vocab_size
+    def logits(self, positions: int, per: int) -> int:
+        """`per` bytes per position per vocabulary entry."""
+        return per * positions * self.m.vocab_size
 
     def phase(self, name: str, key: str | None, **parts: int) -> Phase:
         return Phase(name, key, {**{k: v for k, v in parts.items() if v}, "context": self.context})
