@@ -11,12 +11,16 @@ order (`dvc repro --dry --force`: dvc.yaml's templating and `foreach` resolved b
 runs each command there in turn and prints one table:
 
     stage, ok or the error (its last line), seconds, peak resident memory of the stage's
-    process tree (os.wait4), the exact weights + gradients + optimizer of its largest phase
-    and llm/memory.py's estimate of that phase, both at the rehearsal's own settings
-    (fp32 on the CPU, the cut batch sizes), so the estimate can be read against the peak.
+    process tree (os.wait4), the most weights + gradients + optimizer state it holds at once
+    (exact, from the shapes) and llm/memory.py's estimate of its largest phase, both at the
+    rehearsal's own settings (fp32 on the CPU, the cut batch sizes), so the estimate can be
+    read against the measured peak.
 
-It stops at the first failing stage. Before starting it compares the largest estimate with the
-memory the machine has available and refuses (exit 2) with both figures when it does not fit.
+It stops at the first failing stage, and fails a tokenizer that stopped short of the profile's
+vocab_size (the models would be smaller than the profile's). Before starting it compares the
+largest estimate with the memory the machine has available and refuses (exit 2) with both
+figures when it does not fit. bench/gpu_check.py runs the same rehearsal on a GPU in bf16
+(`run(..., device="cuda")`).
 Each stage's persisted outputs (the training checkpoints: `persist: true` in dvc.yaml) are
 deleted once it has passed, so the scratch needs about one checkpoint of disk, not six.
 
