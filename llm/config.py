@@ -383,6 +383,8 @@ class GRPOConfig(RLConfig):
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
     curriculum_levels: list[int] = _f(lo=1, hi=4)
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
+    step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
+                                                 " added to each token's advantage; 0 = outcome reward only")
 
     def check(self, key: str) -> list[str]:
         out = super().check(key)
