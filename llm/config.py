@@ -94,6 +94,10 @@ class PrepareConfig:
     math_pretrain_docs: int = _f(lo=0, doc="generated math problems added to the pretraining text")
     task_train: int = _f(lo=0)
     task_val: int = _f(lo=0)
+    task_test: int = _f(lo=0, doc="evaluation-only instruction tasks per kind, none a training prompt (a kind"
+                        " with fewer unseen prompts gets fewer)")
+    arithmetic_test: int = _f(lo=0, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a training"
+                              " prompt")
     pref_train: int = _f(lo=0)
     pref_val: int = _f(lo=0)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
