@@ -399,6 +399,8 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class ReportConfig:
     max_samples: int = _f(lo=0)
+    confidence: float = _f(lo=0.5, hi=0.999, doc="level of the paired intervals and of the significance calls")
+    bootstrap_samples: int = _f(lo=100, doc="resamples of the paired bootstrap")
 
 
 @dataclass(kw_only=True)

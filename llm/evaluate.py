@@ -449,7 +449,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
             metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
                             "rm_prompts": len(rm_set)})
-            items += [{"set": "rm", "id": p.get("id", str(i)), "score": sc} for i, (p, sc) in enumerate(zip(rm_set, scores))]
+            items += [{"set": "rm", "id": p.get("id", str(i)), "score": sc}
+                      for i, (p, sc) in enumerate(zip(rm_set, scores))]
             if ref is not None:
                 if ref is model:
                     theirs, ref_scores = mine, scores
