@@ -340,6 +340,19 @@ def _mean(xs: Sequence[float]) -> float:
 ITEM_SETS = ("math", "task", "arithmetic", "math_sampled", "rm")
 
 
+def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:
+    """The first n of each (item set, group) of (set, group, prompt, answer, response, correct),
+    with their texts: every model keeps the same items, so the report shows them side by side."""
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    out = []
+    for item_set, group, prompt, answer, response, ok in shown:
+        if count[item_set, group] < n:
+            count[item_set, group] += 1
+            out.append({"set": item_set, "group": group, "prompt": prompt, "answer": answer, "response": response,
+                        "correct": ok})
+    return out
+
+
 def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
                    tasks: Sequence[dict] = (), arithmetic: Sequence[dict] = (),
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
@@ -414,14 +427,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                    "correct": c} for i, (q, c) in enumerate(zip(arithmetic, arith_ok))]
         shown += [("arithmetic", "", q["question"], q["answer"], a, c)
                   for q, a, c in zip(arithmetic, arith_answers, arith_ok)]
-    # the first few items of each group, with their texts: every model shows the same ones
-    per_group: dict[tuple[str, str], int] = defaultdict(int)
-    extras["item_samples"] = []
-    for item_set, group, prompt, answer, response, ok in shown:
-        if per_group[item_set, group] < n_samples_kept:
-            per_group[item_set, group] += 1
-            extras["item_samples"].append({"set": item_set, "group": group, "prompt": prompt, "answer": answer,
-                                           "response": response, "correct": ok})
+    extras["item_samples"] = _first_of_each_group(shown, n_samples_kept)
 
     if cfg.pass_k_problems:
         with timed("pass_k"):

@@ -211,6 +211,13 @@ def paired_deltas(items: dict[str, list[dict]], *, confidence: float, n_boot: in
     return out
 
 
+def paired_metrics(paired: dict[str, dict]) -> dict[str, dict]:
+    """The paired changes as a DVC metrics file: {"<child>_vs_<parent>": {skill: numbers}}, numbers
+    and booleans only (labels stay in the report), so `dvc metrics diff` lists what moved."""
+    return {f"{c}_vs_{p['parent']}": {s: {k: v for k, v in r.items() if k not in ("label", "type")}
+                                      for s, r in p["skills"].items()} for c, p in paired.items()}
+
+
 def recorded_seconds(metrics: dict) -> tuple[float, str] | None:
     """(seconds, which keys) a stage recorded about its own run, or None."""
     for keys in (("stage_time_s",), ("train_time_s", "eval_time_s"), ("seconds.total",), ("seconds",),

@@ -15,8 +15,9 @@ model with its parent on the same items (llm/paired.py: McNemar's exact test and
 bootstrap with `report.bootstrap_samples` resamples, intervals at `report.confidence`, seeded
 from `common.seed`), and writes
 
-    metrics/paired.json          the paired changes per model and skill (a DVC metric: `dvc metrics
-                                 diff` shows how a change of params moved them)
+    metrics/paired.json          the paired changes, {"<model>_vs_<parent>": {skill: {"delta", "lo",
+                                 "hi", "p_value", "significant", ...}}}, a DVC metric: `dvc metrics
+                                 diff` shows how a change of params moved them
     metrics/report.md            the report card (llm/report.py): header with profile, commit,
                                  date, machine and stage times; summary table; what each stage
                                  changed, in words; curves; samples marked right or wrong
@@ -43,7 +44,7 @@ METRICS = Path("metrics")
 def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path = METRICS,
         params: Path = Path("params.yaml")) -> tuple[dict, dict]:
     """Write the report files under metrics_dir; returns (what was collected, the paired changes)."""
-    from llm.report import collect, paired_deltas, provenance
+    from llm.report import collect, paired_deltas, paired_metrics, provenance
     from llm.report_render import find_urls, render_html, render_markdown
     from llm.report_plots import curves_png, eval_png, placeholder_png
 
@@ -58,7 +59,7 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path = METRICS,
     urls = find_urls(page)
     if urls:  # an internal error: render_html defangs every text it writes
         raise ValueError(f"report: the HTML page would hold URLs {urls[:3]}; it must work offline")
-    atomic_write_json(metrics_dir / "paired.json", paired)
+    atomic_write_json(metrics_dir / "paired.json", paired_metrics(paired))
     atomic_write_bytes(metrics_dir / "report_curves.png", images["curves"])
     atomic_write_bytes(metrics_dir / "report_eval.png", images["eval"])
     atomic_write_text(metrics_dir / "report.md",

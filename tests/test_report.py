@@ -196,7 +196,10 @@ def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     assert "be50142a" not in page and "be50142a" not in md  # hashes stay in the metrics files
     assert "val_loss 3.2" not in md
     paired = json.loads((metrics / "paired.json").read_text())
-    assert paired["sft"]["skills"]["math"]["wins"] == 48 and paired["sft"]["skills"]["math"]["p_value"] < 1e-9
+    assert set(paired) == {"sft_vs_base", "grpo_vs_sft"}
+    math = paired["sft_vs_base"]["math"]
+    assert math["wins"] == 48 and math["p_value"] < 1e-9 and math["significant"] is True
+    assert all(isinstance(v, (int, float)) for v in math.values())  # numbers and booleans only
 
 
 def test_markdown_has_the_same_summary(metrics):
