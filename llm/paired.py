@@ -7,8 +7,10 @@
 Each eval@<model> writes one record per scored item (llm/evaluate.py ITEM_SETS). Both models
 answered the same items, so a change is measured item by item: the items both get right or
 both get wrong say nothing about the change, and the noise of which items happened to be
-drawn cancels. On 500 items this resolves changes of 2-3 points that two independent 95%
-intervals (each about +-4 points wide at 70%) cannot.
+drawn cancels. With d of n items flipping either way, the change's 95% interval is about
++-1.96 sqrt(d) / n: +-2.5 points when 40 of 500 items flip, where each model's own interval
+at 70% is +-4 points wide and two such intervals overlap unless the accuracies differ by
+more than about 8.
 
 `skills(items)` names what the items measure, in report order: math overall, English, Chinese,
 per level, the `#### N` format; instruction tasks overall and per kind; bare arithmetic; the

@@ -70,6 +70,15 @@ def test_a_large_consistent_gain_is_significant_and_no_change_is_not():
     assert (same["lo"], same["hi"]) == (0.0, 0.0)
 
 
+def test_when_the_test_and_the_interval_disagree_the_change_is_borderline():
+    # 5 wins, no loss in 500 items: McNemar p = 2 / 32 = 0.0625, but no bootstrap resample is
+    # likely to draw none of the 5 (P = 0.99^500 < 0.01), so the interval excludes zero
+    parent = _items([0] * 5 + [1] * 495)
+    r = compare(_items([1] * 500), parent, n_boot=4000, seed=0)["math"]
+    assert r["p_value"] == pytest.approx(0.0625) and r["lo"] > 0
+    assert r["borderline"] and not r["significant"]
+
+
 def test_scores_are_compared_by_their_mean_difference():
     parent = _items([1, 0, 1], rm=[0.1, -0.2, 0.3])
     r = compare(_items([1, 0, 1], rm=[1.1, 0.8, 1.3]), parent, n_boot=1000, seed=0)["rm_score"]
