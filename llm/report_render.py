@@ -183,7 +183,9 @@ div.wide { overflow-x: auto; }
 dl.head { display: grid; grid-template-columns: max-content auto; gap: 0.15em 1em; margin: 0.8em 0; }
 dl.head dt { font-weight: 600; color: #59636e; } dl.head dd { margin: 0; }
 p.stage, ul.stage { max-width: 75em; } ul.stage { margin-top: -0.5em; }
-pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; max-width: 26em; }
+pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; max-width: 26em;
+      font-family: ui-monospace, Menlo, Consolas, "DejaVu Sans Mono", "Noto Sans Mono CJK SC", "Microsoft YaHei",
+      monospace; }
 .ok { color: #1a7f37; font-weight: 700; } .bad { color: #cf222e; font-weight: 700; }
 img { max-width: 100%; }
 .note { color: #59636e; font-size: 0.9em; }
@@ -192,6 +194,11 @@ img { max-width: 100%; }
 
 def _e(text: Any) -> str:
     return html.escape(defang(str(text)))
+
+
+def _response(text: str) -> str:
+    """A model's answer for a <pre>: escaped, clipped, and visibly empty when it is."""
+    return _e(_clip(text)) if text.strip() else '<span class="note">(empty)</span>'
 
 
 def _mark_html(line: str) -> str:
@@ -281,8 +288,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
                     continue
                 resp, ok = r["by_model"][m]
                 mark = '<span class="ok">✓</span>' if ok else '<span class="bad">✗</span>'
-                shown = _e(_clip(resp)) if resp.strip() else '<span class="note">(empty)</span>'
-                tds.append(f"<td>{mark}<pre>{shown}</pre></td>")
+                tds.append(f"<td>{mark}<pre>{_response(resp)}</pre></td>")
             h.append(f"<tr><td><pre>{_e(r['prompt'])}</pre><span class=\"note\">answer: {_e(r['answer'])}</span></td>"
                      + "".join(tds) + "</tr>")
         h.append("</table>")
@@ -292,7 +298,8 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
                  + "".join(f"<th>{_e(m)}</th>" for m in models) + "</tr>")
         for p, by in fixed:
             h.append(f"<tr><td><pre>{_e(p)}</pre></td>"
-                     + "".join(f"<td><pre>{_e(_clip(by.get(m, '')))}</pre></td>" for m in models) + "</tr>")
+                     + "".join(f"<td><pre>{_response(by[m])}</pre></td>" if m in by else "<td></td>" for m in models)
+                     + "</tr>")
         h.append("</table>")
     models, rows = all_metric_rows(data["evals"])
     if rows:

@@ -236,6 +236,15 @@ def test_every_rate_is_the_mean_of_its_item_outcomes(world):
     assert all(x["correct"] == (x["response"].strip() == x["answer"]) for x in shown)
 
 
+def test_a_missing_test_file_names_the_stage_that_writes_it(world, tmp_path):
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    with pytest.raises(FileNotFoundError, match="tasks/test.jsonl: not found; run `dvc repro prepare` first"):
+        run("sft", sections["common"], sections["eval"], out=tmp_path,
+            **{**_paths(root), "tasks": tmp_path / "data/prepared/tasks/test.jsonl"})
+
+
 def test_score_math_splits_english_and_chinese():
     problems = [{"question": "q", "answer": "3", "level": 1, "lang": lang} for lang in ("en", "en", "zh", "zh", "zh")]
     answers = ["#### 3", "#### 4", "1 + 2 = 3\n#### 3", "3", "#### 5"]

@@ -60,7 +60,7 @@ def metrics(tmp_path):
         _write(m / f"eval/{name}_samples.json", {
             "model": name, "timing_s": {"math": 1.0, "total": 12.5},
             "sample_prompts": [{"prompt": "What is 7 + 5?", "response": f"{name}: 12 <b>|</b>"},
-                               {"prompt": "Who is Hamlet?", "response": URLS}],
+                               {"prompt": "Who is Hamlet?", "response": URLS if name != "grpo" else " "}],
             "item_samples": [{"set": "math", "group": "en", "prompt": "1 + 1?", "answer": "2",
                               "response": "#### 2" if name != "base" else "#### 3", "correct": name != "base"},
                              {"set": "task", "group": "reverse", "prompt": "Reverse the word: castle",
@@ -193,6 +193,7 @@ def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     assert row.count('class="ok">✓') == 2 and row.count('class="bad">✗') == 1  # sft, grpo right; base wrong
     assert "| 1 + 1?<br>(answer: 2) | ✗ #### 3 | ✓ #### 2 | ✓ #### 2 |" in md
     assert "[reverse] Reverse the word: castle" in md
+    assert page.count('<pre><span class="note">(empty)</span></pre>') == 1  # grpo's blank answer is shown as one
     assert "be50142a" not in page and "be50142a" not in md  # hashes stay in the metrics files
     assert "val_loss 3.2" not in md
     paired = json.loads((metrics / "paired.json").read_text())
