@@ -77,7 +77,9 @@ from llm.config import PRESETS, ModelConfig, TrainConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.monitor import peak_flops  # noqa: E402
 from llm.profile import memory_estimate, render  # noqa: E402
-from llm.trainer import Runtime, lm_loss, train  # noqa: E402
+from llm.monitor import Plots  # noqa: E402
+from llm.runtime import Runtime  # noqa: E402
+from llm.trainer import lm_loss, train  # noqa: E402
 
 PROFILE = "gpu-77m"
 GIB = 2**30
@@ -212,8 +214,8 @@ def run_train(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndarray, see
     # the trainer's own messages ("resumed from ...") go to stderr, so stdout holds the table and JSON
     with contextlib.redirect_stdout(sys.stderr):
         return train(model, cfg, rt, stage="bench", seed=seed, batches=src, loss_fn=loss_fn, val_batches=None,
-                     run_dir=run_dir, fingerprint="bench-gpu-77m", tsv_path=run_dir.parent / f"{run_dir.name}.tsv",
-                     progress=False)
+                     run_dir=run_dir, fingerprint="bench-gpu-77m",
+                     plots=Plots(tsv=run_dir.parent / f"{run_dir.name}.tsv"), progress=False)
 
 
 def throughput(h: list[dict], warmup: int) -> tuple[float, float]:

@@ -39,8 +39,10 @@ from llm.batching import derive_seed  # noqa: E402
 from llm.config import load_params  # noqa: E402
 from llm.grpo import GRPO  # noqa: E402
 from llm.ppo import PPO  # noqa: E402
-from llm.rl import MathPrompts, Updater, read_problems, step_generator, verifier_reward  # noqa: E402
-from llm.trainer import Runtime, resolve_device, resolve_dtype  # noqa: E402
+from llm.loop import Updater  # noqa: E402
+from llm.rewards import verifier_reward  # noqa: E402
+from llm.rl import MathPrompts, read_problems, step_generator  # noqa: E402
+from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
 
 PARTS = ("rollout_s", "scoring_s", "update_s")
 
@@ -94,8 +96,8 @@ def main() -> int:
     ppo = PPO(p_policy, ref, pcfg, reward_fn=reward, stop_ids=stop, pad_id=tok.pad_id, seed=seed,
               prompts_fn=lambda s: p_pool.sample(pcfg.rollout_prompts, pcfg.levels, step_generator(seed, "prompts", s)),
               log=lambda m: None)
-    algos = {"grpo": (grpo, Updater(g_policy, gcfg, device, "grpo")),
-             "ppo": (ppo, Updater(p_policy, pcfg, device, "ppo"))}
+    algos = {"grpo": (grpo, Updater(g_policy, gcfg, rt, stage="grpo")),
+             "ppo": (ppo, Updater(p_policy, pcfg, rt, stage="ppo"))}
     for algo, up in algos.values():
         algo.model.eval()
         up.set_step(gcfg.warmup_steps)  # full lr

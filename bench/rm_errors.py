@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llm.artifacts import load_model_dir  # noqa: E402
-from llm.preference import encode_pairs, score_sequences  # noqa: E402
+from llm.preference import encode_pairs  # noqa: E402
+from llm.reward_model import score_sequences  # noqa: E402
 
 
 def slip(chosen: str, rejected: str) -> tuple[int, int, int, int] | None:

@@ -46,7 +46,9 @@ from llm.batching import WindowSampler  # noqa: E402
 from llm.config import CommonConfig, ModelConfig, TrainConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.optim import build_optimizer  # noqa: E402
-from llm.trainer import Runtime, resolve_device, resolve_dtype, train  # noqa: E402
+from llm.monitor import Plots  # noqa: E402
+from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
+from llm.trainer import train  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -86,7 +88,7 @@ def loop_step_seconds(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndar
             contextlib.redirect_stdout(null):
         src = WindowSampler(tokens, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=0)
         res = train(model, cfg, rt, stage="bench", seed=0, batches=src, val_batches=None, run_dir=Path(d) / "run",
-                    fingerprint="bench", tsv_path=Path(d) / "bench.tsv", tb_dir=Path(d) / "tb", progress=True)
+                    fingerprint="bench", plots=Plots(tsv=Path(d) / "bench.tsv", tb_dir=Path(d) / "tb"), progress=True)
     h = res.train_history  # row i is written after step i + 1 finished
     return (h[-1]["elapsed_s"] - h[warmup - 1]["elapsed_s"]) / (len(h) - warmup)
 
@@ -110,7 +112,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    common = CommonConfig(seed=0, device=args.device, dtype=args.dtype, nproc=1, num_threads=args.threads)
+    common = CommonConfig(seed=0, device=args.device, dtype=args.dtype, nproc=1, num_threads=args.threads,
+                          cpu_kernels=True)
     device = resolve_device(common)
     rt = Runtime(device=device, dtype=resolve_dtype(common, device))
     mcfg = ModelConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch import Tensor
 
 IGNORE_INDEX = -100
 
@@ -265,3 +266,19 @@ class ExampleBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, prompt_lens: Sequence[int] | None = None
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Right-pad token lists: idx (N, T) long, attention_mask (N, T) bool and, given the prompt
+    lengths, response_mask (N, T) bool (True from prompt_len to the end of each sequence)."""
+    N, T = len(seqs), max(len(s) for s in seqs)
+    idx = torch.full((N, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((N, T), dtype=torch.bool)
+    resp = torch.zeros((N, T), dtype=torch.bool) if prompt_lens is not None else None
+    for i, s in enumerate(seqs):
+        idx[i, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = True
+        if resp is not None:
+            resp[i, prompt_lens[i]:len(s)] = True
+    return idx, mask, resp

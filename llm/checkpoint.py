@@ -36,15 +36,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llm.fileio import atomic_dir, atomic_write_json, sha256_file
+from llm.errors import CheckpointError  # noqa: F401 (raised here; callers import it from here too)
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})$")
 MODEL_FILE, STATE_TENSORS, STATE_JSON, MANIFEST = (
     "model.safetensors", "train_state.safetensors", "state.json", "manifest.json")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be trusted; the message names the directory and the reason."""
 
 
 @dataclass

@@ -25,7 +25,6 @@ import difflib
 import hashlib
 import json
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +59,7 @@ class CommonConfig:
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
     nproc: int = _f(lo=1, doc="processes per node; > 1 runs training stages under torchrun")
     num_threads: int = _f(lo=0, doc="torch CPU threads per process; 0 = torch's default")
+    cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
 
 
 @dataclass(kw_only=True)
@@ -194,27 +194,21 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """The knobs of the one training loop (llm/trainer.py), shared by every training stage."""
+class LoopConfig:
+    """The knobs of the run skeleton (llm/loop.py), the same names in every training section."""
     max_steps: int = _f(lo=1)
-    batch_size: int = _f(lo=1, doc="sequences per micro-batch per process")
-    grad_accum: int = _f(lo=1, doc="micro-batches per optimizer step")
     lr: float = _f(lo=0.0, lo_open=True)
-    min_lr: float = _f(lo=0.0)
+    min_lr: float = _f(lo=0.0, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
     warmup_steps: int = _f(lo=0)
     weight_decay: float = _f(lo=0.0)
     beta1: float = _f(lo=0.0, hi=1.0)
     beta2: float = _f(lo=0.0, hi=1.0)
     grad_clip: float = _f(lo=0.0, doc="max global grad norm; 0 = no clipping")
     eval_every: int = _f(lo=1)
-    eval_batches: int = _f(lo=1)
-    log_every: int = _f(lo=1)
     checkpoint_every: int = _f(lo=1)
     keep_checkpoints: int = _f(lo=2)
     nonfinite_policy: Literal["raise", "skip"] = _f()
-    nonfinite_budget: int = _f(lo=0, doc="skipped steps allowed before the run stops")
-    activation_checkpointing: bool = _f()
-    compile: bool = _f()
+    nonfinite_budget: int = _f(lo=0, doc="skipped updates allowed before the run stops")
 
     def check(self, key: str) -> list[str]:
         out = []
@@ -223,6 +217,17 @@ class TrainConfig:
         if self.warmup_steps > self.max_steps:
             out.append(f"{key}.warmup_steps: {self.warmup_steps} is above max_steps={self.max_steps}")
         return out
+
+
+@dataclass(kw_only=True)
+class TrainConfig(LoopConfig):
+    """The supervised training loop (llm/trainer.py): pretrain, SFT, reward model, DPO."""
+    batch_size: int = _f(lo=1, doc="sequences per micro-batch per process")
+    grad_accum: int = _f(lo=1, doc="micro-batches per optimizer step")
+    eval_batches: int = _f(lo=1)
+    log_every: int = _f(lo=1)
+    activation_checkpointing: bool = _f()
+    compile: bool = _f()
 
 
 @dataclass(kw_only=True)
@@ -264,7 +269,7 @@ class RewardConfig(TrainConfig):
     margin: float = _f(lo=0.0)
     min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
     logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
-                                   " trunk's LM head to the head's reward (GPT.reward)")
+                                   " trunk's LM head to the head's reward (llm/reward_model.py)")
     train_trunk: bool = _f(doc="false: only the reward head (and the likelihood feature's weight) learn; the SFT"
                                " trunk stays as it is (a linear probe)")
 
@@ -302,33 +307,22 @@ class DPOConfig(TrainConfig):
 
 
 @dataclass(kw_only=True)
-class RLConfig:
-    """What PPO and GRPO share: optimizer, rollout sampling, checkpoints, gates."""
-    steps: int = _f(lo=1)
-    lr: float = _f(lo=0.0, lo_open=True)
-    warmup_steps: int = _f(lo=0)
-    weight_decay: float = _f(lo=0.0)
-    beta1: float = _f(lo=0.0, hi=1.0)
-    beta2: float = _f(lo=0.0, hi=1.0)
-    max_grad_norm: float = _f(lo=0.0)
+class RLConfig(LoopConfig):
+    """What PPO and GRPO share besides the loop: rollout sampling, minibatches, the verifier, the KL gate."""
     epochs: int = _f(lo=1, doc="passes over each rollout batch")
     minibatch_size: int = _f(lo=1)
     clip_epsilon: float = _f(lo=0.0, hi=1.0)
     max_new_tokens: int = _f(lo=1)
     temperature: float = _f(lo=0.0, lo_open=True)
     levels: list[int] = _f(doc="math levels sampled for rollouts after the curriculum")
-    eval_every: int = _f(lo=1)
     eval_problems: int = _f(lo=0)
     max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
-    checkpoint_every: int = _f(lo=1)
-    keep_checkpoints: int = _f(lo=2)
-    nonfinite_policy: Literal["raise", "skip"] = _f()
-    nonfinite_budget: int = _f(lo=0)
     correct_reward: float = _f(lo=0.0, doc="verifier reward for a correct final answer")
     format_reward: float = _f(lo=0.0, doc="verifier reward for ending with a `#### N` line")
 
     def check(self, key: str) -> list[str]:
-        return [f"{key}.levels: levels are 1..4, got {lvl}" for lvl in self.levels if lvl not in (1, 2, 3, 4)]
+        return LoopConfig.check(self, key) + [f"{key}.levels: levels are 1..4, got {lvl}" for lvl in self.levels
+                                              if lvl not in (1, 2, 3, 4)]
 
 
 @dataclass(kw_only=True)
@@ -583,12 +577,20 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# Keys that were renamed: an old params file gets the new name instead of a guess.
+RENAMED = {"steps": "max_steps", "max_grad_norm": "grad_clip"}
+
+
 def _build(cls: type, loc: _Loc, key: str, where: str, problems: list[str]) -> Any:
     given: dict[str, _Loc] = loc.value
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for name, item in given.items():
+        if name not in fields and RENAMED.get(name) in fields:
+            problems.append(f"{where}:{item.line}: {key}.{name}: renamed; did you mean {RENAMED[name]!r}?"
+                            f" (the same knob, named as in every training section)")
+            continue
         if name not in fields:
             hint = difflib.get_close_matches(name, list(fields), n=1)
             problems.append(f"{where}:{item.line}: {key}.{name}: unknown key"

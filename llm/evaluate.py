@@ -15,8 +15,8 @@ tasks, bare arithmetic, RM score and win rate, KL to a reference, confidence int
 - `rm_scores(rm, tokenizer, questions, responses)`: the reward model's score of each answer,
   read at the closing <|end|> of the rendered conversation (as the RM is trained).
 - `win_rate(scores, ref_scores, ties)`: wins + ties/2 over n, with a Wilson interval.
-- `kl_to_reference(model, ref, ...)`: sample from `model`, then the mean over sequences of
-  sum_t log p_model - log p_ref (the k1 estimator: unbiased for KL(model || ref)).
+- KL to a reference: llm.rollout.sampled_kl (sample from the model at temperature 1, exact
+  per-token KL over the vocabulary at each sampled state).
 - `evaluate_model(model, tokenizer, cfg, ...)`: all of the above for one model, as flat
   metrics (numbers only, for `dvc metrics diff`) plus samples, timings and the outcome of
   every item (`ITEM_SETS`) kept apart; the report pairs those outcomes with the parent
@@ -39,7 +39,8 @@ from llm.batching import derive_seed, pad_collate
 from llm.chat import render, user_prompt
 from llm.config import EvalConfig
 from llm.generate import generate
-from llm.losses import sequence_logprob
+from llm.reward_model import reward
+from llm.rollout import sampled_kl
 from llm.rewards import is_correct, parse_answer
 
 _Z = {0.9: 1.6448536269514722, 0.95: 1.959963984540054, 0.99: 2.5758293035489004}
@@ -243,7 +244,7 @@ def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None
 def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str], *, batch_size: int) -> list[float]:
     """The reward model's score of each (question, response): the conversation is rendered with
     the chat template (llm/chat.py render: BOS, user turn, assistant turn, closing <|end|>),
-    cut to the RM's seq_len, and read at its last real token (GPT.reward)."""
+    cut to the RM's seq_len, and read at its last real token (llm.reward_model.reward)."""
     if len(questions) != len(responses):
         raise ValueError(f"rm_scores: {len(questions)} questions but {len(responses)} responses")
     rm.eval()
@@ -258,7 +259,7 @@ def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str],
     out: list[float] = []
     for i in range(0, len(seqs), batch_size):
         batch = pad_collate(seqs[i:i + batch_size], pad_id=tokenizer.pad_id, shift=False)
-        out += rm.reward(batch["idx"].to(device), batch["attention_mask"].to(device)).tolist()  # (B,)
+        out += reward(rm, batch["idx"].to(device), batch["attention_mask"].to(device)).tolist()  # (B,)
     return out
 
 
@@ -282,45 +283,6 @@ def win_rate(scores: Sequence[float], ref_scores: Sequence[float], ties: Sequenc
     lo, hi = wilson_interval(k, n, confidence)
     return {"win_rate": k / max(n, 1), "win_rate_lo": lo, "win_rate_hi": hi,
             "wins": wins, "ties": tied, "losses": losses}
-
-
-@torch.no_grad()
-def kl_to_reference(model, ref, tokenizer, questions: Sequence[str], *, max_new_tokens: int, batch_size: int,
-                    generator: torch.Generator) -> dict:
-    """KL(model || ref) on the response distribution of held-out prompts, by sampling.
-
-    Responses are sampled from `model` at temperature 1 (its own distribution), up to and
-    including the stop token; for each, sum_t log p_model(y_t) - log p_ref(y_t) over the
-    response tokens (full forwards of both models on the same left-padded batch). Returns
-    the mean over sequences ("kl", nats per response), the per-token mean ("kl_per_token"),
-    the per-sequence values, the mean response length and the decoded responses.
-    """
-    model.eval()
-    ref.eval()
-    stop = (tokenizer.special["<|end|>"], tokenizer.special["<|endoftext|>"])
-    all_prompts = [user_prompt(q, tokenizer) for q in questions]
-    order = sorted(range(len(all_prompts)), key=lambda i: len(all_prompts[i]))  # batched by length, as above
-    per_seq: list[float] = [0.0] * len(all_prompts)
-    n_tokens: list[int] = [0] * len(all_prompts)
-    texts: list[str] = [""] * len(all_prompts)
-    for s in range(0, len(order), batch_size):
-        ix = order[s:s + batch_size]
-        prompts = [all_prompts[i] for i in ix]
-        room = min(model.config.seq_len, ref.config.seq_len) - max(map(len, prompts))
-        if room < 1:
-            raise ValueError(f"kl_to_reference: a prompt of {max(map(len, prompts))} tokens leaves no room")
-        gen = generate(model, prompts, min(max_new_tokens, room), temperature=1.0, stop_ids=stop,
-                       pad_id=tokenizer.pad_id, generator=generator)
-        P = gen.prompt_len
-        loss_mask = torch.cat([torch.zeros_like(gen.attention_mask[:, :P]), gen.response_mask], 1)  # (B, P+N)
-        lp = sequence_logprob(model, gen.tokens, gen.attention_mask, loss_mask, per_token=True)  # (B, P+N-1)
-        lr = sequence_logprob(ref, gen.tokens, gen.attention_mask, loss_mask, per_token=True)    # (B, P+N-1)
-        for i, d, n, r in zip(ix, (lp - lr).sum(-1).tolist(), gen.response_mask.sum(-1).tolist(),
-                              gen.responses()):  # lp, lr are 0 off the response tokens
-            per_seq[i], n_tokens[i], texts[i] = d, n, tokenizer.decode(r)
-    total = sum(n_tokens)
-    return {"kl": sum(per_seq) / max(len(per_seq), 1), "kl_per_token": sum(per_seq) / max(total, 1),
-            "per_sequence": per_seq, "response_tokens_mean": total / max(len(n_tokens), 1), "responses": texts}
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -479,16 +441,23 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
         if ref is model:  # the same weights: every log-ratio is exactly 0
             metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0})
         else:
+            questions = [p["question"] for p in problems[:cfg.kl_prompts]]
+            texts = [""] * len(questions)
+
+            def keep_texts(ro, ix: list[int]) -> None:
+                for i, ids in zip(ix, ro.response_ids()):
+                    texts[i] = tokenizer.decode(ids)
+
             with timed("kl"):
-                kl = kl_to_reference(model, ref, tokenizer, [p["question"] for p in problems[:cfg.kl_prompts]],
-                                     max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                     generator=gen("kl"))
-            lo, hi = bootstrap_interval(kl["per_sequence"], cfg.confidence,
-                                        seed=derive_seed(seed, "eval", "kl_boot"))
-            metrics.update({"kl_to_sft": kl["kl"], "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
-                            "kl_to_sft_per_token": kl["kl_per_token"],
-                            "kl_response_tokens_mean": kl["response_tokens_mean"]})
-            kl_texts = kl["responses"]
+                kl = sampled_kl(model, ref, [user_prompt(q, tokenizer) for q in questions],
+                                max_new_tokens=cfg.max_new_tokens, temperature=1.0,
+                                stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
+                                generator=gen("kl"), batch_size=cfg.batch_size, visit=keep_texts)
+            lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=derive_seed(seed, "eval", "kl_boot"))
+            metrics.update({"kl_to_sft": kl.per_sequence, "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
+                            "kl_to_sft_per_token": kl.per_token,
+                            "kl_response_tokens_mean": kl.tokens / max(len(questions), 1)})
+            kl_texts = texts
         metrics["kl_prompts"] = min(cfg.kl_prompts, len(problems))
 
     with timed("samples"):

@@ -1,7 +1,7 @@
 """GRPO: group-relative policy optimisation, one group batch per step.
 
     algo = GRPO(policy, ref, cfg, prompts_fn=..., reward_fn=..., stop_ids=(tok.end_id,), pad_id=tok.pad_id, seed=s)
-    llm.rl.run_rl(algo, cfg, rt, stage="grpo", ...)
+    llm.rl.finish_rl_stage(setup, algo, cfg, rt, ...)    # runs llm.loop.run_loop
 
 No value function: the baseline is the group. One step:
 
@@ -23,7 +23,7 @@ No value function: the baseline is the group. One step:
 
 Quality gate: if every group of a step has zero reward variance for
 max_zero_std_steps consecutive steps, nothing is being learned (all wrong or all right);
-the step raises llm.rl.QualityGateError with the numbers.
+the step raises llm.errors.QualityGateError with the numbers.
 
 Per-step row (TRL names): reward, reward_std (mean within-group std, as TRL), frac_reward_zero_std,
 kl (mean per-token k3 under the current policy), entropy (of the sampling distribution, estimated
@@ -41,7 +41,10 @@ from torch import nn
 
 from llm.config import GRPOConfig
 from llm.losses import aggregate, group_advantages, kl_estimate, masked_mean, ppo_policy_loss
-from llm.rl import Mean, QualityGateError, RewardFn, Updater, minibatches, step_generator
+from llm.errors import QualityGateError
+from llm.loop import Updater
+from llm.rewards import RewardFn
+from llm.rl import Mean, minibatches, step_generator
 from llm.rollout import response_forward, rollout
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
@@ -126,7 +129,7 @@ class GRPO:
                         share = len(rows) / len(idx)
                 if len(rows) == 0:  # a zero loss: AdamW still takes its (momentum) step, as on the full batch
                     loss = sum(p.sum() for p in updater.params) * 0.0
-                    applied, gnorm = updater.apply(loss)
+                    applied, gnorm = updater.minimize(loss)
                     stats.add(loss=0.0, policy_loss=0.0, grad_norm=gnorm, skipped=float(not applied))
                     continue
                 mb, m = ro.select(rows), mask[rows]
@@ -139,7 +142,7 @@ class GRPO:
                     per_tok = pg_tok + cfg.beta * kl_tok
                     stats.add(kl=masked_mean(kl_tok.detach(), m))
                 loss = aggregate(per_tok, m, cfg.loss_agg, max_len=cfg.max_new_tokens) * share
-                applied, gnorm = updater.apply(loss)
+                applied, gnorm = updater.minimize(loss)
                 pg = aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
                 stats.add(policy_loss=share * pg,
                           clip_ratio=pst["clip_ratio"], approxkl=pst["approxkl"], loss=loss.detach(),

@@ -1,4 +1,4 @@
-"""Loss functions and estimators shared by SFT, the reward model, DPO, PPO and GRPO.
+"""Loss functions and estimators shared by the training stages (SFT, PPO, GRPO, DPO).
 
 Each function is a few lines of tensor code with the shapes written down, so a reader
 can check it against the paper it comes from:
@@ -8,8 +8,6 @@ can check it against the paper it comes from:
 - `masked_lm_loss`: token cross-entropy on supervised tokens only, returned as
   (sum, count) so the trainer can weight micro-batches by tokens; `cross_entropy_sum` is its
   sum, computed in cache-sized blocks on the CPU (pretraining uses it too).
-- `bradley_terry_loss`: -log sigmoid(r_chosen - r_rejected - margin), label-smoothed.
-- `dpo_loss`: DPO (sigmoid), conservative DPO (label smoothing) and IPO.
 - `gae`: generalized advantage estimation over response tokens.
 - `ppo_policy_loss`, `ppo_value_loss`: clipped surrogate and clipped value loss.
 - `kl_estimate`: k1 and k3 estimators of KL(policy || reference) per token.
@@ -24,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from llm import kernels
 
 IGNORE_INDEX = -100
 
@@ -60,60 +60,18 @@ def sequence_logprob(model, idx: Tensor, attention_mask: Tensor, loss_mask: Tens
     return lp * mask if per_token else (lp * mask).sum(-1)
 
 
-class _CrossEntropySum(torch.autograd.Function):
-    """Summed cross-entropy of (N, V) logits, computed a cache-sized block of rows at a time.
-
-    F.cross_entropy on the CPU streams the whole (N, V) array through memory six times
-    (log_softmax writes log-probs, the backward writes a zero-filled one-hot, then reads both
-    and writes the gradient). Here the forward only reads the logits (logsumexp per row) and the
-    backward writes softmax(logits) * dL/dloss minus the one-hot once, each block while it is in
-    the cache: at 2048 x 8192, forward + backward on one core took 86 ms against F.cross_entropy's
-    136 ms (measured alone, alternating). Same values and gradients up to float rounding
-    (tests/test_losses.py).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, overwrite: bool) -> Tensor:
-        N, V = logits.shape
-        rows = max(1, (1 << 18) // V)                  # ~1 MB of fp32 logits per block
-        valid = targets != IGNORE_INDEX                # (N,)
-        t = torch.where(valid, targets, 0)             # (N,) any index for ignored rows
-        lse = torch.empty(N, dtype=logits.dtype, device=logits.device)
-        for s in range(0, N, rows):
-            torch.logsumexp(logits[s: s + rows], dim=-1, out=lse[s: s + rows])
-        picked = logits.gather(1, t[:, None]).squeeze(1)  # (N,) logit of the target
-        ctx.save_for_backward(logits, lse, t, valid)
-        ctx.rows, ctx.overwrite = rows, overwrite
-        return ((lse - picked) * valid).sum()          # sum over rows of -log softmax[target]
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        logits, lse, t, valid = ctx.saved_tensors
-        w = (g * valid).to(logits.dtype)[:, None]      # (N, 1) dL/dloss, 0 on ignored rows
-        # overwrite: the gradient takes the logits' memory, already paged in; a fresh (N, V)
-        # tensor costs a page fault per 4 KB on first write (~100 ms of a training step at
-        # 2048 x 8192 on one core, in torch.profiler)
-        grad = logits if ctx.overwrite else torch.empty_like(logits)  # (N, V)
-        for s in range(0, logits.shape[0], ctx.rows):
-            block = grad[s: s + ctx.rows]
-            torch.sub(logits[s: s + ctx.rows], lse[s: s + ctx.rows, None], out=block)
-            block.exp_().mul_(w[s: s + ctx.rows])     # softmax * dL/dloss
-        grad.scatter_add_(1, t[:, None], -w)           # minus the one-hot of the target
-        return grad, None, None
-
-
 def cross_entropy_sum(logits: Tensor, targets: Tensor, *, overwrite_logits: bool = False) -> Tensor:
     """sum over rows with targets != IGNORE_INDEX of -log softmax(logits)[target].
 
     logits (N, V), targets (N,). With autograd on the CPU in fp32 the blocked
-    `_CrossEntropySum`; elsewhere F.cross_entropy (fused kernels on CUDA).
+    `llm.kernels.CrossEntropySum` (unless the kernels are switched off); elsewhere
+    F.cross_entropy (fused kernels on CUDA).
     overwrite_logits=True lets the backward write the gradient over `logits`: only for a caller
     that never reads its logits after backward (llm/trainer.py lm_loss); a second backward
     through the same graph then fails with autograd's in-place error instead of a wrong result.
     """
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and torch.is_grad_enabled() \
-            and logits.requires_grad:
-        return _CrossEntropySum.apply(logits, targets, overwrite_logits)
+    if kernels.active(logits) and logits.dtype == torch.float32 and logits.requires_grad:
+        return kernels.CrossEntropySum.apply(logits, targets, overwrite_logits)
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -125,36 +83,6 @@ def masked_lm_loss(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """
     loss = cross_entropy_sum(logits.float().flatten(0, 1), targets.flatten())
     return loss, (targets != IGNORE_INDEX).sum()
-
-
-def bradley_terry_loss(r_chosen: Tensor, r_rejected: Tensor, label_smoothing: float = 0.0,
-                       margin: float = 0.0) -> Tensor:
-    """Mean of -log sigmoid(r_c - r_r - margin), with labels smoothed towards 0.5. Shapes (B,)."""
-    z = r_chosen - r_rejected - margin
-    return (-(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)).mean()
-
-
-def dpo_loss(pi_chosen: Tensor, pi_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    """DPO / cDPO / IPO losses per pair, and the implicit rewards.
-
-    All inputs (B,) sequence log-probs. Returns (losses (B,), rewards_chosen (B,),
-    rewards_rejected (B,)) with reward = beta * (log pi - log ref).
-
-      sigmoid: -(1-eps) log s(beta*h) - eps log s(-beta*h),   h = (pi_c - ref_c) - (pi_r - ref_r)
-      ipo:     (h - 1/(2*beta))^2
-    """
-    h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"loss_type must be 'sigmoid' or 'ipo', got {loss_type!r}")
-    rewards_c = beta * (pi_chosen - ref_chosen).detach()
-    rewards_r = beta * (pi_rejected - ref_rejected).detach()
-    return losses, rewards_c, rewards_r
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:

@@ -18,7 +18,8 @@ sees the same relative positions as without padding. A padded query row may atte
 only, so it stays finite (its output is garbage that no real token ever reads).
 
 Heads share one trunk: "lm" (logits), "value" (PPO critic, a scalar per position) and
-"reward" (RM, a scalar per sequence read at the last real token).
+"reward" (RM, a scalar per sequence read at the last real token, with its optional likelihood
+feature "reward_logprob"; the reward itself is computed in llm/reward_model.py).
 
 Debug mode: `enable_debug(model)` hooks every sub-module and raises at the first one
 whose output has a NaN/Inf, naming it with the output's shape and dtype. Off = no hooks.
@@ -35,10 +36,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llm import kernels
+from llm.errors import NonFiniteError
 from llm.config import ModelConfig
-from llm.losses import masked_mean, token_logprobs
+from llm.reward_model import RewardLogprob
 
-HEADS = ("lm", "value", "reward", "reward_logprob")  # reward_logprob: a feature of the reward, see GPT.reward
+HEADS = ("lm", "value", "reward", "reward_logprob")  # reward_logprob: a feature of the reward (llm/reward_model.py)
 NORM_EPS = 1e-5  # rmsnorm and layernorm; llm/export.py writes it as rms_norm_eps
 
 
@@ -66,39 +69,6 @@ def format_count(n: int) -> str:
 # Building blocks
 
 
-def _cpu_autograd(x: torch.Tensor) -> bool:
-    """True where the hand-written backward functions below pay off: autograd on, on the CPU.
-    CUDA (fused kernels, torch.compile) and inference keep the plain tensor code."""
-    return x.device.type == "cpu" and torch.is_grad_enabled()
-
-
-class _RMSNorm(torch.autograd.Function):
-    """x / sqrt(mean(x^2) + eps) * w with a hand-written backward.
-
-    On the CPU F.rms_norm is a chain of generic ops (pow, mean, rsqrt, mul, ...) that costs
-    ~2x this version forward + backward, and the norms run 2 n_layer + 1 times per step
-    (bench/train_step.py). tests/test_model.py checks values and gradients against F.rms_norm.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-        C = x.shape[-1]
-        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(C).add_(eps).rsqrt_()  # (..., 1)
-        xhat = x * r                                   # (..., C)
-        ctx.save_for_backward(xhat, w, r)
-        return xhat * w if w is not None else xhat
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        xhat, w, r = ctx.saved_tensors
-        gxhat = g * w if w is not None else g          # dL/dxhat
-        # xhat = x r with r = (mean(x^2) + eps)^-1/2:  dL/dx = r (gxhat - xhat * mean(gxhat * xhat))
-        dot = torch.linalg.vecdot(gxhat, xhat, dim=-1).unsqueeze(-1).div_(xhat.shape[-1])  # (..., 1)
-        gx = torch.addcmul(gxhat, xhat, dot, value=-1.0).mul_(r)
-        gw = (g * xhat).flatten(0, -2).sum(0) if (w is not None and ctx.needs_input_grad[1]) else None
-        return gx, gw, None
-
-
 class Norm(nn.Module):
     """RMSNorm or LayerNorm over the last dim; affine=False has no parameters at all."""
 
@@ -112,9 +82,8 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":  # x / sqrt(mean(x^2) + eps) * w, the HF-Llama formula
-            if _cpu_autograd(x):
-                return _RMSNorm.apply(x, self.weight, NORM_EPS)
-            # a fused kernel on CUDA; on the CPU without autograd one call beats _RMSNorm's overhead
+            if kernels.active(x):  # the same numbers with a cheaper backward (llm/kernels.py)
+                return kernels.RMSNorm.apply(x, self.weight, NORM_EPS)
             return F.rms_norm(x, x.shape[-1:], self.weight, NORM_EPS)
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, NORM_EPS)
 
@@ -139,67 +108,6 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)  # (B, T, H, hd)
 
 
-class _SplitRope(torch.autograd.Function):
-    """qkv (B, T, nh + 2 nkv, hd) -> q, k rotated by RoPE, and v; the autograd path on the CPU.
-
-    The same numbers as `split` + `apply_rope` + `split`, whose backward autograd assembles with
-    two cats (q with k, then qk with v) after the inverse rotation. Here the backward rotates
-    dL/dq and dL/dk by conj(freqs) straight into one dL/dqkv and copies dL/dv beside them: one
-    pass over the (B, T, 3C) gradient instead of three. tests/test_model.py checks values and
-    gradients against the plain path.
-    """
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, freqs: torch.Tensor, nh: int, nkv: int):
-        qk, v = qkv.split([nh + nkv, nkv], dim=2)
-        q, k = apply_rope(qk, freqs).split([nh, nkv], dim=2)
-        ctx.save_for_backward(freqs)
-        ctx.nh, ctx.nkv = nh, nkv
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor):
-        (freqs,) = ctx.saved_tensors                   # autograd passes zeros for unused outputs
-        nh, nkv = ctx.nh, ctx.nkv
-        B, T, _, hd = gv.shape
-        g = torch.empty(B, T, nh + 2 * nkv, hd, dtype=gv.dtype, device=gv.device)  # dL/dqkv
-        conj = freqs.conj()  # a rotation's inverse is the rotation by -angle: cos - i sin
-        for grad, lo, n in ((gq, 0, nh), (gk, nh, nkv)):
-            if grad.stride(-1) != 1 or grad.storage_offset() % 2 or any(st % 2 for st in grad.stride()[:-1]):
-                grad = grad.contiguous()               # not viewable as complex pairs (written-out attention)
-            torch.mul(torch.view_as_complex(grad.unflatten(-1, (-1, 2))), conj,
-                      out=torch.view_as_complex(g.narrow(2, lo, n).unflatten(-1, (-1, 2))))
-        g.narrow(2, nh + nkv, nkv).copy_(gv)
-        return g, None, None, None
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up from h = [gate | up] (..., 2H); the autograd path on the CPU.
-
-    The backward writes both halves of dL/dh into one tensor, where autograd's `chunk` backward
-    would cat them (one more pass over (B, T, 2H) per layer). tests/test_model.py checks values
-    and gradients against the plain path.
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate)                               # (..., H)
-        ctx.save_for_backward(h, a)
-        return a * up
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        h, a = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        gh = torch.empty_like(h)
-        ggate, gup = gh.chunk(2, dim=-1)
-        torch.mul(g, a, out=gup)                       # d/d up = g silu(gate)
-        torch.mul(g, up, out=ggate)                    # d/d a = g up, then through silu, in place
-        torch.ops.aten.silu_backward.grad_input(ggate, gate, grad_input=ggate)
-        return gh
-
-
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads: n_head query heads share n_kv_head k/v heads."""
 
@@ -219,8 +127,8 @@ class Attention(nn.Module):
         B, T, C = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x).view(B, T, nh + 2 * nkv, hd)   # (B, T, nh + 2 nkv, hd)
-        if self.rope and _cpu_autograd(qkv) and qkv.element_size() >= 4:  # complex pairs need fp32/fp64
-            q, k, v = _SplitRope.apply(qkv, rope, nh, nkv)  # the same as below, one-pass backward
+        if self.rope and kernels.active(qkv) and qkv.element_size() >= 4:  # complex pairs need fp32/fp64
+            q, k, v = kernels.SplitRope.apply(qkv, rope, nh, nkv)  # the same as below, one-pass backward
         else:
             # split (not slicing): its backward is one cat instead of zero-filled full-size grads
             qk, v = qkv.split([nh + nkv, nkv], dim=2)    # (B, T, nh + nkv, hd), (B, T, nkv, hd)
@@ -271,8 +179,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)                                   # (B, T, 2H) or (B, T, H)
         if self.kind == "swiglu":
-            if _cpu_autograd(h):
-                h = _SwiGLU.apply(h)                     # the same as below, one-pass backward
+            if kernels.active(h):
+                h = kernels.SwiGLU.apply(h)              # the same as below, one-pass backward
             else:
                 gate, up = h.chunk(2, dim=-1)
                 h = F.silu(gate) * up                    # (B, T, H)
@@ -282,21 +190,6 @@ class MLP(nn.Module):
             h = F.relu(h)
         h = self.proj(h)                                 # (B, T, C)
         return F.dropout(h, self.dropout, self.training) if self.dropout else h
-
-
-class RewardLogprob(nn.Module):
-    """The optional likelihood feature of the reward (head "reward_logprob", `reward.logprob_feature`).
-
-    weight * the mean log-probability that the model's own LM head gives the response tokens,
-    the tokens after the last `marker` token (the tokenizer's <|assistant|>). The linear reward
-    head reads one hidden state; this reads every response token's next-token prediction, which
-    is how a small trunk checks each `a op b = c` of an answer (README, reward model notes).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(1))  # learned with the head; 1: the feature counts from the start
-        self.register_buffer("marker", torch.full((1,), -1, dtype=torch.long))  # set by GPT.add_head
 
 
 class Block(nn.Module):
@@ -522,46 +415,6 @@ class GPT(nn.Module):
             raise ValueError("this model has no 'value' head; call model.add_head('value') first")
         return self.value_head(hidden).squeeze(-1).float()
 
-    def reward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (B, T) -> scalar reward (B,) float32, read at each row's last real token
-        (left or right padding alike)."""
-        if self.reward_head is None:
-            raise ValueError("this model has no 'reward' head; call model.add_head('reward') first")
-        hidden = self.hidden_states(idx, attention_mask)  # (B, T, C)
-        B, T = idx.shape
-        if attention_mask is None:
-            last = torch.full((B,), T - 1, device=idx.device)
-        else:
-            cols = torch.arange(T, device=idx.device).expand(B, T)
-            last = torch.where(attention_mask.bool(), cols, -1).amax(1)  # (B,)
-            if bool((last < 0).any()):
-                raise ValueError("reward: a row of attention_mask has no real token")
-        h = hidden[torch.arange(B, device=idx.device), last]  # (B, C)
-        r = self.reward_head(h).squeeze(-1).float()      # (B,)
-        if self.reward_logprob_head is not None:
-            r = r + self.reward_logprob_head.weight.float() * self.response_logprob(idx, hidden, attention_mask)
-        return r
-
-    def response_logprob(self, idx: torch.Tensor, hidden: torch.Tensor,
-                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean log-probability (B,) float32 of each row's response tokens under the LM head:
-        the real tokens after the row's last `reward_logprob_head.marker` token. hidden (B, T, C)
-        is `hidden_states(idx, attention_mask)`; a row without the marker is an error, a row with
-        nothing after it scores 0."""
-        marker = self.reward_logprob_head.marker        # (1,)
-        B, T = idx.shape
-        real = torch.ones_like(idx, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        cols = torch.arange(T, device=idx.device).expand(B, T)
-        start = torch.where((idx == marker) & real, cols, -1).amax(1) + 1  # (B,) first response position
-        if bool((start == 0).any()):
-            row = int((start == 0).nonzero()[0])
-            raise ValueError(f"reward: row {row} has no response marker (token id {int(marker)}, <|assistant|>);"
-                             f" the likelihood feature scores what follows it")
-        # the token at position t is predicted at position t - 1
-        logp = token_logprobs(self.logits(hidden[:, :-1]), idx[:, 1:])   # (B, T-1)
-        resp = (cols[:, 1:] >= start[:, None]) & real[:, 1:]               # (B, T-1)
-        return masked_mean(logp, resp, dim=1)
-
     # -- accounting ----------------------------------------------------------
 
     def n_params(self, non_embedding: bool = False) -> int:
@@ -598,10 +451,6 @@ class GPT(nn.Module):
 
 # ---------------------------------------------------------------------------
 # Debug mode
-
-
-class NonFiniteError(FloatingPointError):
-    """A sub-module produced a NaN or Inf; the message names it."""
 
 
 def enable_debug(model: nn.Module) -> None:

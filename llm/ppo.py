@@ -1,7 +1,7 @@
 """PPO for language models, one rollout batch per step.
 
     algo = PPO(policy, ref, cfg, prompts_fn=..., reward_fn=..., stop_ids=(tok.end_id,), pad_id=tok.pad_id, seed=s)
-    llm.rl.run_rl(algo, cfg, rt, stage="ppo", ...)
+    llm.rl.finish_rl_stage(setup, algo, cfg, rt, ...)    # runs llm.loop.run_loop
 
 The policy is the SFT model with a value head on the same trunk (`GPT.add_head("value")`);
 the reference is a frozen copy of the SFT model. One step:
@@ -21,9 +21,9 @@ the reference is a frozen copy of the SFT model. One step:
         policy_loss + vf_coef * value_loss - ent_coef * entropy
      with the clipped surrogate (clip_epsilon), the clipped value loss (value_clip), both
      token means (llm/losses.py);
-  6. the adaptive KL controller sees this batch's mean per-token KL (llm.rl.KLController),
-     and a KL outside [kl_alert_low, kl_alert_high] is reported (llm.rl.KLAlert); after the
-     last step (cfg.steps), so is a KL that never reached that band.
+  6. the adaptive KL controller sees this batch's mean per-token KL (KLController),
+     and a KL outside [kl_alert_low, kl_alert_high] is reported (KLAlert); after the
+     last step (cfg.max_steps), so is a KL that never reached that band.
 
 Per-step row (TRL names where TRL has one): reward (mean score), reward_std, non_score_reward
 (mean per-response KL penalty), kl (mean per-token), kl_seq, kl_coef, entropy, clip_ratio,
@@ -41,11 +41,93 @@ from torch import Tensor, nn
 
 from llm.config import PPOConfig
 from llm.losses import gae, kl_estimate, masked_mean, ppo_policy_loss, ppo_value_loss, whiten
-from llm.rl import KLAlert, KLController, Mean, RewardFn, Updater, minibatches, step_generator
+from llm.loop import Updater
+from llm.rewards import RewardFn
+from llm.rl import Mean, minibatches, step_generator
 from llm.rollout import response_forward, rollout
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
 
+
+# ---------------------------------------------------------------------------
+# KL control and alerts
+
+class KLController:
+    """The per-token KL penalty coefficient.
+
+    Adaptive (Ziegler et al. 2019, as TRL's AdaptiveKLController): after each rollout batch
+        coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon
+    with n_steps the batch's number of rollouts. Fixed: coef stays init_kl_coef.
+    """
+
+    def __init__(self, init_kl_coef: float, *, adaptive: bool, target: float, horizon: int):
+        if adaptive and target <= 0:
+            raise ValueError(f"adaptive KL control needs kl_target > 0, got {target}")
+        self.value, self.adaptive, self.target, self.horizon = init_kl_coef, adaptive, target, horizon
+
+    def update(self, kl: float, n_steps: int) -> None:
+        if not self.adaptive:
+            return
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class KLAlert:
+    """Reports when KL leaves [low, high].
+
+    The KL checked is the mean of the last `window` steps, so one noisy batch near a bound
+    does not flip the state back and forth. KL starts at 0 (policy = reference), so being
+    below `low` is only an alert after KL has once been inside the band; above `high` is
+    always one. Each change of side is reported once. `finish()` at the end of a run reports
+    a KL that never reached the band at all (the policy barely left the reference).
+    """
+
+    def __init__(self, low: float, high: float, window: int = 5):
+        self.low, self.high, self.window = low, high, window
+        self.recent: list[float] = []
+        self.side = "start"
+        self.entered = False
+        self.alerts = 0
+
+    def check(self, kl: float, step: int) -> str | None:
+        self.recent = (self.recent + [kl])[-self.window:]
+        kl = sum(self.recent) / len(self.recent)
+        side = "low" if kl < self.low else "high" if kl > self.high else "ok"
+        msg = None
+        if side == "ok":
+            self.entered = True
+        elif side != self.side and (side == "high" or self.entered):
+            self.alerts += 1
+            bound = f"above kl_alert_high={self.high}" if side == "high" else f"below kl_alert_low={self.low}"
+            msg = f"ALERT step {step}: kl {kl:.4f} (mean of the last {len(self.recent)} steps) is {bound}"
+        self.side = side
+        return msg
+
+    def finish(self, step: int) -> str | None:
+        """After the last step: an alert if KL stayed below the band for the whole run."""
+        if self.entered or self.side != "low":
+            return None
+        self.alerts += 1
+        kl = sum(self.recent) / len(self.recent)
+        return (f"ALERT step {step}: kl {kl:.4f} (mean of the last {len(self.recent)} steps) stayed below"
+                f" kl_alert_low={self.low} for the whole run: the policy barely moved from the reference")
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "side": self.side, "entered": self.entered, "alerts": self.alerts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = [float(x) for x in state["recent"]]
+        self.side, self.entered, self.alerts = state["side"], bool(state["entered"]), int(state["alerts"])
+
+
+# ---------------------------------------------------------------------------
+# The algorithm
 
 def token_rewards(score: Tensor, kl: Tensor, kl_coef: float, lengths: Tensor) -> Tensor:
     """Per-token rewards: -kl_coef * kl (B, N) everywhere, plus score (B,) at each row's last
@@ -122,7 +204,7 @@ class PPO:
                 value_loss, vf_clipfrac = ppo_value_loss(out.values, old_values[idx], returns[idx], m, cfg.value_clip)
                 entropy = masked_mean(out.entropy, m)
                 loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
-                applied, gnorm = updater.apply(loss)
+                applied, gnorm = updater.minimize(loss)
                 stats.add(policy_loss=policy_loss.detach(), value_loss=value_loss.detach(),
                           entropy=entropy.detach(), clip_ratio=pst["clip_ratio"], approxkl=pst["approxkl"],
                           vf_clipfrac=vf_clipfrac, loss=loss.detach(), grad_norm=gnorm, skipped=float(not applied))
@@ -132,7 +214,7 @@ class PPO:
         kl = float(masked_mean(kl_tok, mask))
         self.kl_ctl.update(kl, n_steps=B)
         for msg in (self.alert.check(kl, step + 1),
-                    self.alert.finish(step + 1) if step + 1 == cfg.steps else None):  # the last step
+                    self.alert.finish(step + 1) if step + 1 == cfg.max_steps else None):  # the last step
             if msg:
                 self.log(f"ppo: {msg}")
         lengths = ro.lengths.float()

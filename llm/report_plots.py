@@ -5,9 +5,9 @@
 
 Training curves: one panel per quantity, so that no panel mixes units (reward and accuracy
 are different panels; the held-out math accuracy of PPO and GRPO share one). A per-step
-series with many points is drawn raw and faint under an exponential moving average (debiased,
-as TensorBoard does, so the first points are not pulled towards zero); short series
-(held-out evaluations every few hundred steps) are drawn as points joined by lines.
+series is drawn raw and faint under its moving average over ~2% of the run, the smoothing of
+the training stages' own curves (llm/monitor.py `smooth`); short series (held-out evaluations
+every few hundred steps) are drawn as points joined by lines.
 
 Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
 KL to SFT in its own panel on a log axis, because the base model's KL (hundreds of nats: it
@@ -60,20 +60,14 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def ema(ys: Sequence[float], span: float) -> list[float]:
-    """Exponential moving average with weight 2 / (span + 1) on each new point, debiased by
-    the weights' sum so far (the first value is the first point, not a fraction of it)."""
-    a = 2.0 / (span + 1.0)
-    out, num, den = [], 0.0, 0.0
-    for y in ys:
-        num = (1 - a) * num + a * y
-        den = (1 - a) * den + a
-        out.append(num / den)
-    return out
-
-
 def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None, list[str]]:
     """One figure, a panel per quantity that has data; (png or None, the titles drawn)."""
+    fig, titles = curves_figure(curves)
+    return (_png(fig) if fig is not None else None), titles
+
+
+def curves_figure(curves: dict[str, dict[str, list[float]]]):
+    """(the matplotlib figure of `curves_png` or None, the titles drawn)."""
     panels = []
     for title, ylabel, series in PANELS:
         lines = []
@@ -87,6 +81,8 @@ def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None,
             panels.append((title, ylabel, lines))
     if not panels:
         return None, []
+    from llm.monitor import smooth
+
     plt = _plt()
     ncol = min(3, len(panels))
     nrow = math.ceil(len(panels) / ncol)
@@ -98,8 +94,10 @@ def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None,
             xs, ys = zip(*pts)
             color = f"C{i}"
             if len(xs) >= SMOOTH_MIN_POINTS:
+                window = max(2, len(xs) // 50)
                 ax.plot(xs, ys, "-", lw=0.7, color=color, alpha=0.25)
-                ax.plot(xs, ema(ys, max(5, len(xs) / 20)), "-", lw=1.6, color=color, label=f"{legend} (smoothed)")
+                ax.plot(xs, smooth(list(ys), window), "-", lw=1.6, color=color,
+                        label=f"{legend} (mean of {window})")
             else:
                 ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=legend)
         ax.set_title(title, fontsize=10)
@@ -109,7 +107,7 @@ def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig), [t for t, _, _ in panels]
+    return fig, [t for t, _, _ in panels]
 
 
 # (metrics key, label) of the accuracy panel, in order; a skill no model has is left out

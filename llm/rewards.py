@@ -8,6 +8,10 @@ A response is scored against the reference answer N:
 capped at correct_reward + format_reward, so 1.2 = right and well formatted, 1.0 =
 right without the format, 0.2 = formatted but wrong, 0.0 = neither.
 
+The RL stages score a batch of rollouts with a `RewardFn` (rollout, problems) -> (rewards (B,),
+statistics): `verifier_reward` (math_reward of each decoded response), `rm_reward` (a reward
+model's score, llm/reward_model.py) or `rm_verifier_reward` (their sum).
+
 The final answer is the number on the last `#### ` line if there is one, else the last
 number anywhere in the response. Numbers may carry a sign, thousands separators and
 decimals (`#### -1,234.50` == -1234.5). Parsing is regular expressions and `Decimal`
@@ -17,6 +21,10 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
 
 _NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _FINAL_LINE = re.compile(rf"^####\s*({_NUM})\s*$")
@@ -61,3 +69,60 @@ def math_reward(response: str, answer: str, correct_reward: float = 1.0, format_
     if formatted:
         r += format_reward
     return min(r, correct_reward + format_reward)
+
+
+# ---------------------------------------------------------------------------
+# Rewards of a batch of rollouts (the RL stages)
+
+RewardFn = Callable[..., tuple[Tensor, dict[str, float]]]  # (Rollout, problems) -> (rewards (B,), stats)
+
+
+def math_stats(texts: Sequence[str], problems: Sequence[dict]) -> dict[str, float]:
+    """Fraction correct and fraction in the `#### N` format (when problems carry answers)."""
+    if not problems or "answer" not in problems[0]:
+        return {}
+    parsed = [parse_answer(t) for t in texts]
+    correct = [v is not None and v == to_number(p["answer"]) for (v, _), p in zip(parsed, problems)]
+    return {"accuracy": sum(correct) / len(texts), "format_rate": sum(f for _, f in parsed) / len(texts)}
+
+
+def verifier_reward(tokenizer, *, correct_reward: float, format_reward: float) -> RewardFn:
+    """Reward = math_reward of each decoded response against its problem's answer."""
+    def score(ro, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
+        texts = [tokenizer.decode(ids) for ids in ro.response_ids()]
+        r = [math_reward(t, p["answer"], correct_reward, format_reward) for t, p in zip(texts, problems)]
+        return torch.tensor(r, dtype=torch.float32), math_stats(texts, problems)
+    return score
+
+
+def rm_reward(rm: nn.Module, tokenizer) -> RewardFn:
+    """Reward = the reward model's score of prompt + response (read at the last real token:
+    the closing <|end|> of a finished response)."""
+    from llm.reward_model import reward
+
+    @torch.no_grad()
+    def score(ro, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
+        r = reward(rm, ro.tokens, ro.attention_mask).float().cpu()       # (B,)
+        texts = [tokenizer.decode(ids) for ids in ro.response_ids()]
+        return r, math_stats(texts, problems)
+    return score
+
+
+def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, format_reward: float) -> RewardFn:
+    """Reward = the reward model's score + the verifier's (ppo.reward_source: rm+verifier).
+
+    A learned RM that checks arithmetic imperfectly can be climbed by drifting towards the
+    answers it misjudges; the verifier term pays for the right final number, so the policy
+    gains nothing by trading correctness for RM score. Both parts are logged (rm_score,
+    verifier_reward) so a run shows whether the RM score itself rose.
+    """
+    from llm.reward_model import reward
+
+    ver_fn = verifier_reward(tokenizer, correct_reward=correct_reward, format_reward=format_reward)
+
+    @torch.no_grad()
+    def score(ro, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
+        r_rm = reward(rm, ro.tokens, ro.attention_mask).float().cpu()     # (B,), as rm_reward
+        r_ver, stats = ver_fn(ro, problems)                                # decodes each response once
+        return r_rm + r_ver, {**stats, "rm_score": float(r_rm.mean()), "verifier_reward": float(r_ver.mean())}
+    return score

@@ -16,6 +16,10 @@ Sampling draws from exactly torch.distributions.Categorical(logits=logits / temp
 torch.multinomial with an explicit torch.Generator instead of Categorical.sample(), which
 only draws from the global RNG and costs ~5x per token on the CPU.
 
+`sampled_kl` is the one measure of KL to a reference on the policy's own samples (exact
+per token over the vocabulary), used by PPO's and GRPO's held-out evaluation, DPO's gate and
+the eval stage.
+
 `response_forward` is the one place the update recomputes per-token quantities: a single
 trunk pass over prompt + response, and the LM head (and the value head) only at the N
 positions that predict response tokens (position P-1+t predicts response token t), so the
@@ -27,7 +31,7 @@ log-probs equal `response_forward`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -123,12 +127,52 @@ def response_forward(model, ro: Rollout, temperature: float, *, values: bool = F
     return ResponseOutputs(logprobs=lp, entropy=ent, values=v, logits=logits if keep_logits else None)
 
 
+@dataclass
+class SampledKL:
+    """KL(policy || ref) along the policy's own samples; the unit is in each field's name."""
+    per_token: float              # mean over all sampled response tokens of KL_t (nats per token)
+    per_sequence: float           # mean over responses of sum_t KL_t (nats per response)
+    sequences: list[float]        # sum_t KL_t of each response, in prompt order
+    tokens: int                   # response tokens measured (the stop tokens included)
+
+
 @torch.no_grad()
-def exact_kl(policy_logits: Tensor, ref_logits: Tensor, mask: Tensor) -> Tensor:
-    """Mean over masked positions of KL(pi || ref) summed over the vocabulary (no sampling noise
-    at a given state). logits (B, N, V), mask (B, N) -> scalar float32."""
-    lp = torch.log_softmax(policy_logits.float(), -1)
-    lq = torch.log_softmax(ref_logits.float(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)                               # (B, N)
-    m = mask.to(kl.dtype)
-    return (kl * m).sum() / m.sum().clamp(min=1)
+def sampled_kl(policy, ref, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
+               stop_ids: Sequence[int], pad_id: int, generator: torch.Generator, batch_size: int,
+               visit: Callable[[Rollout, list[int]], None] | None = None) -> SampledKL:
+    """The one measure of "KL to the reference on sampled responses", used by PPO, GRPO, DPO and eval.
+
+    For each prompt x one response y is sampled from the policy at `temperature` (as `rollout`),
+    up to max_new_tokens tokens (fewer where the context is shorter) including the stop token.
+    At every response position t, both models' next-token distributions at that temperature
+    are compared exactly, over the whole vocabulary (no one-sample estimator, so no sampling
+    noise at a given state):
+
+        KL_t = sum_v pi(v | x, y_<t) (log pi(v | x, y_<t) - log ref(v | x, y_<t))
+
+    Prompts are batched by length (less padding). `visit(rollout, indices)` sees each batch of
+    samples with the prompt indices of its rows (e.g. to score them with a reward).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    seq = [0.0] * len(prompts)
+    total, n_tok = 0.0, 0
+    for s in range(0, len(order), batch_size):
+        ix = order[s:s + batch_size]
+        chunk = [prompts[i] for i in ix]
+        room = min(max_new_tokens, policy.config.seq_len - max(map(len, chunk)))
+        if room < 1:
+            raise ValueError(f"sampled_kl: a prompt of {max(map(len, chunk))} tokens leaves no room in"
+                             f" seq_len {policy.config.seq_len}")
+        ro = rollout(policy, chunk, max_new_tokens=room, temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
+                     generator=generator)
+        lp = torch.log_softmax(response_forward(policy, ro, temperature, keep_logits=True).logits, -1)  # (B, N, V)
+        lq = torch.log_softmax(response_forward(ref, ro, temperature, keep_logits=True).logits, -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1) * ro.response_mask                 # (B, N), 0 off the responses
+        for i, v in zip(ix, kl.sum(1).tolist()):
+            seq[i] = v
+        total += float(kl.sum())
+        n_tok += int(ro.response_mask.sum())
+        if visit is not None:
+            visit(ro, ix)
+    return SampledKL(per_token=total / max(n_tok, 1), per_sequence=sum(seq) / max(len(seq), 1), sequences=seq,
+                     tokens=n_tok)

@@ -1,19 +1,18 @@
 """Stage `clean_sft`: dedupe, filter and decontaminate the SFT conversations.
 
-    python -m stages.clean_sft [--params params.yaml] [--no-progress]
+    dvc repro clean_sft        (dvc.yaml passes the paths: `python -m stages.clean_sft --help`)
 
 Reads the `common` and `clean_sft` sections of params.yaml and
 
-    data/prepared/sft/{train,val}.jsonl     {"id", "messages", "source"}   the conversations
-    models/tokenizer/                        token counts of the rendered chat template
-    data/prepared/rl/{test,val}.jsonl        the held-out prompts to decontaminate against
+    --sft            {train,val}.jsonl: {"id", "messages", "source"}, the conversations
+    --tokenizer      token counts of the rendered chat template
+    --eval-prompts   {test,val}.jsonl: the held-out math prompts to decontaminate against
 
 and writes, each atomically:
 
-    data/clean_sft/{train,val}.jsonl         the kept records, unchanged and in input order
-    metrics/clean_sft.json                   per split: in, kept, dropped per reason; seconds per
-                                             step; near-dup/decontam details; a capped list of
-                                             dropped samples with the reason (llm/clean.py)
+    --out            {train,val}.jsonl: the kept records, unchanged and in input order
+    --metrics        per split: in, kept, dropped per reason; seconds per step; near-dup and
+                     decontam details; a capped list of dropped samples with the reason (llm/clean.py)
 
 Both splits go through dedupe, near-dedupe, length and toxicity; only `train` is
 decontaminated (val is not trained on, and sft/val holds the rl/val questions on purpose).
@@ -22,41 +21,23 @@ stderr and the metrics say "toxicity_filter": "unavailable".
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from llm.clean import REASONS, LazyEmbedder, clean, load_toxicity_scorer, record_problem, summarize
-from llm.config import ConfigError, load_sections
 from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl, write_jsonl
 
-SFT = Path("data/prepared/sft")
-EVAL_PROMPTS = [Path("data/prepared/rl/test.jsonl"), Path("data/prepared/rl/val.jsonl")]
-TOKENIZER = Path("models/tokenizer")
-OUT = Path("data/clean_sft")
-METRICS = Path("metrics/clean_sft.json")
+INPUTS = {"sft": "the conversations: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory",
+          "eval_prompts": "held-out math (test.jsonl, val.jsonl) to decontaminate against"}
+OUTPUTS = {"out": "the cleaned conversations directory", "metrics": "the metrics JSON"}
 SPLITS = ("train", "val")
+EVAL_SPLITS = ("test", "val")
 
 
-def _device(common) -> str:
-    """Where the sentence and toxicity models run (common.device), with common.num_threads applied."""
-    import torch
-
-    if common.num_threads:
-        torch.set_num_threads(common.num_threads)
-    if common.device == "cpu":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    if common.device == "cuda":
-        raise RuntimeError("common.device: cuda, but torch.cuda.is_available() is False; set auto or cpu")
-    return "cpu"
-
-
-def _eval_prompts() -> list[str]:
+def _eval_prompts(eval_dir: Path) -> list[str]:
     out = []
-    for path in EVAL_PROMPTS:
+    for path in (eval_dir / f"{s}.jsonl" for s in EVAL_SPLITS):
         for rec in read_jsonl(path, validate=lambda o: None if isinstance(o.get("question"), str)
                               else "missing string 'question'"):
             out.append(rec["question"])
@@ -83,67 +64,65 @@ def _summary_lines(metrics: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+def run(common, cfg, device: str, *, sft: Path, tokenizer: Path, eval_prompts: Path, out: Path, metrics_path: Path,
+        progress: bool = True) -> dict:
+    from llm.chat import render
+    from llm.tokenizer import Tokenizer
+
     t0 = time.perf_counter()
-    try:
-        p = load_sections(["common", "clean_sft"], args.params)
-        cfg, common = p["clean_sft"], p["common"]
-        device = _device(common)
-        data = {s: list(read_jsonl(SFT / f"{s}.jsonl", validate=record_problem)) for s in SPLITS}
-        eval_prompts = _eval_prompts()
+    data = {s: list(read_jsonl(sft / f"{s}.jsonl", validate=record_problem)) for s in SPLITS}
+    prompts = _eval_prompts(eval_prompts)
+    tok = Tokenizer.load(tokenizer)
 
-        from llm.chat import render
-        from llm.tokenizer import Tokenizer
+    def count_tokens(messages: list[dict]) -> int | None:
+        rendered = render(messages, tok)
+        return None if rendered is None else len(rendered[0])
 
-        tok = Tokenizer.load(TOKENIZER)
+    scorer, tox_seconds = None, 0.0
+    if cfg.detoxify_checkpoint:
+        t = time.perf_counter()
+        scorer = load_toxicity_scorer(cfg.detoxify_checkpoint, device)
+        tox_seconds = time.perf_counter() - t
+    else:
+        print("\n" + "!" * 78 + "\nclean_sft: WARNING: toxicity filter UNAVAILABLE: clean_sft.detoxify_checkpoint"
+              " is empty.\n  Detoxify cannot download its weights here; no sample was checked for toxicity.\n"
+              "  Point clean_sft.detoxify_checkpoint at a local Detoxify checkpoint to enable it.\n"
+              + "!" * 78, file=sys.stderr)
 
-        def count_tokens(messages: list[dict]) -> int | None:
-            out = render(messages, tok)
-            return None if out is None else len(out[0])
-
-        scorer, tox_seconds = None, 0.0
-        if cfg.detoxify_checkpoint:
-            t = time.perf_counter()
-            scorer = load_toxicity_scorer(cfg.detoxify_checkpoint, device)
-            tox_seconds = time.perf_counter() - t
-        else:
-            print("\n" + "!" * 78 + "\nclean_sft: WARNING: toxicity filter UNAVAILABLE: clean_sft.detoxify_checkpoint"
-                  " is empty.\n  Detoxify cannot download its weights here; no sample was checked for toxicity.\n"
-                  "  Point clean_sft.detoxify_checkpoint at a local Detoxify checkpoint to enable it.\n"
-                  + "!" * 78, file=sys.stderr)
-
-        embed = LazyEmbedder(cfg.embed_batch_size, device)
-        kept, reports = {}, {}
-        for split in SPLITS:
-            kept[split], reports[split] = clean(
-                data[split], cfg, count_tokens=count_tokens, embed=embed, toxicity=scorer,
-                eval_prompts=eval_prompts if split == "train" else None, progress=not args.no_progress)
-            if not kept[split]:
-                raise DataError(f"clean_sft: every {split} sample was dropped ({reports[split][-1].n_in} after"
-                                f" the earlier steps); check clean_sft.min_tokens/max_tokens and the decontam settings")
-    except (ConfigError, DataError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"clean_sft: {e}", file=sys.stderr)
-        return 1
+    embed = LazyEmbedder(cfg.embed_batch_size, device)
+    kept, reports = {}, {}
+    for split in SPLITS:
+        kept[split], reports[split] = clean(
+            data[split], cfg, count_tokens=count_tokens, embed=embed, toxicity=scorer,
+            eval_prompts=prompts if split == "train" else None, progress=progress)
+        if not kept[split]:
+            raise DataError(f"clean_sft: every {split} sample was dropped ({reports[split][-1].n_in} after"
+                            f" the earlier steps); check clean_sft.min_tokens/max_tokens and the decontam settings")
 
     metrics = summarize(reports)
     metrics["toxicity_filter"] = "applied" if scorer is not None else "unavailable"
     metrics["reasons"] = list(REASONS)
     metrics["decontam_splits"] = ["train"]
     metrics["seconds"].update(load_embedder=round(embed.load_seconds, 3), load_toxicity=round(tox_seconds, 3))
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(out) as tmp:
         for split in SPLITS:
             write_jsonl(tmp / f"{split}.jsonl", kept[split])
     metrics["seconds"]["total"] = round(time.perf_counter() - t0, 3)
-    atomic_write_json(METRICS, metrics)
-    print("clean_sft:")
-    print("\n".join(_summary_lines(metrics)))
-    print(f"clean_sft: wrote {OUT}/ and {METRICS}")
-    return 0
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llm.runtime import setup_runtime
+    from llm.stage import stage_main
+
+    def work(args, common, cfg, rt) -> str:
+        m = run(common, cfg, str(rt.device), sft=args.sft, tokenizer=args.tokenizer, eval_prompts=args.eval_prompts,
+                out=args.out, metrics_path=args.metrics, progress=not args.no_progress)
+        return "\n".join(["clean_sft:", *_summary_lines(m), f"clean_sft: wrote {args.out}/ and {args.metrics}"])
+
+    return stage_main("clean_sft", __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      errors=(RuntimeError,))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
 """Stage `dpo`: direct preference optimisation of the SFT model on the generated pairs.
 
-    python -m stages.dpo [--params params.yaml] [--no-progress]
+    dvc repro dpo        (dvc.yaml passes the paths: `python -m stages.dpo --help`)
 
-Reads the `common` and `dpo` sections of params.yaml and
+Reads the `common` and `dpo` sections of params.yaml, the SFT model (the policy's
+initialisation and the frozen reference) and the pairs of stage `pairs` ({train,val}.jsonl:
+{"prompt", "chosen", "rejected", "kind", ...}).
 
-    models/sft/                  the policy's initialisation and the frozen reference
-    data/pairs/{train,val}.jsonl   pairs from stage `pairs` {"prompt", "chosen", "rejected", "kind", ...}
-
-The reference is the SFT model, frozen: its sequence log-probs of every train and val answer
-(`llm.losses.sequence_logprob`, the masked sum over the answer tokens and the closing <|end|>)
-are computed once up front and ride in the batches, so the training loop runs the policy only.
+The reference is the SFT model, frozen: its log-probs of every train and val answer
+(llm/dpo.py: the sum over the answer tokens and the closing <|end|>; their mean for IPO) are
+computed once up front and ride in the batches, so the training loop runs the policy only.
 Loss `dpo.loss_type`: `sigmoid` = DPO `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`,
 with `dpo.label_smoothing` > 0 conservative DPO (cDPO); `ipo` = IPO. Trained with
 llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
@@ -29,13 +28,14 @@ distribution scores. KL to SFT (`kl`): for the first `dpo.kl_prompts` unique hel
 prompts, one response per prompt is sampled from the policy at temperature 1 (up to
 `dpo.max_new_tokens` tokens); kl is the mean over those response tokens of the exact per-token
 KL(pi(. | context) || ref(. | context)) summed over the vocabulary (nats per token);
-kl_seq is the mean per-response sum (see `llm.preference.policy_kl`).
+kl_seq is the mean per-response sum (llm.rollout.sampled_kl).
 
 Quality gate: kl above `dpo.max_kl` fails the stage with exit code 1 and the numbers;
-then models/dpo/, metrics/dpo.json and the plots are not written (the previous outputs stay;
-the run's numbers are in runs/dpo/failed_metrics.json).
+then the model, the metrics and the plots are not written (the previous outputs stay; the
+run's numbers are in <run dir>/failed_metrics.json).
 
-Writes models/dpo/, metrics/dpo.json, metrics/plots/dpo{.tsv,_val.tsv,.png}, runs/dpo/.
+Writes the DPO model directory, its metrics, the curves (dpo{.tsv,_val.tsv,.png}) and the run
+directory (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
@@ -43,29 +43,26 @@ import time
 from pathlib import Path
 
 from llm.batching import derive_seed
-from llm.config import CommonConfig, DPOConfig, fingerprint, load_sections
-from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.config import CommonConfig, DPOConfig, fingerprint
+from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
+from llm.errors import QualityGateError
+from llm.fileio import atomic_write_json, sha256_tree
+from llm.monitor import Plots, publish_curves
 from llm.optim import set_trainable
-from llm.preference import (dpo_loss_fn, dpo_metrics, fixed_pair_batches, load_pair_splits, pair_batches,
-                            pair_metrics, policy_kl, reference_logprobs)
-from llm.trainer import Runtime, full_model_state, stage_main, train
+from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
+from llm.rollout import sampled_kl
+from llm.runtime import Runtime, full_model_state, setup_runtime
+from llm.stage import stage_main, training_outputs
+from llm.trainer import train
 
 STAGE = "dpo"
-SFT = Path("models/sft")
-DATA = Path("data/pairs")
-RUN_DIR = Path("runs/dpo")
-MODEL_OUT = Path("models/dpo")
-METRICS = Path("metrics/dpo.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
+          "data": "preference pairs: train.jsonl, val.jsonl"}
+OUTPUTS = training_outputs("the DPO model directory")
 
 
-class QualityGateError(RuntimeError):
-    """The trained model is not fit to hand on."""
-
-
-def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
-        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
-        progress: bool = True) -> dict | None:
+def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
+        metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     import torch
 
     from llm.artifacts import load_model_dir, save_model_dir
@@ -85,12 +82,13 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
 
-    # the frozen reference, once: (N,) sequence log-probs of every chosen and rejected answer
+    # the frozen reference, once: (N,) log-probs of every chosen and rejected answer
     t0 = time.perf_counter()
+    per_token = cfg.loss_type == "ipo"
     ref_train = reference_logprobs(reference, train_pairs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
-                                   device=rt.device, autocast=rt.autocast)
+                                   per_token=per_token, device=rt.device, autocast=rt.autocast)
     ref_val = reference_logprobs(reference, val_pairs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
-                                 device=rt.device, autocast=rt.autocast)
+                                 per_token=per_token, device=rt.device, autocast=rt.autocast)
     t_ref = time.perf_counter() - t0
     if rt.is_main:
         print(f"{STAGE}: {pairs.summary()}; reference log-probs in {t_ref:.1f}s; {policy.summary()};"
@@ -102,8 +100,9 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     curves = run_dir / "plots"  # copied to metrics/plots only when the gate passes
     result = train(policy, cfg, rt, stage=STAGE, seed=seed, batches=batches,
                    loss_fn=dpo_loss_fn(cfg.beta, cfg.loss_type, cfg.label_smoothing), val_batches=val_batches,
-                   run_dir=run_dir, fingerprint=fp, tsv_path=curves / f"{STAGE}.tsv",
-                   png_path=curves / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+                   run_dir=run_dir, fingerprint=fp,
+                   plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   progress=progress)
 
     state = full_model_state(policy, rt)
     if not rt.is_main:
@@ -125,8 +124,10 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     prompts = prompts[:cfg.kl_prompts]
     t0 = time.perf_counter()
     g = torch.Generator(device=rt.device).manual_seed(derive_seed(common.seed, STAGE, "kl"))
-    kl = policy_kl(out_model, reference, prompts, max_new_tokens=cfg.max_new_tokens, batch_size=2 * cfg.batch_size,
-                   pad_id=tok.pad_id, stop_ids=(tok.end_id, tok.eot_id), generator=g, autocast=rt.autocast)
+    with rt.autocast():
+        kl = sampled_kl(out_model, reference, prompts, max_new_tokens=cfg.max_new_tokens, temperature=1.0,
+                        stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, generator=g,
+                        batch_size=2 * cfg.batch_size)
     t_kl = time.perf_counter() - t0
     m = result.metrics
     # the baseline a policy that only sharpens SFT would reach: pairs whose chosen answer the
@@ -134,10 +135,10 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
     base = pair_metrics(ref_val[0], ref_val[1], [p.kind for p in val_pairs])
     for kind, v in held["by_kind"].items():
         v["ref_logp_accuracy"] = base["by_kind"][kind]["accuracy"]
-    metrics = {
+    out = {
         **{k: v for k, v in held.items() if k != "by_kind"},
         "ref_logp_accuracy": base["accuracy"],
-        "kl": kl["kl"], "kl_seq": kl["kl_seq"], "kl_tokens": kl["kl_tokens"], "kl_prompts": len(prompts),
+        "kl": kl.per_token, "kl_seq": kl.per_sequence, "kl_tokens": kl.tokens, "kl_prompts": len(prompts),
         "max_kl": cfg.max_kl,
         "by_kind": held["by_kind"],
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "steps": m["steps"],
@@ -146,37 +147,34 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path = SFT, d
         "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
         "stage_time_s": time.perf_counter() - t_start,
     }
-    if kl["kl"] > cfg.max_kl:
-        atomic_write_json(run_dir / "failed_metrics.json", metrics)
+    if kl.per_token > cfg.max_kl:
+        atomic_write_json(run_dir / "failed_metrics.json", out)
         raise QualityGateError(
-            f"quality gate failed: KL to the SFT model {kl['kl']:.4f} nats/token (on {kl['kl_tokens']} sampled"
+            f"quality gate failed: KL to the SFT model {kl.per_token:.4f} nats/token (on {kl.tokens} sampled"
             f" tokens of {len(prompts)} held-out prompts) is above dpo.max_kl={cfg.max_kl}; held-out"
-            f" rewards_accuracy {held['rewards_accuracy']:.3f}. {model_out}/ and {metrics_path} were NOT written;"
+            f" rewards_accuracy {held['rewards_accuracy']:.3f}. {model}/ and {metrics} were NOT written;"
             f" the run's numbers are in {run_dir / 'failed_metrics.json'}. Raise dpo.beta, lower dpo.lr or"
             f" dpo.max_steps, or raise dpo.max_kl if this drift is intended.")
-    save_model_dir(model_out, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                     "parent": str(sft), "steps": result.step})
-    for name in (f"{STAGE}.tsv", f"{STAGE}_val.tsv", f"{STAGE}.png"):
-        if (curves / name).is_file():
-            atomic_write_bytes(plots / name, (curves / name).read_bytes())
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+    save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
+                                                 "parent": str(sft), "steps": result.step})
+    publish_curves(curves, plots, STAGE)
+    atomic_write_json(metrics, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: DPOConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt, progress=not args.no_progress)
+        m = run(common, cfg, rt, sft=args.sft, data=args.data, run_dir=args.run_dir, model=args.model,
+                metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
         return (f"{STAGE}: held-out rewards_accuracy {m['rewards_accuracy']:.3f} on {m['n_pairs']} pairs"
                 f" (the SFT reference's own log-probs rank {m['ref_logp_accuracy']:.3f} of them right),"
                 f" margin {m['rewards_margin']:.3f}; KL to SFT {m['kl']:.4f} nats/token"
-                f" (gate {cfg.max_kl}); wrote {MODEL_OUT}/ and {METRICS}")
+                f" (gate {cfg.max_kl}); wrote {args.model}/ and {args.metrics}")
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, torchrun=True, errors=(QualityGateError,),
-                      options=lambda ap: ap.add_argument("--no-progress", action="store_true",
-                                                         help="no progress bar (logs, CI)"))
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Stage `grpo`: group-relative policy optimisation of the SFT model on verifiable math.
 
-    python -m stages.grpo [--params params.yaml]
+    dvc repro grpo        (dvc.yaml passes the paths: `python -m stages.grpo --help`)
 
 Reads the `common` and `grpo` sections of params.yaml and
 
-    models/sft/                     the policy's starting point and the frozen reference
-    data/prepared/rl/train.jsonl    math problems for rollouts ({"question", "answer", "level"})
-    data/prepared/rl/val.jsonl      held-out problems (the first grpo.eval_problems)
+    --sft     the policy's starting point and the frozen reference
+    --data    train.jsonl: math problems for rollouts ({"question", "answer", "level"});
+              val.jsonl: held-out problems (the first grpo.eval_problems)
 
 Each step samples grpo.prompts_per_step problems (grpo.curriculum_levels for the first
 grpo.curriculum_steps steps, then grpo.levels), grpo.group_size completions each, scores them
@@ -18,29 +18,27 @@ every grpo.eval_every steps and at the end.
 Quality gates (the stage exits 1 with a message and writes no model): no informative group
 for grpo.max_zero_std_steps consecutive steps; final held-out KL above grpo.max_kl.
 
-Writes models/grpo/ (LM head only), metrics/grpo.json (reward and exact match at start vs
-end with a 95% Wilson interval, final KL, time split), metrics/plots/grpo{.tsv,_val.tsv,.png},
-runs/grpo/ (checkpoints and TensorBoard events; a persisted DVC out, so a killed run resumes).
+Writes the GRPO model directory (LM head only), its metrics (reward and exact match at start
+vs end with a 95% Wilson interval, final KL, time split), the curves (grpo{.tsv,_val.tsv,.png})
+and the run directory (checkpoints and TensorBoard events; a persisted DVC out, so a killed run
+resumes).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from llm.config import CommonConfig, GRPOConfig, load_sections
-from llm.trainer import Runtime, stage_main
+from llm.config import CommonConfig, GRPOConfig
+from llm.runtime import Runtime, setup_runtime
+from llm.stage import stage_main, training_outputs
 
 STAGE = "grpo"
-SFT = Path("models/sft")
-DATA = Path("data/prepared/rl")
-RUN_DIR = Path("runs/grpo")
-MODEL_OUT = Path("models/grpo")
-METRICS = Path("metrics/grpo.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
+          "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)"}
+OUTPUTS = training_outputs("the GRPO model directory")
 
 
-def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
-        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
-        progress: bool = True) -> dict:
+def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
+        metrics: Path, plots: Path, progress: bool = True) -> dict:
     from llm.grpo import GRPO
     from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
@@ -62,23 +60,18 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path = SFT, 
         zero_std = [r["frac_reward_zero_std"] for r in result.history]
         return {"frac_reward_zero_std_mean": sum(zero_std) / max(len(zero_std), 1)}
 
-    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model_out=model_out, metrics_path=metrics_path,
+    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model=model, metrics=metrics,
                            plots=plots, extra_metrics=extra_metrics, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm.rl import QualityGateError
-
     def work(args, common: CommonConfig, cfg: GRPOConfig, rt: Runtime) -> str:
-        m = run(common, cfg, rt)
-        em = m.get("math_exact_match")
-        return (f"{STAGE}: reward {m['reward_start']:.3f} -> {m['reward_end']:.3f}; final KL {m['final_kl']:.4f}"
-                + (f"; held-out math exact match {m['math_exact_match_start']:.1%} -> {em:.1%}"
-                   f" [{m['math_exact_match_lo']:.1%}, {m['math_exact_match_hi']:.1%}]" if em is not None else "")
-                + f"; wrote {MODEL_OUT}/ and {METRICS}")
+        from llm.rl import summary_line
+        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
+                progress=not args.no_progress)
+        return summary_line(STAGE, m, args.model, args.metrics)
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, errors=(QualityGateError,))
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime)
 
 
 if __name__ == "__main__":

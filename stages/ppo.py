@@ -1,16 +1,15 @@
 """Stage `ppo`: PPO of the SFT model against a reward model or the math verifier.
 
-    python -m stages.ppo [--params params.yaml]
+    dvc repro ppo        (dvc.yaml passes the paths: `python -m stages.ppo --help`)
 
 Reads the `common` and `ppo` sections of params.yaml and
 
-    models/sft/                     the policy's starting point (a value head is added on its trunk)
-                                    and the frozen reference
-    models/reward/                  the reward model (a model directory with a "reward" head), used
-                                    when ppo.reward_source is rm, or rm+verifier (its score
-                                    plus the verifier's reward, llm.rl.rm_verifier_reward)
-    data/prepared/rl/train.jsonl    math problems whose questions are the rollout prompts (ppo.levels)
-    data/prepared/rl/val.jsonl      held-out problems (the first ppo.eval_problems)
+    --sft     the policy's starting point (a value head is added on its trunk) and the frozen reference
+    --rm      the reward model (a model directory with a "reward" head), used when
+              ppo.reward_source is rm, or rm+verifier (its score plus the verifier's reward,
+              llm.rewards.rm_verifier_reward)
+    --data    train.jsonl: math problems whose questions are the rollout prompts (ppo.levels);
+              val.jsonl: held-out problems (the first ppo.eval_problems)
 
 Each step samples ppo.rollout_prompts prompts, one response each, scores them (RM or verifier),
 adds the per-token KL penalty (ppo.kl_estimator, coefficient from the adaptive KL controller),
@@ -22,9 +21,10 @@ to the reference are measured before the first step, every ppo.eval_every steps 
 Quality gate (the stage exits 1 with a message and writes no model): final held-out KL above
 ppo.max_kl.
 
-Writes models/ppo/ (LM and value heads), metrics/ppo.json (reward and exact match at start vs
-end, final KL, KL coefficient, alerts, time split), metrics/plots/ppo{.tsv,_val.tsv,.png},
-runs/ppo/ (checkpoints and TensorBoard events; a persisted DVC out, so a killed run resumes).
+Writes the PPO model directory (LM and value heads), its metrics (reward and exact match at
+start vs end, final KL, KL coefficient, alerts, time split), the curves
+(ppo{.tsv,_val.tsv,.png}) and the run directory (checkpoints and TensorBoard events; a
+persisted DVC out, so a killed run resumes).
 """
 from __future__ import annotations
 
@@ -32,22 +32,19 @@ import sys
 from pathlib import Path
 
 from llm.batching import derive_seed
-from llm.config import CommonConfig, PPOConfig, load_sections
-from llm.trainer import Runtime, stage_main
+from llm.config import CommonConfig, PPOConfig
+from llm.runtime import Runtime, setup_runtime
+from llm.stage import stage_main, training_outputs
 
 STAGE = "ppo"
-SFT = Path("models/sft")
-RM = Path("models/reward")
-DATA = Path("data/prepared/rl")
-RUN_DIR = Path("runs/ppo")
-MODEL_OUT = Path("models/ppo")
-METRICS = Path("metrics/ppo.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
+          "rm": "the reward model directory (read when ppo.reward_source uses it)",
+          "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)"}
+OUTPUTS = training_outputs("the PPO model directory")
 
 
-def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, rm: Path = RM, data: Path = DATA,
-        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
-        progress: bool = True) -> dict:
+def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
+        model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict:
     from llm.ppo import PPO
     from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
 
@@ -67,7 +64,7 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
     algo = PPO(policy, setup.ref, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed,
                log=lambda m: print(m, file=sys.stderr, flush=True))
-    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model_out=model_out, metrics_path=metrics_path,
+    return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model=model, metrics=metrics,
                            plots=plots, progress=progress,
                            extra_metrics=lambda result: {"reward_source": cfg.reward_source,
                                                          "kl_coef_final": algo.kl_ctl.value,
@@ -75,21 +72,13 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path = SFT, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm.rl import QualityGateError
-
     def work(args, common: CommonConfig, cfg: PPOConfig, rt: Runtime) -> str:
-        m = run(common, cfg, rt)
-        em = m.get("math_exact_match")
-        held = (f" (held-out {m['heldout_reward_start']:.3f} -> {m['heldout_reward']:.3f})"
-                if "heldout_reward" in m else "")
-        return (f"{STAGE}: reward {m['reward_start']:.3f} -> {m['reward_end']:.3f}{held}; final KL {m['final_kl']:.4f}"
-                f" (kl_coef {m['kl_coef_final']:.4f}, {m['kl_alerts']} alerts)"
-                + (f"; held-out math exact match {m['math_exact_match_start']:.1%} -> {em:.1%}"
-                   f" [{m['math_exact_match_lo']:.1%}, {m['math_exact_match_hi']:.1%}]" if em is not None else "")
-                + f"; wrote {MODEL_OUT}/ and {METRICS}")
+        from llm.rl import summary_line
+        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
+                progress=not args.no_progress)
+        return summary_line(STAGE, m, args.model, args.metrics)
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, errors=(QualityGateError,))
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime)
 
 
 if __name__ == "__main__":

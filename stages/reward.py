@@ -1,17 +1,16 @@
 """Stage `reward`: the reward model, a scalar head on the SFT trunk trained on preference pairs.
 
-    python -m stages.reward [--params params.yaml] [--no-progress]
+    dvc repro reward        (dvc.yaml passes the paths: `python -m stages.reward --help`)
 
-Reads the `common` and `reward` sections of params.yaml and
-
-    models/sft/                          the SFT model: trunk, LM head and tokenizer
-    data/prepared/prefs/{train,val}.jsonl  pairs {"id", "prompt": [messages], "chosen", "rejected", "kind"}
+Reads the `common` and `reward` sections of params.yaml, the SFT model (trunk, LM head and
+tokenizer) and preference pairs ({train,val}.jsonl: {"id", "prompt": [messages], "chosen",
+"rejected", "kind"}).
 
 The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the last real token
-(`GPT.reward`, right for any padding side). With `reward.logprob_feature` the reward also adds
+(llm/reward_model.py, right for any padding side). With `reward.logprob_feature` the reward also adds
 a learned weight (starting at 1) times the mean log-probability the model's own LM head gives
 the answer's tokens: a last-token head on a 4-layer trunk cannot re-check each `a op b = c` of
-an answer, the next-token predictions at every step can (README, reward model notes). With
+an answer, the next-token predictions at every step can (docs/log.md, reward model notes). With
 `reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer
 is rendered with the chat template as prompt + answer + <|end|>; pairs longer than the context
 are dropped and counted. Loss:
@@ -22,13 +21,13 @@ checkpoints, resume, non-finite policy and `torchrun` as in every training stage
 After training, every held-out pair is scored: accuracy (r_chosen > r_rejected), mean margin,
 reward mean/std of chosen and rejected, and the same per pair kind (wrong_answer,
 broken_format, the task kinds). Quality gate: held-out accuracy below
-`reward.min_accuracy` fails the stage with exit code 1 and the numbers; then neither
-models/reward/ nor metrics/reward.json nor the plots are written (the previous outputs stay;
-the failed run's metrics are in runs/reward/failed_metrics.json).
+`reward.min_accuracy` fails the stage with exit code 1 and the numbers; then neither the
+model nor the metrics nor the plots are written (the previous outputs stay; the failed run's
+metrics are in <run dir>/failed_metrics.json).
 
-Writes models/reward/ (heads lm + reward [+ reward_logprob]; meta.json carries the held-out
-reward mean/std for reward normalisation downstream), metrics/reward.json,
-metrics/plots/reward{.tsv,_val.tsv,.png}, runs/reward/ (checkpoints; a persisted DVC out).
+Writes the reward model directory (heads lm + reward [+ reward_logprob]; meta.json carries the
+held-out reward mean/std for reward normalisation downstream), its metrics, the curves
+(reward{.tsv,_val.tsv,.png}) and the run directory (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
@@ -37,29 +36,24 @@ from pathlib import Path
 
 from llm.batching import derive_seed
 from llm.chat import ROLE_TOKENS
-from llm.config import CommonConfig, RewardConfig, fingerprint, load_sections
-from llm.fileio import atomic_write_bytes, atomic_write_json, sha256_tree
+from llm.config import CommonConfig, RewardConfig, fingerprint
+from llm.errors import QualityGateError
+from llm.fileio import atomic_write_json, sha256_tree
+from llm.monitor import Plots, publish_curves
 from llm.optim import set_trainable
-from llm.preference import (RewardModel, fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics,
-                            reward_loss_fn, score_sequences)
-from llm.trainer import Runtime, full_model_state, stage_main, train
+from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
+from llm.reward_model import RewardModel, reward_loss_fn, score_sequences
+from llm.runtime import Runtime, full_model_state, setup_runtime
+from llm.stage import stage_main, training_outputs
+from llm.trainer import train
 
 STAGE = "reward"
-SFT = Path("models/sft")
-DATA = Path("data/prepared/prefs")
-RUN_DIR = Path("runs/reward")
-MODEL_OUT = Path("models/reward")
-METRICS = Path("metrics/reward.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"sft": "the SFT model directory", "data": "preference pairs: train.jsonl, val.jsonl"}
+OUTPUTS = training_outputs("the reward model directory")
 
 
-class QualityGateError(RuntimeError):
-    """The trained model is not good enough to feed downstream stages."""
-
-
-def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT, data: Path = DATA,
-        run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT, metrics_path: Path = METRICS, plots: Path = PLOTS,
-        progress: bool = True) -> dict | None:
+def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
+        metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     from llm.artifacts import load_model_dir, save_model_dir
     from llm.model import GPT
 
@@ -82,15 +76,16 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
 
     if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
         set_trainable(gpt, [f"{h}_head.*" for h in gpt.head_names if h.startswith("reward")], f"{STAGE}.train_trunk")
-    model = RewardModel(gpt)
+    rm = RewardModel(gpt)
     # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
     curves = run_dir / "plots"
-    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches,
+    result = train(rm, cfg, rt, stage=STAGE, seed=seed, batches=batches,
                    loss_fn=reward_loss_fn(cfg.label_smoothing, cfg.margin), val_batches=val_batches,
-                   run_dir=run_dir, fingerprint=fp, tsv_path=curves / f"{STAGE}.tsv",
-                   png_path=curves / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+                   run_dir=run_dir, fingerprint=fp,
+                   plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   progress=progress)
 
-    state = full_model_state(model, rt)
+    state = full_model_state(rm, rt)
     if not rt.is_main:
         return None
     out_model = GPT(gpt.config, heads=gpt.head_names, seed=0)
@@ -104,7 +99,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
     n = len(val_pairs)
     held = pair_metrics(r[:n], r[n:], [p.kind for p in val_pairs])
     m = result.metrics
-    metrics = {
+    out = {
         **{k: v for k, v in held.items() if k != "by_kind"},
         "min_accuracy": cfg.min_accuracy,
         "by_kind": held["by_kind"],
@@ -114,23 +109,21 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path = SFT
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     }
     if held["accuracy"] < cfg.min_accuracy:
-        atomic_write_json(run_dir / "failed_metrics.json", metrics)
+        atomic_write_json(run_dir / "failed_metrics.json", out)
         worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
         raise QualityGateError(
             f"quality gate failed: held-out accuracy {held['accuracy']:.3f} on {n} pairs is below"
             f" reward.min_accuracy={cfg.min_accuracy} (margin {held['margin']:.3f}; weakest kinds: "
             + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst)
-            + f"). {model_out}/ and {metrics_path} were NOT written; the run's numbers are in"
+            + f"). {model}/ and {metrics} were NOT written; the run's numbers are in"
               f" {run_dir / 'failed_metrics.json'}. Train longer (reward.max_steps), adjust reward.lr,"
               f" or lower reward.min_accuracy if this is expected.")
-    save_model_dir(model_out, out_model.cpu(), tok, {
+    save_model_dir(model, out_model.cpu(), tok, {
         "stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft), "steps": result.step,
         "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"], "on": f"{data}/val.jsonl"}})
-    for name in (f"{STAGE}.tsv", f"{STAGE}_val.tsv", f"{STAGE}.png"):
-        if (curves / name).is_file():
-            atomic_write_bytes(plots / name, (curves / name).read_bytes())
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+    publish_curves(curves, plots, STAGE)
+    atomic_write_json(metrics, out)
+    return out
 
 
 def _last(result, key: str) -> float | None:
@@ -141,16 +134,15 @@ def _last(result, key: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: RewardConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt, progress=not args.no_progress)
+        m = run(common, cfg, rt, sft=args.sft, data=args.data, run_dir=args.run_dir, model=args.model,
+                metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
         return (f"{STAGE}: held-out accuracy {m['accuracy']:.3f} on {m['n_pairs']} pairs"
-                f" (gate {cfg.min_accuracy}), margin {m['margin']:.3f}; wrote {MODEL_OUT}/ and {METRICS}")
+                f" (gate {cfg.min_accuracy}), margin {m['margin']:.3f}; wrote {args.model}/ and {args.metrics}")
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, torchrun=True, errors=(QualityGateError,),
-                      options=lambda ap: ap.add_argument("--no-progress", action="store_true",
-                                                         help="no progress bar (logs, CI)"))
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

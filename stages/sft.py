@@ -1,12 +1,10 @@
 """Stage `sft`: supervised fine-tuning of the base model on chat data.
 
-    python -m stages.sft [--params params.yaml]
+    dvc repro sft        (dvc.yaml passes the paths: `python -m stages.sft --help`)
 
-Reads the `common` and `sft` sections of params.yaml and
-
-    models/base/                    the pretrained model (and its tokenizer)
-    data/clean_sft/{train,val}.jsonl  cleaned conversations {"id", "messages", "source"}
-    data/prepared/rl/val.jsonl      held-out math problems for the final exact-match check
+Reads the `common` and `sft` sections of params.yaml, the pretrained model (and its
+tokenizer), the cleaned conversations ({train,val}.jsonl: {"id", "messages", "source"}) and
+held-out math problems for the final exact-match check.
 
 Each conversation is rendered with the chat template (llm/chat.py); the loss covers only
 assistant tokens and their closing <|end|>. Conversations longer than the context are
@@ -15,31 +13,29 @@ from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the
 mask is combined with the causal mask inside attention. The loop is llm/trainer.py's,
 with the same checkpoints, resume, non-finite policy and `torchrun` support as pretrain.
 
-Writes models/sft/, metrics/sft.json (train/val masked loss, assistant tokens trained,
-held-out math exact match with a 95% interval), metrics/plots/sft{.tsv,_val.tsv,.png},
-runs/sft/ (checkpoints; a persisted DVC out).
+Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
+held-out math exact match with a 95% interval), the curves (sft{.tsv,_val.tsv,.png}) and the
+run directory (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
 from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate
 from llm.chat import render
-from llm.config import CommonConfig, SFTConfig, fingerprint, load_sections
+from llm.config import CommonConfig, SFTConfig, fingerprint
 from llm.fileio import DataError, atomic_write_json, read_jsonl, sha256_tree
-from llm.trainer import Runtime, full_model_state, stage_main, train
+from llm.monitor import Plots, publish_curves
+from llm.runtime import Runtime, full_model_state, setup_runtime
+from llm.stage import stage_main, training_outputs
+from llm.trainer import train
 
 STAGE = "sft"
-BASE = Path("models/base")
-DATA = Path("data/clean_sft")
-MATH_VAL = Path("data/prepared/rl/val.jsonl")
-RUN_DIR = Path("runs/sft")
-MODEL_OUT = Path("models/sft")
-METRICS = Path("metrics/sft.json")
-PLOTS = Path("metrics/plots")
+INPUTS = {"base": "the pretrained model directory", "data": "cleaned conversations: train.jsonl, val.jsonl",
+          "math_val": "held-out math problems (JSONL) for the final exact-match check"}
+OUTPUTS = training_outputs("the SFT model directory")
 
 
 def render_all(records: list[dict], tokenizer, max_tokens: int) -> tuple[list[tuple[list[int], list[bool]]], int]:
@@ -59,15 +55,14 @@ def make_batch(examples, pad_id: int):
                                   loss_masks=[examples[i][1] for i in ix])
 
 
-def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path = BASE, data: Path = DATA,
-        math_val: Path = MATH_VAL, run_dir: Path = RUN_DIR, model_out: Path = MODEL_OUT,
-        metrics_path: Path = METRICS, plots: Path = PLOTS, progress: bool = True) -> dict | None:
+def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: Path, math_val: Path, run_dir: Path,
+        model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     from llm.artifacts import load_model_dir, save_model_dir
     from llm.evaluate import math_eval
     from llm.model import GPT
 
-    model, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
-    seq_len = model.config.seq_len
+    gpt, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
+    seq_len = gpt.config.seq_len
     train_recs = list(read_jsonl(data / "train.jsonl"))
     val_recs = list(read_jsonl(data / "val.jsonl"))
     train_ex, dropped_train = render_all(train_recs, tok, seq_len + 1)
@@ -91,20 +86,22 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path = BASE,
     if rt.is_main:
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
-              f" {model.summary()}", flush=True)
+              f" {gpt.summary()}", flush=True)
 
-    result = train(model, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val_batches,
-                   run_dir=run_dir, fingerprint=fp, tsv_path=plots / f"{STAGE}.tsv",
-                   png_path=plots / f"{STAGE}.png", tb_dir=run_dir / "tb", progress=progress)
+    curves = run_dir / "plots"
+    result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val_batches,
+                   run_dir=run_dir, fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv",
+                                                                png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   progress=progress)
 
-    state = full_model_state(model, rt)
+    state = full_model_state(gpt, rt)
     if not rt.is_main:
         return None
-    out_model = GPT(model.config, seed=0)
+    out_model = GPT(gpt.config, seed=0)
     out_model.load_state_dict(state)
     out_model.eval()
     m = result.metrics
-    metrics = {
+    out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
         "assistant_tokens_trained": int(sum(r.get("weight", 0) for r in result.train_history)),
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "steps": m["steps"],
@@ -116,27 +113,29 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path = BASE,
         problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
         ev = math_eval(out_model.to(rt.device), tok, problems, max_new_tokens=cfg.max_new_tokens,
                        batch_size=64)
-        metrics.update({k: v for k, v in ev.items() if k != "samples"})
-        metrics["math_samples"] = ev["samples"][:3]
-    save_model_dir(model_out, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                     "parent": str(base), "steps": result.step})
-    atomic_write_json(metrics_path, metrics)
-    return metrics
+        out.update({k: v for k, v in ev.items() if k != "samples"})
+        out["math_samples"] = ev["samples"][:3]
+    save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
+                                                 "parent": str(base), "steps": result.step})
+    publish_curves(curves, plots, STAGE)
+    atomic_write_json(metrics, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: SFTConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt)
+        m = run(common, cfg, rt, base=args.base, data=args.data, math_val=args.math_val, run_dir=args.run_dir,
+                model=args.model, metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
         em = m.get("math_exact_match")
         return (f"{STAGE}: val loss {m['val_loss']:.4f}"
                 + (f", held-out math exact match {em:.1%} [{m['math_exact_match_lo']:.1%},"
                    f" {m['math_exact_match_hi']:.1%}]" if em is not None else "")
-                + f"; wrote {MODEL_OUT}/ and {METRICS}")
+                + f"; wrote {args.model}/ and {args.metrics}")
 
-    return stage_main(STAGE, __doc__, argv, load=lambda params: load_sections(["common", STAGE], params),
-                      work=work, torchrun=True)
+    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
+                      torchrun=True)
 
 
 if __name__ == "__main__":

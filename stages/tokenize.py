@@ -1,17 +1,18 @@
 """Stage `tokenize`: encode the pretraining text into token shards.
 
-    python -m stages.tokenize [--params params.yaml]
+    dvc repro tokenize        (dvc.yaml passes the paths: `python -m stages.tokenize --help`)
 
-Reads the `common` and `tokenize` sections of params.yaml, the tokenizer in
-models/tokenizer/ and data/prepared/pretrain/{train,val}.jsonl ("text" per line).
-Writes, atomically (the directory is swapped in whole, or not at all):
+Reads the `common` and `tokenize` sections of params.yaml, the tokenizer and the
+pretraining text ({train,val}.jsonl, "text" per line). Writes, atomically (the directory is
+swapped in whole, or not at all):
 
-    data/tokens/train.bin, val.bin   token ids, np.uint16 when vocab_size < 65536 else
-                                     np.uint32; every document is followed by <|endoftext|>
-    data/tokens/meta.json            dtype, {train,val}_tokens, {train,val}_bytes (UTF-8
-                                     bytes of the text, for bits-per-byte), {train,val}_docs,
-                                     tokenizer_sha256, vocab_size, eot_id
-    metrics/tokenize.json            the same counts, bytes per token, seconds, MB/s
+    train.bin, val.bin   token ids, np.uint16 when vocab_size < 65536 else np.uint32; every
+                         document is followed by <|endoftext|>
+    meta.json            dtype, {train,val}_tokens, {train,val}_bytes (UTF-8 bytes of the
+                         text, for bits-per-byte), {train,val}_docs, tokenizer_sha256,
+                         vocab_size, eot_id
+
+and the metrics (the same counts, bytes per token, seconds, MB/s).
 
 Streaming with bounded memory: documents are read one line at a time, grouped in
 batches of `tokenize.chunk_docs`, and encoded by `tokenize.workers` processes (0 = one
@@ -22,9 +23,7 @@ is a special id.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -32,14 +31,12 @@ from typing import Iterator
 
 import numpy as np
 
-from llm.config import ConfigError, TokenizeConfig, load_sections
+from llm.config import TokenizeConfig
 from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl
 from llm.tokenizer import Tokenizer
 
-PREPARED = Path("data/prepared")
-TOKENIZER = Path("models/tokenizer")
-OUT = Path("data/tokens")
-METRICS = Path("metrics/tokenize.json")
+INPUTS = {"text": "the pretraining text: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory"}
+OUTPUTS = {"out": "the token shards directory", "metrics": "the metrics JSON"}
 SPLITS = ("train", "val")
 
 _TOK: Tokenizer | None = None  # the tokenizer inside a worker process
@@ -90,8 +87,8 @@ def _encoded(batches: Iterator[list[str]], dtype: str, pool, window: int) -> Ite
         yield pending.popleft().get()
 
 
-def run(cfg: TokenizeConfig, prepared: Path = PREPARED, tokenizer_dir: Path = TOKENIZER, out: Path = OUT,
-        metrics_path: Path = METRICS, progress: bool = True) -> dict:
+def run(cfg: TokenizeConfig, text: Path, tokenizer_dir: Path, out: Path, metrics_path: Path,
+        progress: bool = True) -> dict:
     """Encode every split into `out`; returns meta.json's content plus timing."""
     global _TOK
     tok = Tokenizer.load(tokenizer_dir)
@@ -115,7 +112,7 @@ def run(cfg: TokenizeConfig, prepared: Path = PREPARED, tokenizer_dir: Path = TO
                     bar = tqdm(desc=f"tokenize {split}", unit="B", unit_scale=True, mininterval=1.0)
                 n_tok = n_bytes = n_docs = 0
                 with open(tmp / f"{split}.bin", "wb") as f:
-                    batches = _doc_batches(prepared / "pretrain" / f"{split}.jsonl", cfg.chunk_docs)
+                    batches = _doc_batches(text / f"{split}.jsonl", cfg.chunk_docs)
                     for data, nb, nt, nd in _encoded(batches, dtype, pool, 2 * workers):
                         f.write(data)
                         n_tok, n_bytes, n_docs = n_tok + nt, n_bytes + nb, n_docs + nd
@@ -140,20 +137,16 @@ def run(cfg: TokenizeConfig, prepared: Path = PREPARED, tokenizer_dir: Path = TO
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_sections(["common", "tokenize"], args.params)["tokenize"]
-        m = run(cfg)
-    except (ConfigError, DataError, ValueError, FileNotFoundError) as e:
-        print(f"tokenize: {e}", file=sys.stderr)
-        return 1
-    print(f"tokenize: {m['train_tokens']} train + {m['val_tokens']} val tokens ({m['dtype']}),"
-          f" {m['bytes_per_token_train']} bytes/token, {m['mb_per_s']} MB/s with {m['workers']} workers")
-    print(f"tokenize: wrote {OUT}/ and {METRICS}")
-    return 0
+    from llm.stage import stage_main
+
+    def work(args, common, cfg: TokenizeConfig, rt) -> str:
+        m = run(cfg, text=args.text, tokenizer_dir=args.tokenizer, out=args.out, metrics_path=args.metrics,
+                progress=not args.no_progress)
+        return (f"tokenize: {m['train_tokens']} train + {m['val_tokens']} val tokens ({m['dtype']}),"
+                f" {m['bytes_per_token_train']} bytes/token, {m['mb_per_s']} MB/s with {m['workers']} workers\n"
+                f"tokenize: wrote {args.out}/ and {args.metrics}")
+
+    return stage_main("tokenize", __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work)
 
 
 if __name__ == "__main__":

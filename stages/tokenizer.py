@@ -1,39 +1,36 @@
 """Stage `tokenizer`: train the byte-level BPE tokenizer.
 
-    python -m stages.tokenizer [--params params.yaml]
+    dvc repro tokenizer        (dvc.yaml passes the paths: `python -m stages.tokenizer --help`)
 
 Reads the `common` and `tokenizer` sections of params.yaml and the prepared text:
 
-    data/prepared/sft/train.jsonl        every message's "content" (chat, math solutions)
-    data/prepared/rl/train.jsonl         "question" (English and Chinese math)
-    data/prepared/pretrain/train.jsonl   "text" (Shakespeare, math documents)
-    data/prepared/pretrain/val.jsonl     English validation text (metrics only)
-    data/prepared/sft/val.jsonl          its Chinese messages (metrics only)
+    sft/train.jsonl        every message's "content" (chat, math solutions)
+    rl/train.jsonl         "question" (English and Chinese math)
+    pretrain/train.jsonl   "text" (Shakespeare, math documents)
+    pretrain/val.jsonl     English validation text (metrics only)
+    sft/val.jsonl          its Chinese messages (metrics only)
 
 in that order, so that with `tokenizer.max_train_chars` > 0 (a cap on training
 characters) the chat and math text, which is small, is always included. Writes, atomically:
 
-    models/tokenizer/   tokenizer.txt, tokenizer_meta.json, tokenizer.json (HF format)
-    metrics/tokenizer.json
+    the tokenizer directory: tokenizer.txt, tokenizer_meta.json, tokenizer.json (HF format)
+    the metrics:
         vocab_size, bytes_per_token_en / _zh (compression on validation text),
         vocab_coverage (share of learned tokens used on validation text), train_seconds,
         early_stop + warning (corpus too small for vocab_size), and training statistics.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-from llm.config import ConfigError, TokenizerConfig, load_sections
+from llm.config import TokenizerConfig
 from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl
 from llm.tokenizer import Tokenizer, has_han
 
-PREPARED = Path("data/prepared")
-OUT = Path("models/tokenizer")
-METRICS = Path("metrics/tokenizer.json")
+INPUTS = {"prepared": "the prepared data directory (the files above are read from it)"}
+OUTPUTS = {"out": "the tokenizer directory", "metrics": "the metrics JSON"}
 
 
 def training_texts(prepared: Path, max_chars: int = 0, counts: dict | None = None) -> Iterator[str]:
@@ -83,8 +80,7 @@ def bytes_per_token(tok: Tokenizer, texts: list[str], used: set[int]) -> float |
     return round(n_bytes / n_tokens, 4) if n_tokens else None
 
 
-def run(cfg: TokenizerConfig, prepared: Path = PREPARED, out: Path = OUT, metrics_path: Path = METRICS,
-        progress: bool = True) -> dict:
+def run(cfg: TokenizerConfig, prepared: Path, out: Path, metrics_path: Path, progress: bool = True) -> dict:
     """Train, save and measure; returns the metrics dict."""
     counts: dict[str, int] = {}
     t0 = time.perf_counter()
@@ -122,22 +118,17 @@ def run(cfg: TokenizerConfig, prepared: Path = PREPARED, out: Path = OUT, metric
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--params", default="params.yaml")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_sections(["common", "tokenizer"], args.params)["tokenizer"]
-        m = run(cfg)
-    except (ConfigError, DataError, ValueError) as e:
-        print(f"tokenizer: {e}", file=sys.stderr)
-        return 1
-    if m["warning"]:
-        print(f"tokenizer: WARNING: {m['warning']}", file=sys.stderr)
-    print(f"tokenizer: vocab_size {m['vocab_size']} in {m['train_seconds']} s; bytes/token"
-          f" en {m['bytes_per_token_en']} zh {m['bytes_per_token_zh']}; coverage {m['vocab_coverage']}")
-    print(f"tokenizer: wrote {OUT}/ and {METRICS}")
-    return 0
+    from llm.stage import stage_main
+
+    def work(args, common, cfg: TokenizerConfig, rt) -> str:
+        m = run(cfg, prepared=args.prepared, out=args.out, metrics_path=args.metrics,
+                progress=not args.no_progress)
+        warning = f"tokenizer: WARNING: {m['warning']}\n" if m["warning"] else ""
+        return (f"{warning}tokenizer: vocab_size {m['vocab_size']} in {m['train_seconds']} s; bytes/token"
+                f" en {m['bytes_per_token_en']} zh {m['bytes_per_token_zh']}; coverage {m['vocab_coverage']}\n"
+                f"tokenizer: wrote {args.out}/ and {args.metrics}")
+
+    return stage_main("tokenizer", __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work)
 
 
 if __name__ == "__main__":

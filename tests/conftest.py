@@ -24,6 +24,24 @@ def load_script(path: Path, name: str | None = None):
     return module
 
 
+def dvc_command(stage: str, item: str | None = None) -> list[str]:
+    """A stage's command as dvc.yaml writes it (paths relative to the project root), with this
+    interpreter as `python`; `item` fills a foreach stage's ${item}. Tests that run a stage in a
+    scratch layout run exactly what `dvc repro` runs."""
+    import shlex
+    import sys
+
+    import yaml
+
+    st = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
+    cmd = (st["do"] if "foreach" in st else st)["cmd"]
+    if item is not None:
+        cmd = cmd.replace("${item}", item)
+    argv = shlex.split(cmd)
+    assert argv[0] == "python", f"dvc.yaml stage {stage}: expected `python -m ...`, got {cmd!r}"
+    return [sys.executable, *argv[1:]]
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from llm.clean import (
     words,
 )
 from llm.config import CleanSFTConfig
+from tests.conftest import dvc_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -349,7 +349,7 @@ def test_stage_end_to_end(tmp_path):
     (tmp_path / "params.yaml").write_text(params)
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "stages.clean_sft", "--no-progress"], cwd=tmp_path, env=env,
+    run = subprocess.run([*dvc_command("clean_sft"), "--no-progress"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "toxicity filter UNAVAILABLE" in run.stderr
@@ -369,7 +369,7 @@ def test_stage_end_to_end(tmp_path):
     before = (tmp_path / "data/clean_sft/train.jsonl").read_bytes()
     (tmp_path / "params.yaml").write_text(params.replace("detoxify_checkpoint: ''",
                                                          'detoxify_checkpoint: "weights/none.ckpt"'))
-    run = subprocess.run([sys.executable, "-m", "stages.clean_sft", "--no-progress"], cwd=tmp_path, env=env,
+    run = subprocess.run([*dvc_command("clean_sft"), "--no-progress"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "weights/none.ckpt does not exist" in run.stderr
     assert (tmp_path / "data/clean_sft/train.jsonl").read_bytes() == before

@@ -1,7 +1,9 @@
 """params.yaml validation: every kind of error, several at once."""
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 
 import pytest
 import yaml
@@ -46,6 +48,29 @@ def test_unknown_key_gets_a_suggestion_with_line_number():
     assert "ppo.clip_epsilom: unknown key; did you mean 'clip_epsilon'?" in msg
     line = text.splitlines().index("  clip_epsilom: 0.2") + 1
     assert f"params.yaml:{line}:" in msg
+
+
+def test_a_renamed_key_is_answered_with_its_new_name():
+    """RL sections once said `steps` and `max_grad_norm`; every training section now says `max_steps`
+    and `grad_clip`. An old params file gets the new names, not a fuzzy guess."""
+    d = _base()
+    d["ppo"]["steps"] = d["ppo"].pop("max_steps")
+    d["grpo"]["max_grad_norm"] = d["grpo"].pop("grad_clip")
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d))
+    msg = str(e.value)
+    assert "ppo.steps: renamed; did you mean 'max_steps'?" in msg
+    assert "grpo.max_grad_norm: renamed; did you mean 'grad_clip'?" in msg
+    assert "ppo.max_steps: missing key" in msg and "grpo.grad_clip: missing key" in msg
+
+
+def test_every_training_section_names_the_loop_knobs_alike():
+    from llm.config import LoopConfig
+    loop_keys = {f.name for f in dataclasses.fields(LoopConfig)}
+    for f in dataclasses.fields(Params):
+        tp = typing.get_type_hints(Params)[f.name]
+        if isinstance(tp, type) and issubclass(tp, LoopConfig):
+            assert loop_keys <= {g.name for g in dataclasses.fields(tp)}, f.name
 
 
 def test_all_problems_reported_at_once():

@@ -12,13 +12,34 @@ import torch
 from llm.config import ModelConfig, TrainConfig
 from llm.losses import sequence_logprob
 from llm.model import GPT
-from llm.preference import (collate_pairs, dpo_loss_fn, dpo_metrics, fixed_pair_batches, pair_batches,
-                            policy_kl, reference_logprobs)
-from llm.trainer import Runtime, train
+from llm.dpo import answer_logprobs, dpo_loss, dpo_loss_fn, dpo_metrics, reference_logprobs
+from llm.preference import collate_pairs, fixed_pair_batches, pair_batches
+from llm.runtime import Runtime
+from llm.trainer import train
 from tests.test_reward import _toy_pairs, _write_jsonl, make_workspace, run_stage, tcfg, write_params
 
 CPU = Runtime(torch.device("cpu"))
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_dpo_hand_computed():
+    pc, pr, rc, rr = map(torch.tensor, ([-10.0], [-12.0], [-11.0], [-11.0]))
+    losses, rew_c, rew_r = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    h = (-10 + 11) - (-12 + 11)          # = 2
+    assert losses.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.1 * h))), abs=1e-6)
+    assert rew_c.item() == pytest.approx(0.1) and rew_r.item() == pytest.approx(-0.1)
+    ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo")
+    assert ipo.item() == pytest.approx((2 - 1 / 0.2) ** 2)
+    cdpo, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.2)
+    s = lambda z: math.log(1 / (1 + math.exp(-z)))
+    assert cdpo.item() == pytest.approx(-0.8 * s(0.2) - 0.2 * s(-0.2), abs=1e-6)
+
+
+def test_dpo_is_log2_when_policy_equals_reference():
+    lp = torch.randn(16) * 5
+    lr = torch.randn(16) * 5
+    losses, _, _ = dpo_loss(lp, lr, lp.clone(), lr.clone(), beta=0.1)
+    assert torch.allclose(losses, torch.full((16,), math.log(2)))
 
 
 def tiny(seed: int = 0, vocab: int = 41) -> GPT:
@@ -77,25 +98,25 @@ def test_dpo_loss_with_label_smoothing_is_still_log2_at_the_start():
     assert loss.item() / 6 == pytest.approx(math.log(2), abs=1e-5)
 
 
-def test_policy_kl_is_zero_against_itself_and_positive_against_another_model():
-    a, b = tiny(4), tiny(5)
-    prompts = [[0, 1, 5, 3], [0, 2, 3], [0, 1, 7, 8, 9, 3]]
-    g = lambda: torch.Generator().manual_seed(0)
-    same = policy_kl(a, a, prompts, max_new_tokens=6, batch_size=2, pad_id=40, stop_ids=(), generator=g())
-    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["kl_tokens"] == 3 * 6
-    diff = policy_kl(a, b, prompts, max_new_tokens=6, batch_size=2, pad_id=40, stop_ids=(), generator=g())
-    assert diff["kl"] > 1e-3 and diff["kl_seq"] == pytest.approx(diff["kl"] * 6, rel=1e-5)
-
-
-def test_policy_kl_matches_a_hand_computation_for_one_token():
-    a, b = tiny(6), tiny(7)
-    prompt = [0, 1, 2, 3]
-    out = policy_kl(a, b, [prompt], max_new_tokens=1, batch_size=1, pad_id=40, stop_ids=(),
-                    generator=torch.Generator().manual_seed(0))
+def test_ipo_averages_the_log_ratios_per_answer_token():
+    """IPO's h uses per-token means of the log-probs (as its authors and TRL define it): by hand."""
+    m = tiny(3)
+    pairs = _toy_pairs(4, 7)
+    b = collate_pairs(pairs, pad_id=40)
     with torch.no_grad():
-        lp = torch.log_softmax(a(torch.tensor([prompt]))[0, -1], -1)
-        lq = torch.log_softmax(b(torch.tensor([prompt]))[0, -1], -1)
-    assert out["kl"] == pytest.approx(float((lp.exp() * (lp - lq)).sum()), rel=1e-4)
+        sums = answer_logprobs(m, b)                                   # (2B,)
+        means = answer_logprobs(m, b, per_token=True)
+        n = b["response_mask"][:, 1:].sum(-1).float()                   # answer tokens per row
+        torch.testing.assert_close(means, sums / n)
+        ref = reference_logprobs(tiny(4), pairs, pad_id=40, batch_size=3, per_token=True)
+        bb = collate_pairs(pairs, pad_id=40, ref_chosen=ref[0], ref_rejected=ref[1])
+        loss, w, _ = dpo_loss_fn(0.5, "ipo", 0.0)(m, bb)
+        B = len(pairs)
+        h = (means[:B] - ref[0]) - (means[B:] - ref[1])
+        assert loss.item() == pytest.approx(float(((h - 1 / (2 * 0.5)) ** 2).sum()), rel=1e-5)
+        # the sigmoid loss keeps the sums
+        ref_s = reference_logprobs(tiny(4), pairs, pad_id=40, batch_size=3)
+        torch.testing.assert_close(ref_s[0] / n[:B], ref[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,11 +22,11 @@ from llm.artifacts import MissingArtifactError, save_model_dir
 from llm.batching import pad_collate
 from llm.chat import render
 from llm.config import EvalConfig, ModelConfig, load_sections
-from llm.evaluate import evaluate_model, kl_to_reference, lm_eval, rm_scores, score_math, score_tasks, win_rate
+from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
 from llm.generators import TASK_KINDS, arithmetic_question, math_problem, task
 from llm.model import GPT
 from llm.tokenizer import Tokenizer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, dvc_command
 
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
                    rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
@@ -100,7 +99,7 @@ def world(tmp_path_factory, one_thread):
     meta = {"dtype": "uint16", "val_tokens": len(ids), "val_bytes": len(text.encode()), "vocab_size": tok.vocab_size,
             "tokenizer_sha256": tok.sha256(), "train_tokens": 0, "train_bytes": 0}
     (root / "data/tokens/meta.json").write_text(json.dumps(meta))
-    params = {"common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1},
+    params = {"common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1, "cpu_kernels": True},
               "eval": EVAL_PARAMS}
     import yaml
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -129,16 +128,16 @@ def test_the_reference_against_itself(world):
     assert m["win_rate_vs_sft"] == m["win_rate_vs_sft_lo"] == m["win_rate_vs_sft_hi"] == 0.5  # by definition
 
 
-def test_kl_is_zero_between_copies_and_positive_for_a_perturbed_model(world):
+def test_kl_to_sft_is_zero_between_copies_and_positive_for_a_perturbed_model(world):
     w = world
-    qs = [p["question"] for p in w["test"][:6]]
-    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
-    same = kl_to_reference(w["sft"], copy.deepcopy(w["sft"]), w["tok"], qs, max_new_tokens=16, batch_size=4,
-                           generator=g())
-    assert same["kl"] == 0.0 and all(v == 0.0 for v in same["per_sequence"])
-    moved = kl_to_reference(w["ppo"], w["sft"], w["tok"], qs, max_new_tokens=16, batch_size=4, generator=g())
-    assert moved["kl"] > 0 and moved["kl_per_token"] > 0
-    assert len(moved["per_sequence"]) == len(qs) == len(moved["responses"])
+    cfg = w["cfg"]
+    same, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"], ref=copy.deepcopy(w["sft"]))
+    assert same["kl_to_sft"] == pytest.approx(0.0, abs=1e-6)
+    assert same["kl_to_sft_per_token"] == pytest.approx(0.0, abs=1e-7)
+    moved, _ = evaluate_model(w["ppo"], w["tok"], cfg, seed=0, problems=w["test"], ref=w["sft"])
+    assert moved["kl_to_sft"] > 0 and moved["kl_to_sft_per_token"] > 0
+    assert moved["kl_to_sft_lo"] <= moved["kl_to_sft"] <= moved["kl_to_sft_hi"]
+    assert moved["kl_to_sft"] == pytest.approx(moved["kl_to_sft_per_token"] * moved["kl_response_tokens_mean"])
 
 
 def test_win_rate_counts_ties_half():
@@ -195,20 +194,21 @@ def _check_outputs(out, name: str) -> dict:
     return metrics
 
 
-def _paths(root) -> dict:
-    return dict(models=root / "models", test=root / "data/prepared/rl/test.jsonl",
-                tasks=root / "data/prepared/tasks/test.jsonl", arithmetic=root / "data/prepared/arithmetic/test.jsonl",
-                tokens=root / "data/tokens")
+def _paths(root, name: str, out) -> dict:
+    return {"model": root / "models" / name, "sft": root / "models/sft", "rm": root / "models/reward",
+            "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
+            "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
+            "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
+            "items": out / f"{name}_items.jsonl"}
 
 
 def test_eval_stage_run_writes_flat_metrics_and_samples(world):
     from stages.eval import run
     root = world["root"]
     sections = load_sections(["common", "eval"], root / "params.yaml")
-    kw = _paths(root)
-    m, _ = run("ppo", sections["common"], sections["eval"], out=root / "run", **kw)
+    m, _ = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "run"))
     assert _check_outputs(root / "run", "ppo") == m
-    m, _ = run("sft", sections["common"], sections["eval"], out=root / "run", **kw)
+    m, _ = run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "run"))
     assert _check_outputs(root / "run", "sft")["kl_to_sft"] == 0.0 and m["win_rate_vs_sft"] == 0.5
 
 
@@ -218,7 +218,7 @@ def test_every_rate_is_the_mean_of_its_item_outcomes(world):
     from stages.eval import run
     root = world["root"]
     sections = load_sections(["common", "eval"], root / "params.yaml")
-    m, samples = run("ppo", sections["common"], sections["eval"], out=root / "items", **_paths(root))
+    m, samples = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "items"))
     items = read_items(root / "items/ppo_items.jsonl")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     of = lambda s, **kw: [r for r in items if r["set"] == s and all(r[k] == v for k, v in kw.items())]  # noqa: E731
@@ -241,8 +241,8 @@ def test_a_missing_test_file_names_the_stage_that_writes_it(world, tmp_path):
     root = world["root"]
     sections = load_sections(["common", "eval"], root / "params.yaml")
     with pytest.raises(FileNotFoundError, match="tasks/test.jsonl: not found; run `dvc repro prepare` first"):
-        run("sft", sections["common"], sections["eval"], out=tmp_path,
-            **{**_paths(root), "tasks": tmp_path / "data/prepared/tasks/test.jsonl"})
+        run("sft", sections["common"], sections["eval"],
+            **{**_paths(root, "sft", tmp_path), "tasks": tmp_path / "data/prepared/tasks/test.jsonl"})
 
 
 def test_score_math_splits_english_and_chinese():
@@ -268,16 +268,14 @@ def test_eval_stage_cli_in_a_fresh_directory(world):
     """`python -m stages.eval ppo` with cwd = the temp layout, as DVC runs it: same numbers as in-process."""
     root = world["root"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "stages.eval", "ppo"], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(dvc_command("eval", "ppo"), cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     metrics = _check_outputs(root / "metrics/eval", "ppo")
     from stages.eval import run
     sections = load_sections(["common", "eval"], root / "params.yaml")
-    m, _ = run("ppo", sections["common"], sections["eval"], out=root / "again", **_paths(root))
+    m, _ = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "again"))
     assert m == metrics
-    r = subprocess.run([sys.executable, "-m", "stages.eval", "nope"], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(dvc_command("eval", "nope"), cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "invalid choice" in r.stderr
 
 
@@ -290,4 +288,5 @@ def test_eval_stage_names_a_missing_reward_model(world, tmp_path):
         os.symlink(root / "models" / name, models / name)
     sections = load_sections(["common", "eval"], root / "params.yaml")
     with pytest.raises(MissingArtifactError, match="models/reward"):
-        run("sft", sections["common"], sections["eval"], out=tmp_path / "out", **{**_paths(root), "models": models})
+        run("sft", sections["common"], sections["eval"], **{**_paths(root, "sft", tmp_path / "out"),
+                                                            "rm": models / "reward"})

@@ -1,7 +1,6 @@
 """Confidence intervals and pass@k against known values."""
 from __future__ import annotations
 
-import math
 
 import pytest
 

@@ -12,6 +12,7 @@ from llm.artifacts import ArtifactError, MissingArtifactError, load_model_dir, s
 from llm.config import ModelConfig
 from llm.export import ExportError, export_hf, export_problems, main
 from llm.model import GPT
+from llm.reward_model import reward
 from llm.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,7 +151,7 @@ def test_model_directory_round_trip(tmp_path, tok):
         assert torch.equal(v, m2.state_dict()[k]), k
     idx = torch.randint(0, tok.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(m(idx), m2.eval()(idx)) and torch.equal(m.reward(idx), m2.reward(idx))
+        assert torch.equal(m(idx), m2.eval()(idx)) and torch.equal(reward(m, idx), reward(m2, idx))
     only_lm, _, _ = load_model_dir(tmp_path / "rm", heads=("lm",))
     assert only_lm.head_names == ("lm",) and only_lm.n_params() < m.n_params()
 
@@ -161,7 +162,7 @@ def test_loading_a_subset_of_heads_of_an_untied_model(tmp_path, tok):
     rm, _, _ = load_model_dir(tmp_path / "rm", heads=("reward",))
     idx = torch.randint(0, tok.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(rm.reward(idx), m.reward(idx))
+        torch.testing.assert_close(reward(rm, idx), reward(m, idx))
     assert rm.lm_head is None
 
 

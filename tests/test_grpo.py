@@ -1,4 +1,4 @@
-"""GRPO (llm/grpo.py), the shared RL loop (llm/rl.py) and stage `grpo`.
+"""GRPO (llm/grpo.py), the RL stages' run in the skeleton (llm/rl.py, llm/loop.py) and stage `grpo`.
 
 The loss pieces (group advantages, clipped surrogate, k3, aggregation) are tested in
 tests/test_losses.py; here: learning a synthetic reward on a tiny model, exact resume of a
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,15 @@ import torch
 import yaml
 
 from llm.config import GRPOConfig, ModelConfig, RLConfig
+from llm.errors import NonFiniteError, QualityGateError
 from llm.grpo import GRPO
+from llm.loop import Updater
 from llm.model import GPT
-from llm.rl import MathPrompts, QualityGateError, Updater, rm_reward, rm_verifier_reward, run_rl, verifier_reward
+from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
+from llm.rl import MathPrompts, run_rl
 from llm.rollout import Rollout
-from llm.trainer import NonFiniteError, Runtime
-from tests.conftest import ROOT
+from llm.runtime import Runtime
+from tests.conftest import ROOT, dvc_command
 
 V, PAD, STOP, TARGET = 16, 0, 1, 3
 CPU = Runtime(device=torch.device("cpu"))
@@ -45,10 +47,10 @@ def target_fraction(ro: Rollout, problems: list[dict]):
     return torch.tensor([sum(t == TARGET for t in x) / max(len(x), 1) for x in ids]), {}
 
 
-RL_BASE = dict(lr=1e-2, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95, max_grad_norm=1.0, clip_epsilon=0.2,
+RL_BASE = dict(lr=1e-2, min_lr=1e-2, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95, grad_clip=1.0, clip_epsilon=0.2,
                max_new_tokens=8, temperature=1.0, levels=[1], eval_every=1000, eval_problems=0, max_kl=10.0,
                checkpoint_every=1000, keep_checkpoints=2, nonfinite_policy="raise", nonfinite_budget=0,
-               correct_reward=1.0, format_reward=0.2, steps=20)
+               correct_reward=1.0, format_reward=0.2, max_steps=20)
 
 
 def grpo_cfg(**kw) -> GRPOConfig:
@@ -73,7 +75,7 @@ def mean(xs):
 
 
 def test_grpo_learns_a_synthetic_reward_within_a_few_dozen_steps(tmp_path):
-    cfg = grpo_cfg(steps=20)
+    cfg = grpo_cfg(max_steps=20)
     res = run_rl(grpo(cfg), cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
     r = [row["reward"] for row in res.history]
     assert mean(r[:3]) < 0.2                      # ~1/16 at random init
@@ -87,7 +89,7 @@ def test_grpo_learns_a_synthetic_reward_within_a_few_dozen_steps(tmp_path):
 
 @pytest.mark.parametrize("loss_agg", ["dr_grpo", "dapo"])
 def test_other_loss_aggregations_and_minibatches_train(tmp_path, loss_agg):
-    cfg = grpo_cfg(steps=2, loss_agg=loss_agg, minibatch_size=24, epochs=2, beta=0.0)
+    cfg = grpo_cfg(max_steps=2, loss_agg=loss_agg, minibatch_size=24, epochs=2, beta=0.0)
     res = run_rl(grpo(cfg), cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in res.history)
     assert res.history[-1]["kl"] == 0.0          # beta = 0: no reference pass
@@ -97,7 +99,7 @@ def test_other_loss_aggregations_and_minibatches_train(tmp_path, loss_agg):
 def test_zero_variance_groups_give_no_policy_gradient(tmp_path):
     """Every completion of a group rewarded alike: advantages are exactly 0, so with beta = 0
     the loss is 0 and AdamW (no weight decay) leaves the weights where they were."""
-    cfg = grpo_cfg(steps=1, beta=0.0)
+    cfg = grpo_cfg(max_steps=1, beta=0.0)
     algo = grpo(cfg, reward_fn=lambda ro, p: (torch.ones(len(ro)), {}))
     before = {k: v.clone() for k, v in algo.model.state_dict().items()}
     res = run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
@@ -106,9 +108,9 @@ def test_zero_variance_groups_give_no_policy_gradient(tmp_path):
 
 
 class GradRecorder(Updater):
-    """Backward only: sums the gradients of every apply() instead of stepping."""
+    """Backward only: keeps the gradients of minimize() instead of stepping."""
 
-    def apply(self, loss):
+    def minimize(self, loss):
         loss.backward()
         self.grads = [p.grad.clone() for p in self.params]
         self.optimizer.zero_grad(set_to_none=True)
@@ -128,7 +130,7 @@ def test_leaving_zero_advantage_completions_out_gives_the_same_gradient(loss_agg
         cfg = grpo_cfg(beta=beta, loss_agg=loss_agg)
         algo = GRPO(tiny(), tiny(), cfg, prompts_fn=lambda s: (PROMPTS, [{"i": i} for i in range(8)]),
                     reward_fn=half_informative, stop_ids=(STOP,), pad_id=PAD, seed=0)
-        up = GradRecorder(algo.model, cfg, torch.device("cpu"), "grpo")
+        up = GradRecorder(algo.model, cfg, CPU, stage="grpo")
         row = algo.step(0, up)
         grads.append(up.grads)
     assert 0.5 <= row["frac_reward_zero_std"] < 1.0
@@ -140,7 +142,7 @@ def test_leaving_zero_advantage_completions_out_gives_the_same_gradient(loss_agg
 def test_under_autocast_the_old_logprobs_come_from_a_full_forward(tmp_path):
     """bf16 (CPU autocast here, CUDA in the GPU profiles): decode-step and full-sequence numerics
     differ, so the ratio's denominator is recomputed and starts at exactly 1."""
-    cfg = grpo_cfg(steps=2)
+    cfg = grpo_cfg(max_steps=2)
     rt = Runtime(device=torch.device("cpu"), dtype=torch.bfloat16)
     res = run_rl(grpo(cfg), cfg, rt, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
     assert res.history[0]["approxkl"] < 1e-9 and res.history[0]["clip_ratio"] == 0.0  # 1e-8 without the recompute
@@ -174,7 +176,7 @@ def _same_rows(a: list[dict], b: list[dict]) -> None:
 
 
 def test_a_killed_grpo_run_resumes_and_matches_the_uninterrupted_run(tmp_path):
-    cfg = grpo_cfg(steps=5, checkpoint_every=2)
+    cfg = grpo_cfg(max_steps=5, checkpoint_every=2)
     full = grpo(cfg)
     ref_res = run_rl(full, cfg, CPU, stage="grpo", run_dir=tmp_path / "a", fingerprint="fp", progress=False)
 
@@ -203,7 +205,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of step 2
         return target_fraction(ro, problems)
 
-    cfg = grpo_cfg(steps=5, checkpoint_every=100)
+    cfg = grpo_cfg(max_steps=5, checkpoint_every=100)
     with pytest.raises(SystemExit) as e:
         run_rl(grpo(cfg, reward_fn=reward_then_term), cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp",
                progress=False)
@@ -224,7 +226,7 @@ def _nan_reward(ro, problems):
 
 
 def test_nonfinite_loss_raises_before_the_optimizer_step(tmp_path):
-    cfg = grpo_cfg(steps=1, nonfinite_policy="raise")
+    cfg = grpo_cfg(max_steps=1, nonfinite_policy="raise")
     algo = grpo(cfg, reward_fn=_nan_reward)
     before = {k: v.clone() for k, v in algo.model.state_dict().items()}
     with pytest.raises(NonFiniteError, match=r"grpo: step 1: non-finite loss.*no update was applied"):
@@ -233,13 +235,13 @@ def test_nonfinite_loss_raises_before_the_optimizer_step(tmp_path):
 
 
 def test_nonfinite_skip_leaves_weights_and_moments_alone_within_the_budget(tmp_path):
-    cfg = grpo_cfg(steps=2, nonfinite_policy="skip", nonfinite_budget=2)
+    cfg = grpo_cfg(max_steps=2, nonfinite_policy="skip", nonfinite_budget=2)
     algo = grpo(cfg, reward_fn=_nan_reward)
     before = {k: v.clone() for k, v in algo.model.state_dict().items()}
     res = run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path / "a", fingerprint="fp", progress=False)
     assert res.nonfinite_skips == 2 and all(r["skipped"] == 1.0 for r in res.history)
     assert all(torch.equal(before[k], v) for k, v in algo.model.state_dict().items())
-    cfg = grpo_cfg(steps=3, nonfinite_policy="skip", nonfinite_budget=2)
+    cfg = grpo_cfg(max_steps=3, nonfinite_policy="skip", nonfinite_budget=2)
     with pytest.raises(NonFiniteError, match="above grpo.nonfinite_budget=2"):
         run_rl(grpo(cfg, reward_fn=_nan_reward), cfg, CPU, stage="grpo", run_dir=tmp_path / "b", fingerprint="fp",
                progress=False)
@@ -247,14 +249,14 @@ def test_nonfinite_skip_leaves_weights_and_moments_alone_within_the_budget(tmp_p
 
 def test_infinite_gradient_norm_is_caught():
     m = tiny()
-    up = Updater(m, grpo_cfg(), torch.device("cpu"), "grpo")
+    up = Updater(m, grpo_cfg(), CPU, stage="grpo")
     m.wte.weight.register_hook(lambda g: g * float("inf"))
     with pytest.raises(NonFiniteError, match="non-finite gradient norm"):
-        up.apply(m.wte.weight.sum() * 1e-3)  # a finite loss
+        up.minimize(m.wte.weight.sum() * 1e-3)  # a finite loss
 
 
 def test_no_informative_group_for_n_steps_fails_with_a_message(tmp_path):
-    cfg = grpo_cfg(steps=10, max_zero_std_steps=3)
+    cfg = grpo_cfg(max_steps=10, max_zero_std_steps=3)
     algo = grpo(cfg, reward_fn=lambda ro, p: (torch.zeros(len(ro)), {}))
     with pytest.raises(QualityGateError, match=r"no informative group.*3 consecutive steps up to step 3"):
         run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
@@ -335,7 +337,7 @@ def make_workspace(root: Path, stage: str, overrides: dict | None = None, rm: bo
     (d / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[20:]))
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     sec = params[stage]
-    sec.update(steps=4, lr=1.0e-2, warmup_steps=1, epochs=1, max_new_tokens=8, levels=[1, 2], eval_every=2,
+    sec.update(max_steps=4, lr=1.0e-2, min_lr=1.0e-2, warmup_steps=1, epochs=1, max_new_tokens=8, levels=[1, 2], eval_every=2,
                eval_problems=4, checkpoint_every=2, max_kl=100.0)
     if stage == "grpo":
         sec.update(prompts_per_step=2, group_size=4, minibatch_size=8, curriculum_steps=2, curriculum_levels=[1],
@@ -350,8 +352,7 @@ def make_workspace(root: Path, stage: str, overrides: dict | None = None, rm: bo
 
 def run_stage(root: Path, stage: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(dvc_command(stage), cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow

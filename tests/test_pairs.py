@@ -11,7 +11,8 @@ import torch
 
 from llm.config import CommonConfig, PairsConfig
 from llm.generate import Generation
-from llm.preference import break_format, choose_pair, preference_score, validate_pair
+from llm.pairs import break_format, choose_pair, preference_score
+from llm.preference import validate_pair
 from llm.rewards import math_reward, parse_answer
 from tests.test_reward import make_workspace, params, run_stage
 
@@ -130,8 +131,8 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
     p = params(pairs={"n_prompts": 30, "math_fraction": 0.6, "adversarial_fraction": 0.2, "val_fraction": 0.2})
     cfg = PairsConfig(**p["pairs"])
     m = pairs_stage.run(CommonConfig(**p["common"]), cfg, "cpu", sft=ws / "models/sft", rm=ws / "models/reward",
-                        math_path=ws / "data/prepared/rl/train.jsonl", sft_path=ws / "data/clean_sft/train.jsonl",
-                        out_dir=ws / "data/pairs", metrics_path=ws / "metrics/pairs.json", plots=ws / "metrics/plots",
+                        math=ws / "data/prepared/rl/train.jsonl", sft_data=ws / "data/clean_sft/train.jsonl",
+                        out=ws / "data/pairs", metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots",
                         progress=False)
     m2, train, val = _check_outputs(ws, p["pairs"])
     assert m2 == json.loads(json.dumps(m))
@@ -168,9 +169,9 @@ def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_
     p = params(pairs=pairs)
     with pytest.raises(DataError) as e:
         pairs_stage.run(CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
-                        rm=ws / "models/reward", math_path=ws / "data/prepared/rl/train.jsonl",
-                        sft_path=ws / "data/clean_sft/train.jsonl", out_dir=ws / "data/pairs",
-                        metrics_path=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
+                        rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
+                        sft_data=ws / "data/clean_sft/train.jsonl", out=ws / "data/pairs",
+                        metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
     for text in expected:
         assert text in str(e.value)
     assert not (ws / "data/pairs").exists()  # nothing written

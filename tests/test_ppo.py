@@ -1,4 +1,4 @@
-"""PPO (llm/ppo.py), the KL controller and alerts (llm/rl.py), and stage `ppo`.
+"""PPO (llm/ppo.py) with its KL controller and alerts, and stage `ppo`.
 
 GAE, the clipped surrogate, the clipped value loss and the KL estimators are tested in
 tests/test_losses.py; here: how PPO assembles them, learning a synthetic reward, resume,
@@ -13,8 +13,8 @@ import torch
 
 from llm.config import PPOConfig
 from llm.losses import gae
-from llm.ppo import PPO, token_rewards
-from llm.rl import KLAlert, KLController, run_rl
+from llm.ppo import PPO, KLAlert, KLController, token_rewards
+from llm.rl import run_rl
 from tests.test_grpo import (CPU, PAD, PROMPTS, RL_BASE, STOP, Killed, _killing, _same_rows, make_workspace, mean,
                              run_stage, target_fraction, tiny)
 
@@ -38,7 +38,7 @@ def ppo(cfg: PPOConfig, reward_fn=target_fraction, log=print) -> PPO:
 
 
 def test_ppo_learns_a_synthetic_reward_within_a_few_dozen_steps(tmp_path):
-    cfg = ppo_cfg(steps=15)
+    cfg = ppo_cfg(max_steps=15)
     res = run_rl(ppo(cfg), cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
     r = [row["reward"] for row in res.history]
     assert mean(r[:3]) < 0.2
@@ -52,7 +52,7 @@ def test_ppo_learns_a_synthetic_reward_within_a_few_dozen_steps(tmp_path):
 
 
 def test_ppo_with_the_entropy_bonus_and_k3_trains(tmp_path):
-    cfg = ppo_cfg(steps=2, ent_coef=0.05, kl_estimator="k3", whiten_advantages=False, minibatch_size=5)
+    cfg = ppo_cfg(max_steps=2, ent_coef=0.05, kl_estimator="k3", whiten_advantages=False, minibatch_size=5)
     res = run_rl(ppo(cfg), cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
     assert all(r["kl"] >= 0 and r["entropy"] > 0 for r in res.history)
 
@@ -123,7 +123,7 @@ def test_kl_alert_smooths_over_a_window():
 
 def test_ppo_logs_kl_alerts_and_adapts_the_coefficient(tmp_path):
     logs = []
-    cfg = ppo_cfg(steps=3, kl_alert_low=0.0, kl_alert_high=1e-6, adaptive_kl=True, kl_target=1e-3, kl_horizon=32)
+    cfg = ppo_cfg(max_steps=3, kl_alert_low=0.0, kl_alert_high=1e-6, adaptive_kl=True, kl_target=1e-3, kl_horizon=32)
     algo = ppo(cfg, log=logs.append)
     res = run_rl(algo, cfg, CPU, stage="ppo", run_dir=tmp_path, fingerprint="fp", progress=False)
     assert any("ALERT" in m for m in logs)
@@ -134,14 +134,14 @@ def test_ppo_logs_kl_alerts_and_adapts_the_coefficient(tmp_path):
     assert coefs[2] == pytest.approx(0.01 * 0.8 * 1.2)  # above: it grows
     # a band the KL never reaches from below is reported once, after the last step
     logs.clear()
-    quiet = ppo_cfg(steps=2, kl_alert_low=10.0, kl_alert_high=20.0)
+    quiet = ppo_cfg(max_steps=2, kl_alert_low=10.0, kl_alert_high=20.0)
     run_rl(ppo(quiet, log=logs.append), quiet, CPU, stage="ppo", run_dir=tmp_path / "low", fingerprint="fp",
            progress=False)
     assert len(logs) == 1 and "ALERT step 2" in logs[0] and "stayed below kl_alert_low=10.0" in logs[0]
 
 
 def test_a_killed_ppo_run_resumes_and_matches_the_uninterrupted_run(tmp_path):
-    cfg = ppo_cfg(steps=4, checkpoint_every=2, adaptive_kl=True, kl_target=0.01, kl_horizon=50)
+    cfg = ppo_cfg(max_steps=4, checkpoint_every=2, adaptive_kl=True, kl_target=0.01, kl_horizon=50)
     full = ppo(cfg)
     a = run_rl(full, cfg, CPU, stage="ppo", run_dir=tmp_path / "a", fingerprint="fp", progress=False)
     with pytest.raises(Killed):

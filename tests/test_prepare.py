@@ -4,11 +4,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, dvc_command
 
 
 def _run_prepare(tmp_path, **overrides):
@@ -18,8 +17,8 @@ def _run_prepare(tmp_path, **overrides):
     params["prepare"].update(overrides)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "stages.prepare"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(dvc_command("prepare"), cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def _jsonl(path):

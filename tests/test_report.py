@@ -16,11 +16,11 @@ from llm.config import CommonConfig, ReportConfig
 from llm.report import (collect, paired_deltas, provenance, read_tsv, recorded_seconds, stage_summary, stage_times,
                         summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
-from llm.report_plots import _kl_panel, curves_png, ema
+from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
 from stages.report import run
 
 CFG = ReportConfig(max_samples=3, confidence=0.95, bootstrap_samples=2000)
-COMMON = CommonConfig(seed=1, device="cpu", dtype="auto", nproc=1, num_threads=1)
+COMMON = CommonConfig(seed=1, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True)
 URLS = "see https://example.com/x and HTTP://cdn.example.org/y.js"
 N = 120  # math items per model
 
@@ -221,13 +221,20 @@ def test_curves_are_smoothed_and_panels_keep_one_unit(metrics):
     # reward and accuracy are separate panels
     assert titles == ["pretraining loss", "GRPO reward", "held-out math accuracy during RL", "KL to SFT during RL"]
     assert curves_png({}) == (None, [])
-    assert ema([3.0, 3.0, 3.0], 5) == pytest.approx([3.0, 3.0, 3.0])
-    e = ema([0.0, 1.0], 3)  # debiased: starts at the first point, moves half way (weight 2 / (3 + 1))
-    assert e[0] == 0.0 and e[1] == pytest.approx(0.5 / 0.75)
+
+
+def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
+    from llm.monitor import smooth
+    fig, titles = curves_figure(collect(metrics)["curves"])
+    raw, mean, val = fig.axes[0].lines  # pretraining loss: 40 train steps, 2 held-out points
+    _plt().close(fig)
+    ys = [8 - i / 10 for i in range(40)]
+    assert list(raw.get_ydata()) == pytest.approx(ys) and raw.get_alpha() == 0.25
+    assert list(mean.get_ydata()) == pytest.approx(smooth(ys, 2)) and mean.get_label() == "train (mean of 2)"
+    assert len(val.get_ydata()) == 2 and val.get_marker() == "o"  # short series: points, not smoothed
 
 
 def test_kl_is_drawn_on_a_log_axis_with_zero_and_negative_written_out():
-    from llm.report_plots import _plt
     plt = _plt()
     fig, ax = plt.subplots()
     evals = {"base": {"kl_to_sft": 277.0}, "sft": {"kl_to_sft": 0.0}, "ppo": {"kl_to_sft": 0.05},

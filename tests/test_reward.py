@@ -12,7 +12,6 @@ import math
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,26 @@ from llm.artifacts import load_model_dir, save_model_dir
 from llm.chat import render
 from llm.config import ModelConfig, TrainConfig
 from llm.generators import math_problem, preference_pair, task, task_preference_pair
-from llm.losses import bradley_terry_loss
 from llm.model import GPT
-from llm.preference import (EncodedPair, RewardModel, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches,
-                            pair_metrics, reward_loss_fn, score_sequences)
+from llm.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches, pair_metrics
+from llm.reward_model import RewardModel, bradley_terry_loss, reward, reward_loss_fn, score_sequences
+from llm.runtime import Runtime
 from llm.tokenizer import Tokenizer
-from llm.trainer import Runtime, train
-from tests.conftest import ROOT
+from llm.trainer import train
+from tests.conftest import ROOT, dvc_command
 
 CPU = Runtime(torch.device("cpu"))
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_bradley_terry_hand_computed():
+    rc, rr = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
+    # -log sigmoid(1) = 0.31326, -log sigmoid(-1) = 1.31326
+    assert bradley_terry_loss(rc, rr).item() == pytest.approx((0.3132617 + 1.3132617) / 2, abs=1e-6)
+    # smoothing 0.1: 0.9 * 0.31326 + 0.1 * 1.31326 = 0.41326 for the first pair
+    assert bradley_terry_loss(rc[:1], rr[:1], label_smoothing=0.1).item() == pytest.approx(0.4132617, abs=1e-6)
+    # a margin shifts the logit: -log sigmoid(1 - 0.5)
+    assert bradley_terry_loss(rc[:1], rr[:1], margin=0.5).item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5))), abs=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -56,7 +65,7 @@ def tcfg(**kw) -> dict:
 def params(**sections) -> dict:
     """params.yaml for the workspace: common + reward + pairs + dpo, overridable per section."""
     p = {
-        "common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1},
+        "common": {"seed": 7, "device": "cpu", "dtype": "auto", "nproc": 1, "num_threads": 1, "cpu_kernels": True},
         "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0,
                    "logprob_feature": False, "train_trunk": True, **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,
@@ -116,7 +125,7 @@ def make_workspace(ws: Path, *, n_train: int = 48, n_val: int = 16, reward_model
 def run_stage(ws: Path, stage: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", f"stages.{stage}", "--no-progress"], cwd=ws, env=env,
+    return subprocess.run([*dvc_command(stage), "--no-progress"], cwd=ws, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -159,7 +168,7 @@ def test_reward_is_read_at_the_last_real_token_left_and_right_padding():
     gpt.eval()
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (3, 9, 6, 1)]
-    alone = torch.stack([gpt.reward(torch.tensor([s]))[0] for s in seqs])  # (4,): no padding at all
+    alone = torch.stack([reward(gpt, torch.tensor([s]))[0] for s in seqs])  # (4,): no padding at all
     assert len(set(alone.tolist())) == 4
     # right padding, through the batched scorer the stages use (sorted by length inside)
     right = score_sequences(gpt, seqs, pad_id=49, batch_size=3)
@@ -195,7 +204,7 @@ def test_the_likelihood_feature_adds_the_weighted_mean_log_prob_of_the_response_
         return sum(lps) / len(lps) if lps else 0.0                    # nothing after the marker: 0
 
     with torch.no_grad():
-        want = torch.tensor([float(plain.reward(torch.tensor([s]))[0]) + 0.7 * by_hand(s) for s in seqs])
+        want = torch.tensor([float(reward(plain, torch.tensor([s]))[0]) + 0.7 * by_hand(s) for s in seqs])
     torch.testing.assert_close(score_sequences(gpt, seqs, pad_id=V - 1, batch_size=3), want, atol=1e-5, rtol=0)
     T = max(map(len, seqs))                                            # left padding, the training path
     idx = torch.tensor([[V - 1] * (T - len(s)) + s for s in seqs])
@@ -204,7 +213,7 @@ def test_the_likelihood_feature_adds_the_weighted_mean_log_prob_of_the_response_
     # a padded position holding the marker's id is not a marker: right padding puts it after the answer
     torch.testing.assert_close(score_sequences(gpt, seqs, pad_id=MARK, batch_size=3), want, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"row 0 has no response marker \(token id 5"):
-        gpt.reward(torch.tensor([[1, 2, 3]]))
+        reward(gpt, torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="needs marker="):
         plain.add_head("reward_logprob")
     with pytest.raises(ValueError, match="needs the 'lm' and 'reward' heads"):
@@ -219,12 +228,12 @@ def test_a_reward_model_with_the_likelihood_feature_loads_it_with_its_reward_hea
         gpt.reward_logprob_head.weight.fill_(0.3)
     save_model_dir(tmp_path / "rm", gpt, tok, {"stage": "reward"})
     seq = render([{"role": "user", "content": "Tom has 3"}, {"role": "assistant", "content": "#### 5"}], tok)[0]
-    want = gpt.eval().reward(torch.tensor([seq]))
+    want = reward(gpt.eval(), torch.tensor([seq]))
     # asking for the reward head brings the feature (and the LM head it reads) along: same rewards
     rm, _, _ = load_model_dir(tmp_path / "rm", heads=("reward",))
     assert set(rm.head_names) == {"lm", "reward", "reward_logprob"}
     assert int(rm.reward_logprob_head.marker) == tok.special["<|assistant|>"]
-    torch.testing.assert_close(rm.eval().reward(torch.tensor([seq])), want)
+    torch.testing.assert_close(reward(rm.eval(), torch.tensor([seq])), want)
     lm, _, _ = load_model_dir(tmp_path / "rm", heads=("lm",))          # the LM alone, as export loads it
     assert lm.head_names == ("lm",) and lm.reward_logprob_head is None
 

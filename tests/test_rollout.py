@@ -1,4 +1,4 @@
-"""llm/rollout.py: rollout log-probs == a recomputed forward, masks, minibatch selection, exact KL."""
+"""llm/rollout.py: rollout log-probs == a recomputed forward, masks, minibatch selection, the sampled KL."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from llm.config import ModelConfig
 from llm.losses import sequence_logprob
 from llm.model import GPT
-from llm.rollout import exact_kl, response_forward, rollout
+from llm.rollout import response_forward, rollout, sampled_kl
 
 V, PAD, STOP = 37, 0, 5
 
@@ -99,15 +99,43 @@ def test_response_forward_gradients_reach_policy_and_value_head():
     assert m.value_head.weight.grad is not None and m.wte.weight.grad.abs().sum() > 0
 
 
-def test_exact_kl_is_zero_for_the_same_model_and_positive_otherwise():
-    a, b = model(0), model(1)
-    ro = rollout(a, prompts([4, 6]), max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD,
-                 generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        la = response_forward(a, ro, 1.0, keep_logits=True).logits
-        lb = response_forward(b, ro, 1.0, keep_logits=True).logits
-    assert float(exact_kl(la, la, ro.response_mask)) == pytest.approx(0.0, abs=1e-6)
-    assert float(exact_kl(la, lb, ro.response_mask)) > 0.01
+def test_sampled_kl_is_zero_against_itself_and_positive_against_another_model():
+    a, b = model(4), model(5)
+    ps = [[1, 2, 6, 3], [1, 3, 4], [1, 2, 7, 8, 9, 3]]
+    g = lambda: torch.Generator().manual_seed(0)
+    same = sampled_kl(a, a, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, generator=g(),
+                      batch_size=2)
+    assert same.per_token == pytest.approx(0.0, abs=1e-6) and same.tokens == 3 * 6
+    diff = sampled_kl(a, b, ps, max_new_tokens=6, temperature=1.0, stop_ids=(), pad_id=PAD, generator=g(),
+                      batch_size=2)
+    assert diff.per_token > 1e-3 and diff.per_sequence == pytest.approx(diff.per_token * 6, rel=1e-5)
+    assert sum(diff.sequences) / 3 == pytest.approx(diff.per_sequence)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_kl_matches_a_hand_computation_for_one_token(temperature):
+    a, b = model(6), model(7)
+    prompt = [1, 2, 3, 4]
+    out = sampled_kl(a, b, [prompt], max_new_tokens=1, temperature=temperature, stop_ids=(), pad_id=PAD,
+                     generator=torch.Generator().manual_seed(0), batch_size=1)
+    with torch.no_grad():  # the two next-token distributions at that temperature, over the whole vocabulary
+        lp = torch.log_softmax(a(torch.tensor([prompt]))[0, -1] / temperature, -1)
+        lq = torch.log_softmax(b(torch.tensor([prompt]))[0, -1] / temperature, -1)
+    assert out.per_token == pytest.approx(float((lp.exp() * (lp - lq)).sum()), rel=1e-4)
+    assert out.per_sequence == pytest.approx(out.per_token, rel=1e-6) and out.tokens == 1
+
+
+def test_sampled_kl_shows_each_batch_of_samples_to_the_visitor_in_prompt_order():
+    a, b = model(4), model(5)
+    ps = [[1, 2, 6, 3, 3, 3], [1, 3], [1, 2, 7]]
+    seen = {}
+
+    def visit(ro, ix):
+        for i, row in zip(ix, ro.tokens[:, :ro.prompt_len].tolist()):
+            seen[i] = row[ro.prompt_len - len(ps[i]):]  # prompts are left-padded
+    sampled_kl(a, b, ps, max_new_tokens=3, temperature=1.0, stop_ids=(), pad_id=PAD,
+               generator=torch.Generator().manual_seed(0), batch_size=2, visit=visit)
+    assert seen == {i: p for i, p in enumerate(ps)}  # every prompt once, under its own index
 
 
 def test_rollout_needs_a_positive_temperature():

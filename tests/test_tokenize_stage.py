@@ -63,7 +63,7 @@ def test_tokenizer_then_tokenize(prepared, tmp_path):
     assert tok.sha256() == m["tokenizer_sha256"] and len(tok.encode("####")) == 1
 
     tokens = tmp_path / "tokens"
-    meta = tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=7), prepared, out, tokens,
+    meta = tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=7), prepared / "pretrain", out, tokens,
                               tmp_path / "metrics/tokenize.json", progress=False)
     on_disk = json.loads((tokens / "meta.json").read_text())
     assert {k: on_disk[k] for k in ("dtype", "train_tokens", "val_tokens", "train_bytes", "val_bytes",
@@ -85,7 +85,7 @@ def test_parallel_tokenize_equals_serial(prepared, tmp_path):
     out = tmp_path / "tok"
     tokenizer_stage.run(_tok_cfg(), prepared, out, tmp_path / "m.json", progress=False)
     for workers in (1, 2):
-        tokenize_stage.run(TokenizeConfig(workers=workers, chunk_docs=5), prepared, out, tmp_path / f"t{workers}",
+        tokenize_stage.run(TokenizeConfig(workers=workers, chunk_docs=5), prepared / "pretrain", out, tmp_path / f"t{workers}",
                            tmp_path / f"m{workers}.json", progress=False)
     for split in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / "t1" / split).read_bytes() == (tmp_path / "t2" / split).read_bytes()
@@ -112,12 +112,12 @@ def test_tokenize_failure_leaves_previous_shards(prepared, tmp_path):
     out = tmp_path / "tok"
     tokenizer_stage.run(_tok_cfg(), prepared, out, tmp_path / "m.json", progress=False)
     tokens = tmp_path / "tokens"
-    tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=8), prepared, out, tokens, tmp_path / "t.json",
+    tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=8), prepared / "pretrain", out, tokens, tmp_path / "t.json",
                        progress=False)
     before = (tokens / "train.bin").read_bytes()
     (prepared / "pretrain/val.jsonl").write_bytes(b'{"text": "\xc3\x28"}\n')
     with pytest.raises(DataError, match="val.jsonl:1: invalid UTF-8"):
-        tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=8), prepared, out, tokens, tmp_path / "t.json",
+        tokenize_stage.run(TokenizeConfig(workers=1, chunk_docs=8), prepared / "pretrain", out, tokens, tmp_path / "t.json",
                            progress=False)
     assert (tokens / "train.bin").read_bytes() == before
 

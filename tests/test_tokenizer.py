@@ -218,7 +218,7 @@ def test_vocab_size_below_bytes_plus_specials():
 
 def test_vocab_size_config_error_from_params(tmp_path):
     p = tmp_path / "params.yaml"
-    p.write_text("common: {seed: 1, device: cpu, dtype: fp32, nproc: 1, num_threads: 0}\n"
+    p.write_text("common: {seed: 1, device: cpu, dtype: fp32, nproc: 1, num_threads: 0, cpu_kernels: true}\n"
                  "tokenizer: {vocab_size: 262, max_pairs: 1000, min_frequency: 2,"
                  " required_tokens: ['####'], max_train_chars: 0}\n")
     with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size.*263.*got 262"):

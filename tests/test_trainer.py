@@ -19,11 +19,14 @@ import pytest
 import torch
 
 from llm.batching import WindowSampler, fixed_windows
-from llm.config import CommonConfig, ModelConfig, TrainConfig
+from llm.config import CommonConfig, ConfigError, ModelConfig, TrainConfig
 from llm.model import GPT
 from llm.optim import build_optimizer, lr_at, param_groups, set_trainable
-from llm.trainer import (NonFiniteError, Runtime, accumulate_gradients, enable_activation_checkpointing, lm_loss,
-                         resolve_dtype, resolve_device, train)
+from llm.errors import NonFiniteError
+from llm.monitor import Plots
+from llm.runtime import Runtime, enable_activation_checkpointing, resolve_device, resolve_dtype
+from llm.trainer import accumulate_gradients, lm_loss, train
+from tests.conftest import dvc_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = np.random.default_rng(0).integers(0, 64, 6000).astype(np.uint16)
@@ -45,14 +48,16 @@ def tcfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def run(run_dir, cfg=None, *, model=None, loss_fn=lm_loss, fingerprint="fp", rt=CPU, tsv=None, **kw):
+def run(run_dir, cfg=None, *, model=None, loss_fn=lm_loss, fingerprint="fp", rt=CPU, tsv=None, png=None, tb_dir=None,
+        **kw):
     cfg = cfg or tcfg()
     model = model if model is not None else tiny_model()
     src = WindowSampler(TOKENS, seq_len=16, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=1,
                         rank=rt.rank, world_size=rt.world_size)
     val = fixed_windows(TOKENS, seq_len=16, batch_size=4, n_batches=cfg.eval_batches)
     res = train(model, cfg, rt, stage="test", seed=7, batches=src, loss_fn=loss_fn, val_batches=val,
-                run_dir=run_dir, fingerprint=fingerprint, tsv_path=tsv, progress=False, **kw)
+                run_dir=run_dir, fingerprint=fingerprint, plots=Plots(tsv=tsv, png=png, tb_dir=tb_dir), progress=False,
+                **kw)
     return res, model
 
 
@@ -286,10 +291,10 @@ def test_nan_loss_with_raise_names_the_step(tmp_path):
 
 
 def test_nan_loss_with_skip_changes_nothing_and_is_counted(tmp_path, monkeypatch):
-    import llm.trainer as trainer
+    import llm.loop as loop
     made = []
-    real_build = trainer.build_optimizer
-    monkeypatch.setattr(trainer, "build_optimizer", lambda *a, **k: made.append(real_build(*a, **k)) or made[-1])
+    real_build = loop.build_optimizer
+    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: made.append(real_build(*a, **k)) or made[-1])
     calls, snaps = [0], []
 
     def snapshot(model):
@@ -337,7 +342,7 @@ def test_skip_budget_is_enforced(tmp_path):
                 s = s * float("nan")
         return s, w
 
-    with pytest.raises(NonFiniteError, match="3 non-finite steps, above test.nonfinite_budget=2"):
+    with pytest.raises(NonFiniteError, match="3 non-finite updates, above test.nonfinite_budget=2"):
         run(tmp_path, tcfg(nonfinite_policy="skip", nonfinite_budget=2), loss_fn=nan_from_step_3)
 
 
@@ -345,14 +350,14 @@ def test_skip_budget_is_enforced(tmp_path):
 # Devices
 
 def test_resolve_device_and_dtype_on_cpu():
-    common = CommonConfig(seed=0, device="auto", dtype="auto", nproc=1, num_threads=0)
+    common = CommonConfig(seed=0, device="auto", dtype="auto", nproc=1, num_threads=0, cpu_kernels=True)
     if not torch.cuda.is_available():
         assert resolve_device(common) == torch.device("cpu")
-        with pytest.raises(RuntimeError, match="common.device: cuda"):
-            resolve_device(CommonConfig(seed=0, device="cuda", dtype="auto", nproc=1, num_threads=0))
+        with pytest.raises(ConfigError, match="common.device: cuda"):
+            resolve_device(CommonConfig(seed=0, device="cuda", dtype="auto", nproc=1, num_threads=0, cpu_kernels=True))
     assert resolve_dtype(common, torch.device("cpu")) == torch.float32
-    with pytest.raises(RuntimeError, match="common.dtype: bf16 needs a CUDA device"):
-        resolve_dtype(CommonConfig(seed=0, device="cpu", dtype="bf16", nproc=1, num_threads=0), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="common.dtype: bf16 needs a CUDA device"):
+        resolve_dtype(CommonConfig(seed=0, device="cpu", dtype="bf16", nproc=1, num_threads=0, cpu_kernels=True), torch.device("cpu"))
 
 
 def test_fp16_with_grad_scaler_trains_and_resumes(tmp_path):
@@ -362,7 +367,7 @@ def test_fp16_with_grad_scaler_trains_and_resumes(tmp_path):
     a, model_a = run(tmp_path / "a", tcfg(max_steps=4), model=tiny_model(dropout=0.0), rt=fp16)
     assert all(abs(x[1] - y[1]) < 2e-2 for x, y in zip(losses(a), losses(ref)))
     from llm.checkpoint import load_checkpoint
-    scaler = load_checkpoint(tmp_path / "a" / "ckpt-00000004").train_state["scaler"]
+    scaler = load_checkpoint(tmp_path / "a" / "ckpt-00000004").train_state["updater"]["scaler"]
     assert scaler["scale"] > 0
     with pytest.raises(RuntimeError, match="simulated"):
         run(tmp_path / "b", tcfg(max_steps=4), model=tiny_model(dropout=0.0), rt=fp16,
@@ -401,9 +406,9 @@ def test_fp16_overflow_is_left_to_the_scaler_not_the_policy(tmp_path):
 
 def test_outputs_tsv_png_tensorboard(tmp_path):
     res, _ = run(tmp_path / "run", tcfg(max_steps=4), tsv=tmp_path / "plots" / "test.tsv",
-                 png_path=tmp_path / "plots" / "test.png", tb_dir=tmp_path / "tb")
+                 png=tmp_path / "plots" / "test.png", tb_dir=tmp_path / "tb")
     header = (tmp_path / "plots" / "test.tsv").read_text().splitlines()[0].split("\t")
-    assert header[:4] == ["step", "loss", "lr", "grad_norm"]
+    assert header[0] == "step" and {"loss", "lr", "grad_norm", "weight", "tokens_per_s", "step_s"} <= set(header)
     val = (tmp_path / "plots" / "test_val.tsv").read_text().splitlines()
     assert val[0].split("\t")[:3] == ["step", "val_loss", "val_ppl"] and len(val) == 1 + 2  # steps 0 and 4
     assert (tmp_path / "plots" / "test.png").read_bytes()[:4] == b"\x89PNG"
@@ -435,8 +440,8 @@ def _child(argv: list[str]) -> None:
         loss_fn = Inject(opt["kill_at_attempt"], lambda m, b, loss: os.kill(os.getpid(), signal.SIGKILL))
     rt = CPU
     if opt.get("distributed"):
-        from llm.trainer import setup_runtime
-        rt = setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=2, num_threads=1))
+        from llm.runtime import setup_runtime
+        rt = setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=2, num_threads=1, cpu_kernels=True))
     if opt.get("term_at_attempt") is not None and rt.rank == 0:  # only rank 0 gets the signal
         sent: list = []
 
@@ -633,8 +638,7 @@ def test_pretrain_stage_under_torchrun_writes_every_output(tmp_path):
     """`python -m stages.pretrain` with common.nproc: 2 re-runs itself under torchrun (DDP, gloo)."""
     _stage_project(tmp_path, nproc=2)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "stages.pretrain"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(dvc_command("pretrain"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "re-running under torchrun" in out and "2 process(es)" in out

@@ -1,0 +1,330 @@
+"""Preference pairs from the SFT model's own samples: the algorithm of the `pairs` stage.
+
+    prompts = sample_prompts(cfg, seed, math_path, sft_path)          # math questions + task prompts
+    samples, n_tokens = sample_responses(policy, tok, prompt_ids, cfg, seed, device)
+    score_samples(samples, prompts, prompt_ids, reward_model, tok, cfg.batch_size, device)
+    pairs, ties, tied = choose_pairs(prompts, samples, cfg.tie_epsilon)
+    pairs += adversarial_pairs(prompts, prompt_ids, samples, tied, ...)
+    train, val = split_by_prompt(pairs, cfg.val_fraction, seed)
+
+1. Prompts: round(n_prompts * math_fraction) math questions, the rest task prompts (unique
+   user turns of SFT conversations whose source is not math).
+2. Samples: for each temperature, samples_per_temperature responses per prompt from the SFT
+   model (batched `llm.generate.generate` with the KV cache, prompts batched by length).
+3. Scores: math with the verifier (`llm.rewards.math_reward`: 1.0 correct + 0.2 formatted),
+   tasks with the reward model. The RM also scores the math responses, only to report how
+   often it agrees with the verifier.
+4. Pairs: chosen = the best response, rejected = the worst (`choose_pair`); a prompt whose best
+   and worst differ by at most `tie_epsilon` (or are the same text) is a tie: dropped and
+   counted. `preference_score = sigmoid(r_chosen - r_rejected)`, strictly inside (0.5, 1), on
+   the scorer's own scale.
+5. Adversarial pairs (`adversarial_fraction` of the output): a right, well-formatted math answer
+   as chosen, the same text with its `#### N` line removed or mangled as rejected
+   (`break_format`: right content, broken format), scored by the verifier (1.2 vs 1.0). Prompts
+   whose samples tied are used first.
+6. Split by prompt into train and val, so no prompt is in both.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from llm.batching import derive_seed
+from llm.config import PairsConfig
+from llm.fileio import DataError, read_jsonl
+from llm.rewards import math_reward, parse_answer, to_number
+
+CORRECT, FORMAT = 1.0, 0.2  # the verifier's rewards (llm.rewards.math_reward defaults)
+
+
+def is_math_source(source: str) -> bool:
+    return "math" in source.lower()
+
+
+def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path) -> list[dict]:
+    """The prompts: {"id", "prompt": [messages], "answer": str | None, "source", "kind"}."""
+    rng = random.Random(derive_seed(seed, "prompts"))
+    n_math = round(cfg.n_prompts * cfg.math_fraction)
+    math = [r for r in read_jsonl(math_path) if r.get("question") and r.get("answer") is not None]
+    tasks, seen = [], set()
+    for r in read_jsonl(sft_path):
+        msgs = r.get("messages") or []
+        last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=-1)
+        if last < 1 or is_math_source(str(r.get("source", ""))):
+            continue
+        prompt = msgs[:last]
+        key = tuple((m["role"], m["content"]) for m in prompt)
+        if key in seen:
+            continue
+        seen.add(key)
+        src = str(r.get("source", "sft"))
+        tasks.append({"id": str(r.get("id", f"sft-{len(tasks)}")), "prompt": prompt, "answer": None,
+                      "source": src, "kind": src.rsplit("/", 1)[-1]})
+    n_task = cfg.n_prompts - n_math
+    if len(math) < n_math:
+        raise DataError(f"{math_path}: {len(math)} math questions, pairs.n_prompts * pairs.math_fraction ="
+                        f" {n_math} needed; lower pairs.n_prompts or pairs.math_fraction")
+    if len(tasks) < n_task:
+        raise DataError(f"{sft_path}: {len(tasks)} unique non-math prompts, {n_task} needed"
+                        f" (pairs.n_prompts * (1 - pairs.math_fraction)); lower pairs.n_prompts, raise"
+                        f" pairs.math_fraction, or give SFT more task prompts (prepare.task_train or"
+                        f" prepare.sft_sources)")
+    out = [{"id": str(r.get("id", f"math-{i}")), "prompt": [{"role": "user", "content": r["question"]}],
+            "answer": str(r["answer"]), "source": str(r.get("source", "math")), "kind": "math"}
+           for i, r in enumerate(rng.sample(math, n_math))]
+    return out + rng.sample(tasks, n_task)
+
+
+
+
+def sample_responses(policy, tok, prompt_ids: list[list[int]], cfg: PairsConfig, seed: int, device,
+                     say: Callable[[str], None] = lambda m: None) -> tuple[list[list[dict]], int]:
+    """Per prompt, the samples {"text", "temperature", "tokens", "stopped"}; and the tokens generated."""
+    from llm import generate as gen_lib  # looked up at run time (tests substitute a fake generate)
+
+    seq_len = policy.config.seq_len
+    stop = (tok.end_id, tok.eot_id)
+    samples: list[list[dict]] = [[] for _ in prompt_ids]
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    gen_tokens = 0
+    for ti, temp in enumerate(cfg.temperatures):
+        for s in range(cfg.samples_per_temperature):
+            g = torch.Generator(device=device).manual_seed(derive_seed(seed, "sample", ti, s))
+            for b in range(0, len(order), cfg.batch_size):
+                ix = order[b:b + cfg.batch_size]
+                chunk = [prompt_ids[i] for i in ix]
+                room = min(cfg.max_new_tokens, seq_len - max(map(len, chunk)))
+                gen = gen_lib.generate(policy, chunk, room, temperature=temp, stop_ids=stop, pad_id=tok.pad_id,
+                                       generator=g)
+                resp = gen.responses()
+                gen_tokens += int(gen.response_mask.sum())
+                for j, i in enumerate(ix):
+                    samples[i].append({"text": tok.decode(resp[j]), "temperature": temp, "tokens": len(resp[j]),
+                                       "stopped": bool(gen.stopped[j])})
+            say(f"pairs: sampled temperature {temp} #{s + 1}")
+    return samples, gen_tokens
+
+
+def score_samples(samples: list[list[dict]], prompts: list[dict], prompt_ids: list[list[int]],
+                  rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> None:
+    """Add "rm", "verifier" (math prompts, else None) and "score" (the verifier's for math, else
+    the RM's) to every sample, in place. rm_score(token lists) -> the RM's scores."""
+    from llm.preference import encode_response
+
+    flat = [(i, k) for i in range(len(prompts)) for k in range(len(samples[i]))]
+    seqs = [encode_response(prompt_ids[i], samples[i][k]["text"], tok)[-seq_len:] for i, k in flat]
+    for (i, k), r in zip(flat, rm_score(seqs)):
+        smp = samples[i][k]
+        smp["rm"] = r
+        ans = prompts[i]["answer"]
+        smp["verifier"] = math_reward(smp["text"], ans, CORRECT, FORMAT) if ans is not None else None
+        smp["score"] = smp["verifier"] if ans is not None else r
+
+
+def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float
+                 ) -> tuple[list[dict], Counter, list[int]]:
+    """(pair records, ties by scorer, the indices of the prompts that tied)."""
+    pairs, ties, tied_prompts = [], Counter(), []
+    for i, p in enumerate(prompts):
+        smp = samples[i]
+        pick = choose_pair([x["score"] for x in smp], tie_epsilon)
+        scorer = "verifier" if p["answer"] is not None else "rm"
+        if pick is None or smp[pick[0]]["text"] == smp[pick[1]]["text"]:
+            ties[scorer] += 1
+            tied_prompts.append(i)
+            continue
+        c, r = smp[pick[0]], smp[pick[1]]
+        pairs.append(_record(p, c, r, c["score"], r["score"], scorer, kind=p["kind"], adversarial=False))
+    return pairs, ties, tied_prompts
+
+
+def adversarial_pairs(prompts: list[dict], prompt_ids: list[list[int]], samples: list[list[dict]], *,
+                      wanted: int, tied_prompts: list[int], rng: random.Random,
+                      rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> list[dict]:
+    """Up to `wanted` format-broken pairs from math prompts with a right answer; tied prompts first."""
+    from llm.preference import encode_response
+
+    tied = set(tied_prompts)
+    candidates = [i for i in tied_prompts + [i for i in range(len(prompts)) if i not in tied]
+                  if prompts[i]["answer"] is not None]
+    out = []
+    for i in candidates:
+        if len(out) >= wanted:
+            break
+        found = [(x, b) for x in samples[i] for b in [break_format(x["text"], prompts[i]["answer"], rng)] if b]
+        if not found:
+            continue
+        c, broken = found[0]
+        rb = math_reward(broken, prompts[i]["answer"], CORRECT, FORMAT)
+        rm_b = float(rm_score([encode_response(prompt_ids[i], broken, tok)[-seq_len:]])[0])
+        rej = {"text": broken, "temperature": c["temperature"], "rm": rm_b}
+        out.append(_record(prompts[i], c, rej, c["verifier"], rb, "verifier", kind="adversarial_format",
+                           adversarial=True))
+    return out
+
+
+def adversarial_wanted(fraction: float, n_pairs: int, n_prompts: int) -> int:
+    """How many adversarial pairs make `fraction` of the output."""
+    return round(fraction * n_pairs / (1 - fraction)) if fraction < 1 else n_prompts
+
+
+def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val) with every pair of one prompt on the same side; ids pairs-<split>-<i> assigned.
+    Raises DataError when the pairs are too few for the split."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for rec in pairs:
+        groups[rec["prompt_id"]].append(rec)
+    keys = sorted(groups)
+    random.Random(derive_seed(seed, "split")).shuffle(keys)
+    n_val_target = round(val_fraction * len(pairs))
+    if val_fraction > 0 and len(keys) >= 2:
+        n_val_target = max(1, n_val_target)
+    val, train = [], []
+    for k in keys:
+        (val if len(val) < n_val_target else train).extend(groups[k])
+    if not train or (val_fraction > 0 and not val):
+        raise DataError(f"pairs: {len(pairs)} pairs are too few for a train/val split; raise pairs.n_prompts, add"
+                        f" temperatures or samples, or lower pairs.tie_epsilon")
+    for split, recs in (("train", train), ("val", val)):
+        for j, rec in enumerate(recs):
+            rec["id"] = f"pairs-{split}-{j}"
+    return train, val
+
+
+def summarize(prompts: list[dict], samples: list[list[dict]], pairs: list[dict], adversarial: list[dict],
+              ties: Counter, temperatures: Sequence[float]) -> dict:
+    """The metrics of a pair set: counts, preference-score quantiles, RM-verifier agreement, per temperature."""
+    scores = {s: [r["preference_score"] for r in pairs if r["scorer"] == s] for s in ("rm", "verifier")}
+    all_scores = [r["preference_score"] for r in pairs]
+    assert all(0.5 < x < 1.0 for x in all_scores), "preference_score outside (0.5, 1)"
+    natural_v = [r for r in pairs if r["scorer"] == "verifier" and not r["adversarial"]]
+    by_temp = {}
+    for temp in temperatures:
+        smp = [x for i in range(len(prompts)) for x in samples[i] if x["temperature"] == temp]
+        m_smp = [x for x in smp if x["verifier"] is not None]
+        t_smp = [x for x in smp if x["verifier"] is None]
+        by_temp[str(temp)] = {
+            "math_correct": _mean(x["verifier"] >= CORRECT for x in m_smp),
+            "math_formatted": _mean(x["verifier"] in (FORMAT, CORRECT + FORMAT) for x in m_smp),
+            "task_rm_mean": _mean(x["rm"] for x in t_smp),
+            "mean_tokens": _mean(x["tokens"] for x in smp), "truncated": _mean(not x["stopped"] for x in smp)}
+    return {
+        "prompts": len(prompts),
+        "prompt_sources": dict(sorted(Counter(p["kind"] for p in prompts).items())),
+        "responses": sum(len(s) for s in samples),
+        "pairs": len(pairs), "ties_dropped": sum(ties.values()), "ties_dropped_by_scorer": dict(ties),
+        "adversarial": len(adversarial),
+        "pairs_by_kind": dict(sorted(Counter(r["kind"] for r in pairs).items())),
+        "pairs_by_scorer": {s: len(v) for s, v in scores.items()},
+        "preference_score": _quantiles(all_scores),
+        "preference_score_by_scorer": {s: _quantiles(v) for s, v in scores.items()},
+        "reward_chosen_mean": {s: _mean(r["reward_chosen"] for r in pairs if r["scorer"] == s) for s in scores},
+        "reward_rejected_mean": {s: _mean(r["reward_rejected"] for r in pairs if r["scorer"] == s) for s in scores},
+        # how often the RM ranks verifier-labelled pairs the verifier's way (an RM check on fresh samples)
+        "rm_accuracy_on_verifier_pairs": _mean(r["rm_chosen"] > r["rm_rejected"] for r in natural_v),
+        "rm_accuracy_on_adversarial_pairs": _mean(r["rm_chosen"] > r["rm_rejected"] for r in adversarial),
+        "by_temperature": by_temp,
+    }
+
+
+def _record(p: dict, c: dict, r: dict, rc: float, rr: float, scorer: str, *, kind: str, adversarial: bool) -> dict:
+    return {"id": "", "prompt_id": p["id"], "prompt": p["prompt"], "chosen": c["text"], "rejected": r["text"],
+            "kind": kind, "source": p["source"], "scorer": scorer, "reward_chosen": rc, "reward_rejected": rr,
+            "preference_score": preference_score(rc, rr), "adversarial": adversarial,
+            "rm_chosen": c["rm"], "rm_rejected": r["rm"],
+            "temperature_chosen": c["temperature"], "temperature_rejected": r["temperature"]}
+
+
+def choose_pair(scores: Sequence[float], tie_epsilon: float) -> tuple[int, int] | None:
+    """(index of the best sample, index of the worst) or None for a tie (best - worst <= tie_epsilon).
+
+    The first best and the first worst win among equals, so the choice is deterministic.
+    """
+    if len(scores) < 2:
+        return None
+    best = max(range(len(scores)), key=lambda i: scores[i])
+    worst = min(range(len(scores)), key=lambda i: scores[i])
+    if not scores[best] - scores[worst] > tie_epsilon:
+        return None
+    return best, worst
+
+
+_JUST_ABOVE_HALF = math.nextafter(0.5, 1.0)
+_JUST_BELOW_ONE = math.nextafter(1.0, 0.0)
+
+
+def preference_score(r_chosen: float, r_rejected: float) -> float:
+    """sigmoid(r_chosen - r_rejected), kept strictly inside (0.5, 1).
+
+    For a non-tied pair the difference is positive, so the score is above 0.5; float64
+    rounds sigmoid(d) to exactly 1.0 for d > ~37 (and to 0.5 for d < ~1e-16), which the
+    clamp moves to the nearest representable value inside the interval.
+    """
+    d = r_chosen - r_rejected
+    if not d > 0:
+        raise ValueError(f"preference_score: r_chosen {r_chosen} is not above r_rejected {r_rejected}")
+    s = 1.0 / (1.0 + math.exp(-d)) if d < 700 else 1.0
+    return min(max(s, _JUST_ABOVE_HALF), _JUST_BELOW_ONE)
+
+
+def break_format(response: str, answer: str, rng: random.Random) -> str | None:
+    """An adversarial rejected answer: the same worked solution with its final `#### N` line
+    removed or mangled, so the content is still right and only the format is wrong.
+
+    Returns None when `response` is not a right, well-formatted answer to `answer`. Every
+    candidate is checked with the verifier's parser: correct value, not formatted.
+    """
+    value, formatted = parse_answer(response)
+    target = to_number(answer)
+    if not formatted or value is None or target is None or value != target:
+        return None
+    lines = response.rstrip().splitlines()
+    body, n = lines[:-1], lines[-1].strip()[4:].strip()
+    variants = [body + [f"The answer is {n}."], body + [n], body + [f"### {n}"], body + [f"Answer: {n}"],
+                body + [f"#### {n} is the answer"], body + [f"{n} ####"]]
+    if body:
+        variants.append(list(body))
+    rng.shuffle(variants)
+    for v in variants:
+        text = "\n".join(v)
+        val, fmt = parse_answer(text)
+        if not fmt and val == target:
+            return text
+    return None
+
+
+def _quantiles(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {k: None for k in ("mean", "min", "p05", "p25", "p50", "p75", "p95", "max")}
+    s = sorted(xs)
+
+    def q(p: float) -> float:  # linear interpolation between order statistics
+        pos = p * (len(s) - 1)
+        lo = int(pos)
+        return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+    return {"mean": sum(s) / len(s), "min": s[0], "p05": q(0.05), "p25": q(0.25), "p50": q(0.5), "p75": q(0.75),
+            "p95": q(0.95), "max": s[-1]}
+
+
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def histogram(pairs: list[dict], bins: int = 20) -> str:
+    """TSV: preference_score (bin centre over (0.5, 1)), pairs, pairs_rm, pairs_verifier."""
+    counts = {s: [0] * bins for s in ("all", "rm", "verifier")}
+    for r in pairs:
+        b = min(bins - 1, int((r["preference_score"] - 0.5) * 2 * bins))
+        counts["all"][b] += 1
+        counts[r["scorer"]][b] += 1
+    lines = ["preference_score\tpairs\tpairs_rm\tpairs_verifier"]
+    for b in range(bins):
+        centre = 0.5 + (b + 0.5) / (2 * bins)
+        lines.append(f"{centre:.4f}\t{counts['all'][b]}\t{counts['rm'][b]}\t{counts['verifier'][b]}")
+    return "\n".join(lines) + "\n"

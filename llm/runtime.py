@@ -1,0 +1,183 @@
+"""Where a process runs: device, compute dtype, threads, and its place among the ranks.
+
+    rt = setup_runtime(common)      # common: llm.config.CommonConfig
+    rt.device, rt.dtype, rt.rank, rt.world_size, rt.is_main, rt.autocast()
+    model = wrap_model(raw, rt, "ddp" | "fsdp")   # DDP / FSDP2 when WORLD_SIZE > 1, else `raw`
+    rt.close()                      # the process group, if any
+
+Under torchrun (WORLD_SIZE > 1) `setup_runtime` initialises the process group: gloo on the CPU,
+NCCL on CUDA. `common.device: auto` takes cuda:<LOCAL_RANK> when CUDA is available, else the
+CPU; `common.dtype: auto` is fp32 on the CPU and bf16 (fp16 where the card has no bf16) on
+CUDA. `common.cpu_kernels` switches llm/kernels.py on or off for the process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llm import kernels
+from llm.config import CommonConfig, ConfigError
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: device, compute dtype, and its place among the ranks."""
+    device: torch.device
+    dtype: torch.dtype = torch.float32  # autocast dtype; float32 = no autocast
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def close(self) -> None:
+        """Tear down the process group, if this process is in one."""
+        teardown_runtime()
+
+
+def resolve_device(common: CommonConfig, local_rank: int = 0) -> torch.device:
+    """common.device: "auto" -> cuda:<local_rank> when available, else cpu. A device this machine
+    lacks is a ConfigError naming the key (as is a dtype it cannot run, in `resolve_dtype`)."""
+    if common.device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    if common.device == "cuda":
+        raise ConfigError(["common.device: cuda, but torch.cuda.is_available() is False (no GPU, or a"
+                           " CPU-only torch build); set common.device: auto or cpu"])
+    return torch.device("cpu")
+
+
+def resolve_dtype(common: CommonConfig, device: torch.device) -> torch.dtype:
+    """Compute dtype: fp32 on CPU; on CUDA "auto" = bf16 where supported, else fp16."""
+    want = common.dtype
+    if device.type != "cuda":
+        if want in ("bf16", "fp16"):
+            raise ConfigError([f"common.dtype: {want} needs a CUDA device (CPU training is fp32);"
+                               f" set common.dtype: auto or fp32"])
+        return torch.float32
+    if want == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if want == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError([f"common.dtype: bf16, but {torch.cuda.get_device_name(device)} has no bf16;"
+                           f" use fp16 (with GradScaler) or auto"])
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[want]
+
+
+def setup_runtime(common: CommonConfig) -> Runtime:
+    """Threads, kernels, device, dtype; under torchrun (WORLD_SIZE > 1) also the process group."""
+    if common.num_threads:
+        torch.set_num_threads(common.num_threads)
+    kernels.set_enabled(common.cpu_kernels)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(common, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Runtime(device=device, dtype=resolve_dtype(common, device), rank=rank,
+                   local_rank=local_rank, world_size=world)
+
+
+def teardown_runtime() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(t: torch.Tensor, rt: Runtime, op=None) -> torch.Tensor:
+    """Sum (or `op`) `t` over the ranks in place; a no-op in one process. Returns `t`."""
+    if rt.distributed:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------
+# Model wrapping
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under torch.compile and DDP wrappers (FSDP2 modules are their own)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: the longest ModuleList whose members share one type."""
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(b) for b in m}) == 1:
+            best = list(m)
+    return best
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each block's activations in backward instead of storing them; returns #blocks.
+
+    Patches `forward` (non-reentrant torch.utils.checkpoint, RNG preserved) instead of
+    wrapping, so state-dict keys do not change.
+    """
+    from torch.utils.checkpoint import checkpoint
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ValueError(f"activation_checkpointing: found no nn.ModuleList of blocks in {type(model).__name__}")
+    for b in blocks:
+        inner = b.forward
+        b.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(inner)
+    return len(blocks)
+
+
+def wrap_model(model: nn.Module, rt: Runtime, strategy: str = "ddp",
+               find_unused_parameters: bool = False) -> nn.Module:
+    """DDP or FSDP2 when distributed, else the model itself."""
+    if not rt.distributed:
+        return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        if rt.dtype == torch.float16:
+            raise RuntimeError("fp16 with FSDP is not supported by this trainer; use bf16")
+        for b in blocks_of(model):
+            fully_shard(b)
+        fully_shard(model)
+        return model
+    if strategy != "ddp":
+        raise ValueError(f"distributed strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    ids = [rt.device.index] if rt.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids,
+                                               find_unused_parameters=find_unused_parameters)
+
+
+def full_model_state(model: nn.Module, rt: Runtime) -> dict[str, torch.Tensor] | None:
+    """The whole (unsharded) state dict on CPU on rank 0, None on other ranks.
+
+    Every rank must call it: under FSDP it gathers the shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=rt.distributed)
+    state = get_model_state_dict(unwrap(model), options=opts)
+    return {k: v.detach().to("cpu") for k, v in state.items()} if rt.is_main else None
