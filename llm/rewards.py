@@ -12,10 +12,29 @@ The RL stages score a batch of rollouts with a `RewardFn` (rollout, problems) ->
 statistics): `verifier_reward` (math_reward of each decoded response), `rm_reward` (a reward
 model's score, llm/reward_model.py) or `rm_verifier_reward` (their sum).
 
-The final answer is the number on the last `#### ` line if there is one, else the last
-number anywhere in the response. Numbers may carry a sign, thousands separators and
-decimals (`#### -1,234.50` == -1234.5). Parsing is regular expressions and `Decimal`
-only: model output is never evaluated as code.
+The final answer is the number on the last `####` line if there is one, else the last
+number anywhere in the response. Parsing is regular expressions and `Decimal` only:
+model output is never evaluated as code.
+
+What a number is (the same grammar for responses and reference answers):
+
+    number    := sign? integer fraction?            at most MAX_CHARS (40) characters
+    sign      := "-" | "+" | "\u2212"               (U+2212 MINUS SIGN reads as "-")
+    integer   := d{1,3} ("," d{3})+  |  d+           thousands separators: commas, groups of 3
+    fraction  := "." d+
+    d         := an ASCII digit 0-9
+
+  - Only ASCII digits are digits. Arabic-Indic (٣), Devanagari (३), full-width (３) and
+    other Unicode digits are text, not numbers: "#### ３" has no number (and no format).
+  - No exponents, fractions or words: "1e5", "3/4", "five" are not numbers, and a number
+    may not run into a letter or digit: "1e999999" holds none (not 1), nor "x5", "5kg".
+  - A number is a whole token: it may not be directly preceded by an ASCII letter, a
+    digit, ".", ",", "/" or a sign or dash that is not its own sign, nor followed by a
+    letter, a digit, "/", or "." / "," with a digit after it. So "1,23" (a separator not
+    followed by three digits), "1.2.3" and "3/4" hold no number, "–5" (en dash) is not
+    -5, "3-5" is 3, and "is 12." is 12 (a full stop after a number is punctuation).
+  - More than MAX_CHARS characters is garbage, not an answer: such a line has no number
+    and earns no format reward.
 """
 from __future__ import annotations
 
@@ -26,28 +45,39 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-_NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_FINAL_LINE = re.compile(rf"^####\s*({_NUM})\s*$")
-_HASH_ANY = re.compile(rf"####\s*({_NUM})")
+MAX_CHARS = 40
+_SIGNS = "\\-+\u2212"  # for a character class: "-" escaped
+# Dashes that look like a minus but are not one; a digit run right after one is no number.
+_DASHES = "\u2010-\u2015\ufe58\ufe63\uff0d"
+_BODY = rf"[{_SIGNS}]?(?:[0-9]{{1,3}}(?:,[0-9]{{3}})+|[0-9]+)(?:\.[0-9]+)?"
+# Whole tokens only: see the module docstring. `\d` in the lookarounds is any Unicode digit, so
+# an ASCII digit run glued to a non-ASCII one is not a number either.
+_NUM = (rf"(?<![0-9A-Za-z_.,/{_SIGNS}{_DASHES}])(?<!\d)"
+        rf"{_BODY}"
+        r"(?![0-9A-Za-z_/]|\d|[.,][0-9])")
+_FINAL_LINE = re.compile(rf"####[ \t]*({_NUM})[ \t]*")
+_HASH_ANY = re.compile(rf"####[ \t]*({_NUM})")
 _ANY_NUM = re.compile(_NUM)
-_MAX_DIGITS = 40  # longer "numbers" are garbage, not answers
+_PLAIN = re.compile(_BODY)
 
 
 def to_number(text: str) -> Decimal | None:
-    """`'-1,234.50'` -> Decimal('-1234.50'); None for anything that is not a plain number."""
-    s = text.strip().replace(",", "")
-    if not s or len(s) > _MAX_DIGITS or not re.fullmatch(r"[-+]?\d+(\.\d+)?", s):
+    """`'-1,234.50'` -> Decimal('-1234.50'); None for anything that is not one number of the
+    grammar above (surrounding whitespace allowed)."""
+    s = text.strip()
+    if not s or len(s) > MAX_CHARS or not _PLAIN.fullmatch(s):
         return None
     try:
-        return Decimal(s)
-    except InvalidOperation:  # pragma: no cover - the regex already guarantees a valid literal
+        return Decimal(s.replace(",", "").replace("\u2212", "-"))
+    except InvalidOperation:  # pragma: no cover - the grammar only admits valid literals
         return None
 
 
 def parse_answer(response: str) -> tuple[Decimal | None, bool]:
-    """(final answer or None, whether the response ends with a `#### N` line)."""
+    """(final answer or None, whether the response ends with a `#### N` line whose N is a number)."""
     lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
-    formatted = bool(lines) and _FINAL_LINE.match(lines[-1]) is not None
+    last = _FINAL_LINE.fullmatch(lines[-1]) if lines else None
+    formatted = last is not None and to_number(last.group(1)) is not None
     hashes = _HASH_ANY.findall(response)
     candidates = hashes or _ANY_NUM.findall(response)
     value = to_number(candidates[-1]) if candidates else None

@@ -269,7 +269,7 @@ def test_rl_config_checks_levels():
     d["ppo"]["kl_alert_low"] = 0.5
     with pytest.raises(ConfigError) as e:
         params_from_dict(d)
-    assert "grpo.curriculum_levels: levels are 1..4, got 0" in str(e.value)
+    assert "grpo.curriculum_levels[0]: expected an int in [1, 4], got 0" in str(e.value)
     assert "ppo.kl_alert_low: 0.5 is above kl_alert_high" in str(e.value)
     assert isinstance(grpo_cfg(), RLConfig)
 

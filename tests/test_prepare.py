@@ -111,3 +111,21 @@ def test_bad_external_record_fails_with_path_and_line(tmp_path):
     r = _run_prepare(tmp_path, sft_sources=[src])
     assert r.returncode == 1
     assert f"{bad}:2: field 'instruction' must be a string" in r.stderr
+
+
+def test_empty_math_levels_is_a_params_error_not_a_crash(tmp_path):
+    r = _run_prepare(tmp_path, math_levels=[])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "prepare.math_levels: expected a non-empty list" in r.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_directory_as_source_path_fails_cleanly_even_when_skipping_bad_records(tmp_path):
+    src = {"path": str(tmp_path), "hub": "", "hub_config": "", "split": "train", "schema": "text", "field": "text",
+           "limit": 0}
+    r = _run_prepare(tmp_path, pretrain_sources=[src], on_bad_record="skip", max_bad_fraction=1.0,
+                     math_train=20, math_val=5, math_test=5, math_pretrain_docs=5, task_train=5, task_val=5,
+                     pref_train=5, pref_val=5)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{tmp_path}: is a directory, not a regular file" in r.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()
