@@ -417,7 +417,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
             metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
                             "rm_prompts": len(rm_set)})
-            items += [{"set": "rm", "id": p.get("id", str(i)), "score": sc}
+            items += [{"set": "rm", "id": p.get("id", str(i)), "score": round(sc, 6)}
                       for i, (p, sc) in enumerate(zip(rm_set, scores))]
             if ref is not None:
                 if ref is model:
