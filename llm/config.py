@@ -121,6 +121,10 @@ class PrepareConfig:
     math_pretrain_docs: int = _f(lo=0, hi=MAX_COUNT, doc="generated math problems added to the pretraining text")
     task_train: int = _f(lo=0, hi=MAX_COUNT)
     task_val: int = _f(lo=0, hi=MAX_COUNT)
+    task_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only instruction tasks per kind, none a training prompt"
+                        " (a kind with fewer unseen prompts gets fewer)")
+    arithmetic_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a"
+                              " training prompt")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -416,6 +420,8 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class ReportConfig:
     max_samples: int = _f(lo=0, hi=MAX_COUNT)
+    confidence: float = _f(lo=0.5, hi=0.999, doc="level of the paired intervals and of the significance calls")
+    bootstrap_samples: int = _f(lo=100, hi=10 ** 6, doc="resamples of the paired bootstrap")
 
 
 @dataclass(kw_only=True)
