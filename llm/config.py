@@ -310,6 +310,8 @@ class PairsConfig:
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     adversarial_fraction: float = _f(lo=0.0, hi=1.0)
     tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
+                                                       " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
 
 
