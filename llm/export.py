@@ -2,12 +2,17 @@
 
     python -m llm.export models/sft exported/sft
 
-writes, atomically, into <out_dir>:
+    python -m llm.export models/sft exported/sft --metrics metrics/sft.json --metrics metrics/eval/sft.json
+
+writes, atomically, into <out_dir> (every file with the usual umask-derived mode, 0644 under umask 022):
     model.safetensors        weights under HF Llama names (model.layers.{i}.self_attn.q_proj.weight, ...)
-    config.json              a LlamaForCausalLM config
-    generation_config.json   eos = <|end|>, pad = <|pad|>
-    tokenizer.json           Tokenizer.to_hf_json(), loadable by `tokenizers` / PreTrainedTokenizerFast
+    config.json              a LlamaForCausalLM config; eos = [<|end|>, <|endoftext|>], the tokens our
+                             generation stops at (llm/chat.py)
+    generation_config.json   the same eos list, pad = <|pad|>
+    tokenizer.json           Tokenizer.to_hf_json() plus the escape normalizer below
     tokenizer_config.json    special tokens and our chat template as Jinja
+    README.md                a model card: architecture, tokenizer, training provenance from meta.json,
+                             and the metrics of the --metrics files (none are made up when none are given)
 
 so that `AutoModelForCausalLM.from_pretrained(out_dir)` gives the same logits as our GPT
 (tests/test_export.py checks it to atol 1e-4). Llama is pre-norm RMSNorm + RoPE + SwiGLU with
@@ -19,7 +24,22 @@ Configs Llama cannot express (layernorm, learned positions, gelu/relu MLP) are r
 reason. Biases map to Llama's attention_bias / mlp_bias; a parameter-free RMSNorm is exported
 with unit weights. Value and reward heads are not part of a causal LM and are left out.
 
-Nothing here imports transformers: the files are plain safetensors and JSON.
+Special-token text in a message. llm.chat encodes message text as plain text, so a user who
+types "<|end|>" gets the 7 bytes, never the control token. A Hugging Face chat template
+renders a string that the tokenizer then scans for special tokens, so the same message would
+close the turn early (a prompt injection, and ids the model never saw in training). Every
+special token starts with "<|", so the template escapes message text before it is scanned:
+U+FDD0 becomes U+FDD0 U+FDD1 and then "<|" becomes U+FDD0 U+FDD2. Nothing escaped can match a
+special token, and the tokenizer's normalizer, which runs after special tokens are matched,
+undoes the escape (U+FDD0 U+FDD2 -> "<|", then U+FDD0 U+FDD1 -> U+FDD0) before the byte-level
+BPE sees the text, so the ids are exactly llm.chat's for any message (tests/test_export.py,
+adversarial strings included). U+FDD0..U+FDD2 are Unicode noncharacters, reserved for such
+internal use. The price: plain `tokenizer.encode(text)` outside the template also undoes the
+escape, so text that itself holds U+FDD0 followed by U+FDD1 or U+FDD2 encodes differently from
+ours; and a consumer that re-implements the tokenizer without its normalizer (e.g. a GGUF
+converter) would see the escaped form.
+
+Nothing here imports transformers: the files are plain safetensors, JSON and Markdown.
 """
 from __future__ import annotations
 
@@ -31,17 +51,30 @@ from typing import Any
 
 import torch
 
+from llm.chat import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
-from llm.model import GPT, NORM_EPS, mlp_hidden
+from llm.model import GPT, NORM_EPS, format_count, mlp_hidden
 
 
 class ExportError(ValueError):
     """The model cannot be expressed in the target format; the message says why."""
 
 
-# llm/chat.py's format: <|endoftext|> then <|role|>content<|end|> per message, then <|assistant|>
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+ESC, ESC_ESC, ESC_OPEN = "\ufdd0", "\ufdd1", "\ufdd2"  # noncharacters; see the module docstring
+# llm/chat.py's format: <|endoftext|> then <|role|>content<|end|> per message, then <|assistant|>;
+# message text escaped so that no special token can be spelled inside it
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, got ' ~ m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>"
+    f"{{{{ m['content'] | replace('{ESC}', '{ESC}{ESC_ESC}') | replace('<|', '{ESC}{ESC_OPEN}') }}}}"
+    "<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+UNESCAPE = {"type": "Sequence", "normalizers": [  # order matters: see the module docstring
+    {"type": "Replace", "pattern": {"String": ESC + ESC_OPEN}, "content": "<|"},
+    {"type": "Replace", "pattern": {"String": ESC + ESC_ESC}, "content": ESC},
+]}
 
 
 def export_problems(config: ModelConfig, heads: tuple[str, ...] = ("lm",)) -> list[str]:
@@ -81,8 +114,8 @@ def hf_config(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "tie_word_embeddings": c.tie_embeddings,
         "initializer_range": c.init_std,
-        "bos_token_id": special.get("<|endoftext|>"),
-        "eos_token_id": special.get("<|end|>"),
+        "bos_token_id": special.get(BOS),
+        "eos_token_id": [special[t] for t in STOP_TOKENS if t in special] or None,
         "pad_token_id": special.get("<|pad|>"),
         "torch_dtype": "float32",
         "use_cache": True,
@@ -127,8 +160,113 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Write the HF files for `model` (+ `tokenizer` if not None) into out_dir atomically."""
+def _number(v: float) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def metrics_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """(name, value) rows of a metrics file: numbers and short strings, with `x_lo`/`x_hi` folded
+    into x as an interval; lists, objects and nulls (not measured) are left out."""
+    rows = []
+    for k, v in metrics.items():
+        if isinstance(v, bool) or (k.endswith(("_lo", "_hi")) and k[:-3] in metrics):
+            continue
+        if isinstance(v, (int, float)):
+            lo, hi = metrics.get(f"{k}_lo"), metrics.get(f"{k}_hi")
+            ci = f" [{_number(lo)}, {_number(hi)}]" if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else ""
+            rows.append((k, _number(v) + ci))
+        elif isinstance(v, str) and len(v) <= 60:
+            rows.append((k, v))
+    return rows
+
+
+def model_card(model: GPT, tokenizer: Any, *, name: str, path: str, meta: dict | None = None,
+               metrics: dict[str, dict] | None = None, dropped_heads: list[str] = ()) -> str:
+    """README.md for an export: what the files hold and where the model came from.
+
+    `path` is where the export is (for the usage snippet). Everything else comes from the model,
+    its tokenizer, the model directory's meta.json (`meta`) and
+    the given metrics files (`metrics`: file name -> its JSON object); what none of them holds is
+    left out, never estimated.
+    """
+    c, meta = model.config, meta or {}
+    yes = {True: "yes", False: "no"}
+    stage = meta.get("stage")
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama]", "---", "",
+             f"# {name}", "",
+             f"A {format_count(model.n_params())}-parameter decoder-only transformer trained from random"
+             f" initialisation by this repository's pipeline"
+             + (f", as it left the `{stage}` stage" if stage else "")
+             + ". Exported to the Hugging Face Llama format by `python -m llm.export`.", "",
+             "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f"tok = AutoTokenizer.from_pretrained({path!r})",
+             f"model = AutoModelForCausalLM.from_pretrained({path!r})",
+             'messages = [{"role": "user", "content": "What is 7 + 5?"}]',
+             'inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",'
+             ' return_dict=True)',
+             "out = model.generate(**inputs, max_new_tokens=64)  # ends at <|end|> or <|endoftext|>",
+             'print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))', "```", "",
+             "## Architecture", "", "| | |", "|---|---|",
+             f"| parameters | {format_count(model.n_params())}"
+             f" ({format_count(model.n_params(non_embedding=True))} without embeddings) |",
+             f"| layers x width | {c.n_layer} x {c.n_embd} |",
+             f"| attention | {c.n_head} query heads, {c.n_kv_head} key/value heads, head_dim {c.head_dim} |",
+             f"| MLP | SwiGLU, hidden {mlp_hidden(c)} |",
+             f"| positions | RoPE, base {c.rope_base:g} |",
+             f"| normalisation | RMSNorm before each block, eps {NORM_EPS:g} |",
+             f"| context | {c.seq_len} tokens |",
+             f"| vocabulary | {c.vocab_size} |",
+             f"| tied input/output embeddings | {yes[c.tie_embeddings]} |",
+             f"| biases | {yes[c.bias]} |", ""]
+    if dropped_heads:
+        lines += [f"Heads not exported (not part of a causal LM): {', '.join(dropped_heads)}.", ""]
+    if tokenizer is not None:
+        n_special = len(tokenizer.special)
+        tmeta = getattr(tokenizer, "meta", None) or {}
+        train = tmeta.get("train") or {}
+        lines += ["## Tokenizer", "",
+                  f"Byte-level BPE trained by the pipeline: 256 byte tokens + {len(tokenizer.merges)} merges +"
+                  f" {n_special} special tokens = {tokenizer.vocab_size}. Digits are split one by one.",
+                  "Special tokens: " + ", ".join(f"`{t}`" for t in tokenizer.special) + "."]
+        if train.get("corpus_texts") is not None and train.get("corpus_bytes") is not None:
+            lines.append(f"Trained on {train['corpus_texts']} texts, {train['corpus_bytes']} bytes"
+                         f" (sha256 {str(train.get('corpus_sha256'))[:16]}...).")
+        lines += ["", "Chat format, one turn per message:"
+                  " `<|endoftext|><|system|>...<|end|><|user|>...<|end|><|assistant|>...<|end|>`."
+                  " Text inside a message is always encoded as text: a message that contains `<|end|>`"
+                  " gets those characters, not the control token (the chat template escapes `<|` and the"
+                  " tokenizer's normalizer undoes the escape after special tokens are matched).", ""]
+    rows = [("stage", f"`{stage}`" if stage else None), ("fine-tuned from", meta.get("parent")),
+            ("optimizer steps", meta.get("steps")), ("fingerprint", meta.get("fingerprint"))]
+    rows += [(f"input `{k}`", f"sha256/fingerprint `{v}`") for k, v in (meta.get("inputs") or {}).items()]
+    rows = [(k, v) for k, v in rows if v not in (None, "")]
+    lines += ["## Training", ""]
+    if rows:
+        lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += ["The data sets and every setting are those of the repository's `params.yaml` at the commit"
+              " whose run produced this fingerprint; the model directory's `meta.json` records the same"
+              " provenance." if meta.get("fingerprint") else
+              "The model directory's `meta.json` records no fingerprint, so this export cannot say which"
+              " data and settings produced it.", "", "## Metrics", ""]
+    for source, m in (metrics or {}).items():
+        mrows = metrics_rows(m)
+        lines += [f"From `{source}`:", "", "| metric | value |", "|---|---|",
+                  *(f"| {k} | {v} |" for k, v in mrows), ""]
+    if not metrics:
+        lines += ["None were given to the export (`python -m llm.export ... --metrics FILE`), so none are"
+                  " reported here.", ""]
+    else:
+        lines += ["[lo, hi] is the confidence interval stored beside the value (its level is the pipeline's"
+                  " `eval.confidence`, 0.95 unless changed).", ""]
+    return "\n".join(lines)
+
+
+def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path, *, name: str | None = None,
+              meta: dict | None = None, metrics: dict[str, dict] | None = None) -> Path:
+    """Write the HF files for `model` (+ `tokenizer` if not None) and a model card into out_dir atomically.
+
+    meta: the model directory's meta.json; metrics: file name -> metrics JSON, for the card.
+    """
     from safetensors.torch import save_file
 
     from llm.fileio import atomic_dir
@@ -137,6 +275,7 @@ def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path) -> Path:
     if problems:
         raise ExportError("cannot export as LlamaForCausalLM:\n  " + "\n  ".join(problems))
     out_dir = Path(out_dir)
+    dropped = [h for h in model.head_names if h != "lm"]
     with atomic_dir(out_dir) as tmp:
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = hf_config(model.config, tokenizer)
@@ -144,26 +283,51 @@ def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path) -> Path:
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:
-            (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_hf_json(), ensure_ascii=False) + "\n",
-                                                encoding="utf-8")
+            hf_tok = {**tokenizer.to_hf_json(), "normalizer": UNESCAPE}
+            (tmp / "tokenizer.json").write_text(json.dumps(hf_tok, ensure_ascii=False) + "\n", encoding="utf-8")
             tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.seq_len,
-                       "bos_token": "<|endoftext|>", "eos_token": "<|end|>", "pad_token": "<|pad|>",
+                       "bos_token": BOS, "eos_token": END, "pad_token": "<|pad|>",
                        "chat_template": CHAT_TEMPLATE}
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n", encoding="utf-8")
+        card = model_card(model, tokenizer, name=name or out_dir.name, path=str(out_dir), meta=meta,
+                          metrics=metrics, dropped_heads=dropped)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
     return out_dir
 
 
+def read_metrics(paths: list[str]) -> dict[str, dict]:
+    """file name -> its JSON object, for the model card; a missing or malformed file is an error."""
+    out = {}
+    for p in paths:
+        try:
+            doc = json.loads(Path(p).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"--metrics {p}: no such file") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--metrics {p}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"--metrics {p}: expected a JSON object of metrics, got {type(doc).__name__}")
+        out[p] = doc
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Export models/<stage> to Hugging Face Llama format.")
+    ap = argparse.ArgumentParser(prog="python -m llm.export",
+                                 description="Export models/<stage> to Hugging Face Llama format.")
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
     ap.add_argument("out_dir", help="where to write the HF files (replaced atomically)")
+    ap.add_argument("--metrics", action="append", default=[], metavar="FILE",
+                    help="a metrics JSON (e.g. metrics/eval/sft.json) whose numbers go into the model card;"
+                         " repeatable (default: none, and the card says so)")
     args = ap.parse_args(argv)
     from llm.artifacts import load_model_dir
 
     try:
-        model, tokenizer, _ = load_model_dir(args.model_dir)
+        metrics = read_metrics(args.metrics)
+        model, tokenizer, meta = load_model_dir(args.model_dir)
         dropped = [h for h in model.head_names if h != "lm"]
-        export_hf(model, tokenizer, args.out_dir)
+        export_hf(model, tokenizer, args.out_dir, name=Path(args.model_dir).resolve().name, meta=meta,
+                  metrics=metrics)
     except (FileNotFoundError, ValueError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,10 @@
 """Safe file I/O: atomic writes and strict, well-reported reads.
 
 Writes go to a temporary sibling, are fsynced, then renamed over the target, so a
-killed process leaves either the old file or the new one, never half of one.
+killed process leaves either the old file or the new one, never half of one; the temp
+sibling it leaves (`.<name>.<host>-<pid>.*.tmp`) is removed by the next successful write
+of the same target. (Under `dvc repro` the old one may be gone already: DVC deletes a
+stage's outputs before running it, and `dvc checkout` restores the committed ones.)
 
 Reads are strict UTF-8 and every bad record is reported as `path:line: reason`:
 
@@ -10,14 +13,24 @@ Reads are strict UTF-8 and every bad record is reported as `path:line: reason`:
 
 `read_jsonl(..., on_bad_record="skip", max_bad_fraction=0.01)` skips bad lines up to
 a budget and counts them; "raise" stops at the first one. Empty input is an error.
+
+Reads are bounded whatever the input: only regular files are opened (a directory, a
+device such as /dev/zero or a FIFO is refused by name), a line may hold at most
+MAX_LINE_BYTES (a longer one is a bad record, read past without being held), and a
+JSON record may nest at most MAX_JSON_DEPTH levels (a deeper one is a bad record, not a
+RecursionError).
 """
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +70,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Temp names carry this host and process: `.<name>.<host>-<pid>.<random>.tmp`. After a write
+# succeeds, the temps of its target that a killed write left behind are removed: those of this
+# host whose process is gone, and untagged ones of earlier versions. A live writer's temp, or
+# another host's (on a shared disk its pid means nothing here), is left alone.
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def _tmp_prefix(path: Path) -> str:
+    return f".{path.name}.{_HOST}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: it exists, as another user's
+        return True
+    return True
+
+
+def _remove_leftovers(path: Path) -> list[Path]:
+    """Remove the temp siblings of `path` that killed writes left; returns what went."""
+    prefix, gone = f".{path.name}.", []
+    for p in path.parent.glob(glob.escape(prefix) + "*.tmp"):
+        body = p.name[len(prefix):-len(".tmp")]
+        if "." in body:  # tagged "<host>-<pid>.<random>" (or another target's temp: no host match)
+            host, _, pid = body.rsplit(".", 1)[0].rpartition("-")
+            if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+                continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        gone.append(p)
+    return gone
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -73,6 +125,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    _remove_leftovers(path)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -101,7 +154,7 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
     """Stream into a temp file that replaces `path` only if the block completes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
         with os.fdopen(fd, mode, **kwargs) as f:
@@ -115,12 +168,22 @@ def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    _remove_leftovers(path)
 
 
 def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
+    """fsync every file and directory under root, giving each the umask-derived mode on the way:
+    writers that create private files (mkstemp, safetensors: 0600) would otherwise leave a
+    model directory that other users cannot read. Executable files stay executable."""
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            _public(os.path.join(dirpath, name), directory=True)
         for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                executable = os.stat(path).st_mode & 0o111
+                os.chmod(path, (0o777 if executable else 0o666) & ~_UMASK)
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
         _fsync_dir(Path(dirpath))
 
@@ -129,14 +192,15 @@ def _fsync_tree(root: Path) -> None:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Build a directory in a temp sibling; on success it replaces `path` in one rename.
 
-    If the block raises, `path` is untouched and the temp dir is removed. The swap of
-    an existing directory is two renames (old -> trash, new -> path); a crash between
-    them leaves `path` missing but the complete old copy in `.<name>.old-*`, and the
-    next successful write removes it.
+    If the block raises, `path` is untouched and the temp dir is removed; if the process
+    is killed, the temp dir stays until the next successful write of `path` removes it.
+    The swap of an existing directory is two renames (old -> trash, new -> path); a crash
+    between them leaves `path` missing but the complete old copy in `.<name>.old-*`, and
+    the next successful write removes it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
     _public(tmp, directory=True)
     try:
         yield tmp
@@ -153,8 +217,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in path.parent.glob(f".{path.name}.old-*"):
+    for stale in path.parent.glob(glob.escape(f".{path.name}.old-") + "*"):
         shutil.rmtree(stale, ignore_errors=True)
+    _remove_leftovers(path)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -179,6 +244,54 @@ def sha256_tree(path: str | Path) -> str:
 # ---------------------------------------------------------------------------
 # Strict reads
 
+MAX_LINE_BYTES = 64 << 20  # one line of text or one JSONL record; real records are a few KB
+MAX_JSON_DEPTH = 100  # nesting of one JSONL record; a chat record is 4 levels deep
+
+
+def open_regular(path: str | Path) -> Any:
+    """Open a regular file for binary reading, or raise DataError saying what `path` is instead.
+
+    A directory, a device (`/dev/zero` never ends), a FIFO (blocks until someone writes) or a
+    socket is refused before it is opened."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise DataError(f"{path}: is {kind}, not a regular file; give the path of a data file")
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _raw_lines(f: Any, path: Path) -> Iterator[tuple[int, int, bytes | None]]:
+    """(line number, file offset, raw bytes) per line; raw is None for a line longer than
+    MAX_LINE_BYTES, which is read past in blocks and never held whole."""
+    offset, lineno = 0, 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        start = offset
+        offset += len(raw)
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                offset += len(more)
+            offset += len(more)
+            yield lineno, start, None
+            continue
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw, start = raw[3:], start + 3
+        yield lineno, start, raw
+
+
 def _decode_line(raw: bytes, path: Path, lineno: int, offset: int) -> str:
     try:
         return raw.decode("utf-8")
@@ -188,28 +301,33 @@ def _decode_line(raw: bytes, path: Path, lineno: int, offset: int) -> str:
                         f" re-encode the file as UTF-8") from None
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Yield (line number, text without the line ending) from a strict UTF-8 file.
+def _too_long(path: Path, lineno: int) -> str:
+    return f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes (a missing newline, or not a text file?)"
 
-    A UTF-8 BOM at the start is dropped; CRLF and LF endings both work.
-    """
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """Yield (line number, text without the line ending) from a strict UTF-8 regular file.
+
+    A UTF-8 BOM at the start is dropped; CRLF and LF endings both work. A line over
+    MAX_LINE_BYTES is an error (DataError naming path and line)."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            start = offset
-            offset += len(raw)
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw, start = raw[3:], start + 3
+    with open_regular(path) as f:
+        for lineno, start, raw in _raw_lines(f, path):
+            if raw is None:
+                raise DataError(_too_long(path, lineno))
             text = _decode_line(raw, path, lineno, start)
             yield lineno, text.rstrip("\r\n")
 
 
-def read_text(path: str | Path) -> str:
-    """The whole file as strict UTF-8 (errors name path, line and byte); empty is an error."""
+def read_text(path: str | Path, max_bytes: int | None = None) -> str:
+    """The whole file as strict UTF-8 (errors name path, line and byte); empty is an error,
+    and so is a file over `max_bytes`."""
     path = Path(path)
+    if max_bytes is not None:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise DataError(f"{path}: {size} bytes, more than the {max_bytes} this file can hold (wrong file?)")
     text = "\n".join(t for _, t in iter_lines(path))
     if not text.strip():
         raise DataError(f"{path}: empty file; expected text")
@@ -282,15 +400,11 @@ def iter_jsonl(path: str | Path, policy: BadRecords,
     them, so schema checks downstream share the same budget and line numbers.
     """
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            start = offset
-            offset += len(raw)
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw, start = raw[3:], start + 3
+    with open_regular(path) as f:
+        for lineno, start, raw in _raw_lines(f, path):
+            if raw is None:
+                policy.bad(_too_long(path, lineno))
+                continue
             try:
                 text = _decode_line(raw, path, lineno, start)
             except DataError as e:
@@ -307,8 +421,14 @@ def iter_jsonl(path: str | Path, policy: BadRecords,
                 except json.JSONDecodeError as e:
                     truncated = " (truncated line?)" if not raw.endswith(b"\n") or "Unterminated" in e.msg else ""
                     reason = f"invalid JSON: {e.msg} (column {e.colno}){truncated}"
+                except ValueError as e:  # e.g. an integer of more digits than Python converts
+                    reason = f"invalid JSON: {e}"
+                except RecursionError:
+                    reason = f"JSON nested too deeply to read (more than {MAX_JSON_DEPTH} levels)"
                 else:
-                    if not isinstance(obj, dict):
+                    if _too_deep(obj):
+                        reason = f"JSON nested more than {MAX_JSON_DEPTH} levels deep; a record is a few levels"
+                    elif not isinstance(obj, dict):
                         reason = f"expected a JSON object, got {type(obj).__name__}"
                     elif _has_lone_surrogate(obj):
                         reason = "string holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode"
@@ -320,15 +440,29 @@ def iter_jsonl(path: str | Path, policy: BadRecords,
             yield lineno, obj
 
 
+def _children(obj: Any) -> list:
+    return [*obj.keys(), *obj.values()] if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+
+
+def _too_deep(obj: Any) -> bool:
+    """Whether `obj` nests deeper than MAX_JSON_DEPTH (iterative: no recursion on hostile input)."""
+    level = [obj]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [c for o in level for c in _children(o) if isinstance(c, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
 def _has_lone_surrogate(obj: Any) -> bool:
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(obj, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return any(_has_lone_surrogate(v) for v in obj)
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        else:
+            stack.extend(_children(o))
     return False

@@ -182,14 +182,36 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
     return tok.squeeze(1), logp.gather(1, tok).squeeze(1)
 
 
+MIN_TEMPERATURE = 1e-6
+
+
+def sampling_problem(*, temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None) -> str | None:
+    """Why these sampling settings are unusable (None = fine); the arguments left None are not checked.
+
+    Every comparison is written so that NaN fails it. temperature is 0 (greedy) or a finite
+    number >= MIN_TEMPERATURE: logits / 1e-320 overflow to inf, the softmax becomes NaN and
+    nothing sensible is drawn, while at 1e-6 sampling already is argmax in float32.
+    """
+    if temperature is not None and not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < float("inf")):
+        return (f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g},"
+                f" got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        return f"top_k must be an integer >= 0 (0 = off), got {top_k!r}"
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1] (1 = off), got {top_p!r}"
+    return None
+
+
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), pad_id: int,
              generator: torch.Generator | None = None,
-             stream: Callable[[torch.Tensor], None] | None = None) -> Generation:
+             stream: Callable[[torch.Tensor], bool | None] | None = None) -> Generation:
     """Continue each prompt by up to max_new_tokens tokens. See the module docstring.
 
     stream, if given, is called after every step with the (B,) tokens just emitted (pad_id for
-    rows already done). Sampling (temperature > 0) needs a seeded `generator` on the model's
+    rows already done); if it returns True, generation ends after that step (a server uses
+    this for stop strings and for clients that went away). Sampling (temperature > 0) needs a seeded `generator` on the model's
     device: library code never draws from the global RNG.
     """
     cfg = model.config
@@ -206,12 +228,9 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         raise ValueError(f"generate: longest prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) ="
                          f" {P + max_new_tokens} exceeds the model's seq_len={cfg.seq_len};"
                          f" shorten the prompt or lower max_new_tokens")
-    if temperature < 0.0:
-        raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"generate: top_k must be >= 0, got {top_k}")
+    problem = sampling_problem(temperature=temperature, top_k=top_k, top_p=top_p)
+    if problem:
+        raise ValueError(f"generate: {problem}")
     device = model.wte.weight.device
     if temperature > 0.0:
         if generator is None:
@@ -254,9 +273,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                     done |= torch.isin(tok, stop) & live
                 toks.append(tok)
                 lps.append(lp)
-                if stream is not None:
-                    stream(tok)
-                if i == N - 1 or (stop is not None and bool(done.all())):
+                halt = stream is not None and bool(stream(tok))
+                if halt or i == N - 1 or (stop is not None and bool(done.all())):
                     break
                 # done rows are fed their pad as a "real" token: their outputs are discarded, and
                 # an unpadded cache keeps the mask-free fast path

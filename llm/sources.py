@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llm.config import SourceConfig
-from llm.fileio import BadRecords, DataError, iter_jsonl, iter_lines
+from llm.fileio import BadRecords, DataError, iter_jsonl, iter_lines, open_regular
 
 ROLES = ("system", "user", "assistant")
 
@@ -55,14 +55,26 @@ def _rows_text(path: Path, field: str) -> Iterator[tuple[str, dict]]:
 
 
 def _rows_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    """Rows of a Parquet file, 1024 at a time. A file whose footer reads but whose body does not
+    (corrupt pages, a bad compression block) is the file's problem, not a record's: DataError
+    naming the rows it could not read, whatever on_bad_record says."""
     import pyarrow.parquet as pq  # lazy: only parquet sources need it
     try:
         table = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a bad file
         raise DataError(f"{path}: not a readable Parquet file: {e}") from None
     row = 0
-    for batch in table.iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
+    batches = table.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+            recs = batch.to_pylist() if batch is not None else []
+        except Exception as e:  # OSError (corrupt snappy data), ArrowInvalid, ArrowMemoryError, ...
+            raise DataError(f"{path}: rows after {row}: corrupt Parquet data ({type(e).__name__}:"
+                            f" {str(e)[:200]}); re-export the file") from None
+        if batch is None:
+            return
+        for rec in recs:
             row += 1
             yield f"{path}:row {row}", rec
 
@@ -94,6 +106,7 @@ def iter_rows(src: SourceConfig, policy: BadRecords) -> Iterator[tuple[str, dict
         path = Path(src.path)
         if not path.exists():
             raise DataError(f"{path}: file not found (from a `path:` in params.yaml prepare sources)")
+        open_regular(path).close()  # a directory or a device (/dev/zero) is refused here, by name
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json"):
             rows = _rows_jsonl(path, policy)

@@ -67,7 +67,10 @@ matches special tokens by default, like allowed_special="all"; an HF tokenizer w
 Files: `tokenizer.txt` (version header, pattern, specials, one merge per line with the
 merged token shown in a comment) and `tokenizer_meta.json` (sizes, corpus hash,
 compression, training statistics). `llm/` never imports `tokenizers`; only tests and
-bench/ use it, as a reference client.
+bench/ use it, as a reference client. Loading trusts nothing in them: the pattern must be
+one of KNOWN_PATTERNS (a regular expression from a file could take exponential time on
+every text), the special tokens must be SPECIAL_TOKENS, counts and ids are bounded
+(MAX_VOCAB) and so are the file sizes, and each problem names the file and line.
 """
 from __future__ import annotations
 
@@ -86,6 +89,16 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assis
 # GPT-4's pattern (tiktoken cl100k_base) with \p{N}{1,3} -> \p{N}: one digit per chunk.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}"""
                  r"""| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
+
+# The pre-split patterns this project writes, by name. A loaded tokenizer.txt must hold one of
+# them: the pattern is compiled and run over every text, and an arbitrary regular expression
+# can take exponential time (`(a|aa)+$` on 36 a's: 17 s), while these are linear (every
+# alternative is a plain class run with possessive or no backtracking). _pre_split_windows
+# also relies on SPLIT_PATTERN's structure.
+KNOWN_PATTERNS = {SPLIT_PATTERN: "GPT-4's split, one digit per chunk"}
+MAX_VOCAB = 1 << 20  # ids a tokenizer file may define (llm.config.MAX_VOCAB: the params bound)
+MAX_FILE_BYTES = 256 << 20  # tokenizer.txt at MAX_VOCAB is about 60 MB
+MAX_META_BYTES = 16 << 20
 
 FORMAT_HEADER = "llm-bpe v1"
 FORMAT_VERSION = 1
@@ -248,6 +261,10 @@ class Tokenizer:
 
     def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[str] = SPECIAL_TOKENS,
                  pattern: str = SPLIT_PATTERN):
+        if pattern not in KNOWN_PATTERNS:
+            raise ValueError(f"pre-split pattern {pattern[:80]!r}{'...' if len(pattern) > 80 else ''} is not one this"
+                             f" project writes (llm.tokenizer.KNOWN_PATTERNS); an arbitrary pattern can take"
+                             f" exponential time on every text, so it is not compiled")
         self.pattern = pattern
         self._pat = regex.compile(pattern)
         self.merges: list[tuple[int, int]] = [(int(a), int(b)) for a, b in merges]
@@ -519,21 +536,36 @@ class Tokenizer:
                 raise ValueError(f"{where}:{lineno + 1}: expected '{name}<TAB>...'")
             return lines[lineno].split("\t", 1)[1]
 
+        def count(lineno: int, name: str, most: int) -> int:
+            text = field(lineno, name)
+            if not text.isascii() or not text.isdigit() or int(text) > most:
+                raise ValueError(f"{where}:{lineno + 1}: expected '{name}<TAB><count>' with a count in"
+                                 f" [0, {most}], got {text[:40]!r}")
+            return int(text)
+
         try:
             pattern = json.loads(field(1, "pattern"))
-            n_special = int(field(2, "specials"))
+            if pattern not in KNOWN_PATTERNS:
+                shown = repr(pattern)[:80] if isinstance(pattern, str) else type(pattern).__name__
+                raise ValueError(f"{where}:2: pre-split pattern {shown} is not one this project writes"
+                                 f" (llm.tokenizer.KNOWN_PATTERNS): an arbitrary regular expression can take"
+                                 f" exponential time on every text. Re-train with `python -m stages.tokenizer`")
+            n_special = count(2, "specials", len(SPECIAL_TOKENS))
             specials = []
             for k in range(n_special):
                 if 3 + k >= len(lines) or "\t" not in lines[3 + k]:
                     raise ValueError(f"{where}:{4 + k}: expected '<id><TAB><special token>'")
                 specials.append(lines[3 + k].split("\t", 1)[1])
+            if specials != SPECIAL_TOKENS:
+                raise ValueError(f"{where}:3: special tokens {specials[:8]} are not this project's {SPECIAL_TOKENS}"
+                                 f" (chat formatting and generation depend on them); re-train the tokenizer")
             at = 3 + n_special
-            n_merges = int(field(at, "merges"))
+            n_merges = count(at, "merges", MAX_VOCAB - 256 - n_special)
             merges = []
             for k in range(n_merges):
                 ln = at + 1 + k
                 parts = lines[ln].split("\t", 1)[0].split() if ln < len(lines) else []
-                if len(parts) != 2:
+                if len(parts) != 2 or not all(x.isascii() and x.isdigit() and len(x) <= 8 for x in parts):
                     raise ValueError(f"{where}:{ln + 1}: expected a merge '<id> <id>', got"
                                      f" {lines[ln][:60] if ln < len(lines) else 'end of file'!r}")
                 merges.append((int(parts[0]), int(parts[1])))
@@ -558,15 +590,21 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no tokenizer here; run `python -m stages.tokenizer` first")
         from llm.fileio import read_text
-        tok = cls.loads(read_text(path) + "\n", str(path))
+        tok = cls.loads(read_text(path, max_bytes=MAX_FILE_BYTES) + "\n", str(path))
         meta_path = d / "tokenizer_meta.json"
         if meta_path.exists():
-            meta = json.loads(read_text(meta_path))
-            if meta.get("sha256") != tok.sha256() or meta.get("vocab_size") != tok.vocab_size:
+            try:
+                meta = json.loads(read_text(meta_path, max_bytes=MAX_META_BYTES))
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, DataError, ints too long to convert
+                msg = str(e) if str(e).startswith(str(meta_path)) else f"{meta_path}: not valid JSON ({e})"
+                raise ValueError(msg) from None
+            if not isinstance(meta, dict) or meta.get("sha256") != tok.sha256() \
+                    or meta.get("vocab_size") != tok.vocab_size:
                 raise ValueError(f"{meta_path}: describes a different tokenizer (sha256/vocab_size do not match"
                                  f" {path}); the directory is inconsistent, re-run the tokenizer stage")
             tok.meta = meta
-            tok.train_stats = dict(meta.get("train", {}))
+            train = meta.get("train", {})
+            tok.train_stats = dict(train) if isinstance(train, dict) else {}
         return tok
 
     # -- Hugging Face export ------------------------------------------------------

@@ -1,6 +1,7 @@
 """Shared test setup: offline hub settings, the repo root, small helpers and shared fixtures."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -62,3 +63,59 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+class Unbounded(AssertionError):
+    """A block took longer, or more memory, than `bounded` allows."""
+
+
+def _proc_status(field: str) -> int | None:
+    import re
+    try:
+        m = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 10.0, memory: int = 2 << 30):
+    """Run a block and fail (Unbounded) if it takes more than `seconds` or its peak resident
+    memory rises more than `memory` bytes above where it started.
+
+    Linux measures the peak exactly (VmHWM, reset through /proc/self/clear_refs) and a hard
+    address-space limit of 2 * memory above the current size stops a runaway allocation before
+    it takes the machine; a timer interrupts a runaway Python loop after 2 * seconds.
+    Elsewhere only the time is checked."""
+    import resource
+    import signal
+    import time
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        start_rss = _proc_status("VmRSS")
+    except OSError:
+        start_rss = None
+    size = _proc_status("VmSize")
+    old_as = resource.getrlimit(resource.RLIMIT_AS)
+    if size is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (size + 2 * memory, old_as[1]))
+
+    def timeout(signum, frame):
+        raise Unbounded(f"still running after {2 * seconds:.0f} s")
+
+    old_handler = signal.signal(signal.SIGALRM, timeout)
+    signal.setitimer(signal.ITIMER_REAL, 2 * seconds)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+        resource.setrlimit(resource.RLIMIT_AS, old_as)
+    took = time.perf_counter() - t0
+    if took > seconds:
+        raise Unbounded(f"took {took:.1f} s, more than {seconds} s")
+    peak = _proc_status("VmHWM")
+    if start_rss is not None and peak is not None and peak - start_rss > memory:
+        raise Unbounded(f"peak memory rose {(peak - start_rss) / 2 ** 20:.0f} MiB, more than {memory / 2 ** 20:.0f} MiB")

@@ -131,7 +131,7 @@ def test_other_fingerprint_is_never_resumed(tmp_path):
     ck, stale = find_resume(tmp_path, "new", warn=lambda m: None)
     assert ck is None and [p.name for p in stale] == ["ckpt-00000002", "ckpt-00000001"]
     dest = quarantine_stale(tmp_path, stale)
-    assert list_checkpoints(tmp_path) == [] and sorted(p.name for p in dest.iterdir()) == [
+    assert list_checkpoints(tmp_path) == [] and sorted(p.name for p in (dest / "old").iterdir()) == [
         "ckpt-00000001", "ckpt-00000002"]
 
 
@@ -164,3 +164,82 @@ def test_state_json_mismatch_with_manifest_is_caught(tmp_path):
     (p2 / MANIFEST).write_text(json.dumps(man))
     with pytest.raises(CheckpointError, match="disagree"):
         load_checkpoint(p2)
+
+
+# ---------------------------------------------------------------------------
+# A params change sets checkpoints aside and never deletes them; going back resumes them.
+
+def _names(d) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("ckpt-*"))
+
+
+def test_a_params_round_trip_resumes_from_stale_and_deletes_nothing(tmp_path):
+    for s in (1, 2):
+        _save(tmp_path, s, fp="a")
+    ck, stale = find_resume(tmp_path, "b", warn=lambda m: None)  # switch to b: a's are set aside
+    quarantine_stale(tmp_path, stale)
+    for s in (1, 2, 3):
+        _save(tmp_path, s, fp="b")
+    ck, stale = find_resume(tmp_path, "a", warn=lambda m: None)  # back to a
+    assert ck.step == 2 and ck.fingerprint == "a" and ck.path == tmp_path / "stale" / "a" / "ckpt-00000002"
+    quarantine_stale(tmp_path, stale)
+    assert _names(tmp_path) == ["stale/a/ckpt-00000001", "stale/a/ckpt-00000002", "stale/b/ckpt-00000001",
+                                "stale/b/ckpt-00000002", "stale/b/ckpt-00000003"]
+    _save(tmp_path, 3, fp="a", keep=2)  # a moves on: its own history comes back and is pruned as usual
+    assert _names(tmp_path) == ["ckpt-00000002", "ckpt-00000003", "stale/b/ckpt-00000001",
+                                "stale/b/ckpt-00000002", "stale/b/ckpt-00000003"]
+    ck, stale = find_resume(tmp_path, "b", warn=lambda m: None)
+    assert ck.step == 3 and ck.path.parent.name == "b"
+
+
+def test_a_different_checkpoint_of_the_same_name_is_never_dropped(tmp_path):
+    """Same params and step, other bytes (another device, say): both are kept; a byte-identical copy is not."""
+    lin = nn.Linear(2, 2)
+    (tmp_path / "stale" / "a").mkdir(parents=True)
+    _save(tmp_path / "elsewhere", 1, fp="a").rename(tmp_path / "stale" / "a" / "ckpt-00000001")
+    _save(tmp_path, 1, fp="a", model=lin)
+    assert _names(tmp_path) == ["ckpt-00000001", "stale/a/ckpt-00000001"]
+    quarantine_stale(tmp_path, find_resume(tmp_path, "x", warn=lambda m: None)[1])
+    assert _names(tmp_path) == ["stale/a.2/ckpt-00000001", "stale/a/ckpt-00000001"]
+    _save(tmp_path, 1, fp="a", model=lin)  # the bytes of stale/a.2's: that copy goes, the other stays
+    assert _names(tmp_path) == ["ckpt-00000001", "stale/a/ckpt-00000001"]
+
+
+def test_a_broken_stale_checkpoint_of_this_run_is_skipped_with_a_warning(tmp_path):
+    for s in (1, 2):
+        _save(tmp_path, s, fp="a")
+    quarantine_stale(tmp_path, find_resume(tmp_path, "b", warn=lambda m: None)[1])
+    f = tmp_path / "stale" / "a" / "ckpt-00000002" / MODEL_FILE
+    f.write_bytes(f.read_bytes()[:-10])
+    seen, warn = _warnings()
+    ck, stale = find_resume(tmp_path, "a", warn=warn)
+    assert ck.step == 1 and stale == [] and str(f) in seen[0]
+
+
+def test_legacy_flat_stale_checkpoints_are_still_found(tmp_path):
+    """Earlier versions moved stale checkpoints straight into stale/."""
+    p = _save(tmp_path, 4, fp="a")
+    (tmp_path / "stale").mkdir()
+    p.rename(tmp_path / "stale" / p.name)
+    assert find_resume(tmp_path, "a", warn=lambda m: None)[0].step == 4
+
+
+@pytest.mark.slow
+def test_cpu_smoke_cpu_resumes_the_cpu_run_in_the_training_loop(tmp_path, capsys):
+    """The training loop end to end: params A (killed at step 5), then B, then A again."""
+    pytest.importorskip("numpy")
+    from tests.test_trainer import Inject, losses, run, same_weights, tcfg, tiny_model
+    ref, ref_model = run(tmp_path / "ref", tcfg(), fingerprint="A")
+
+    def crash(model, batch, loss):
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path / "run", tcfg(), fingerprint="A", loss_fn=Inject(4, crash))  # during step 5; newest ckpt 4
+    b, _ = run(tmp_path / "run", tcfg(lr=1e-3), fingerprint="B")
+    assert b.resumed_from is None
+    a, model = run(tmp_path / "run", tcfg(), fingerprint="A", model=tiny_model(seed=9))
+    assert a.resumed_from == 4 and losses(a)[4:] == losses(ref)[4:] and same_weights(model, ref_model)
+    assert _names(tmp_path / "run") == ["ckpt-00000006", "ckpt-00000008", "stale/B/ckpt-00000006",
+                                        "stale/B/ckpt-00000008"]
+    assert run(tmp_path / "run", tcfg(lr=1e-3), fingerprint="B")[0].resumed_from == 8

@@ -4,13 +4,16 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from llm.config import (ConfigError, ModelConfig, Params, load_params, load_params_text, load_sections,
                         section_keys)
-from tests.conftest import ROOT
+from tests.conftest import ROOT, bounded
 
 
 def _base() -> dict:
@@ -83,7 +86,7 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as e:
         load_params_text(_dump(d))
     msg = str(e.value)
-    for needle in ("common.seed: expected an int >= 0, got True (bool)",
+    for needle in ("common.seed: expected an int in [0, 4294967295], got True (bool)",
                    "sft.lr: expected a float > 0.0, got 'fast' (str)",
                    "pretrain.model.norm: expected one of 'rmsnorm', 'layernorm', got 'batchnorm'",
                    "dpo.beta: missing key",
@@ -201,3 +204,259 @@ def test_source_needs_exactly_one_location():
                                     "schema": "alpaca", "field": "text", "limit": 0}]
     with pytest.raises(ConfigError, match="set exactly one of 'path'"):
         load_params_text(_dump(d))
+
+
+# ---------------------------------------------------------------------------
+# Absurd and hostile values: refused by the check, with the key and line, before any work.
+
+def _leaf_fields(kind: type) -> list[tuple[str, object]]:
+    """(dotted key, dataclass field) of every leaf of Params whose type is `kind`."""
+    import dataclasses
+    import typing
+
+    out = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}.{f.name}")
+            elif tp is kind:
+                out.append((f"{prefix}.{f.name}", f))
+
+    for name, tp in typing.get_type_hints(Params).items():
+        walk(tp, name)
+    return out
+
+
+def _set(d: dict, dotted: str, value) -> None:
+    *path, last = dotted.split(".")
+    for k in path:
+        d = d[k]
+    d[last] = value
+
+
+def _line_of(text: str, needle: str, after: str | None = None) -> int:
+    lines = text.splitlines()
+    start = lines.index(after) if after else 0
+    return next(i for i in range(start, len(lines)) if lines[i].strip().startswith(needle)) + 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_every_float_refuses_nan_and_infinities(bad):
+    """A range check is a comparison, which NaN passes; every float is checked finite first."""
+    floats = _leaf_fields(float)
+    d = _base()
+    for key, _ in floats:
+        _set(d, key, bad)
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    msg = str(e.value)
+    for key, _ in floats:
+        assert re.search(rf"params.yaml:\d+: {re.escape(key)}: expected a finite float", msg), key
+
+
+def test_every_int_has_an_upper_bound_and_one_above_it_is_refused():
+    ints = _leaf_fields(int)
+    assert all(f.metadata.get("hi") is not None for _, f in ints), [k for k, f in ints if f.metadata.get("hi") is None]
+    d = _base()
+    for key, f in ints:
+        _set(d, key, f.metadata["hi"] + 1)
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    for key, f in ints:
+        assert f"{key}: expected an int" in str(e.value) and f", {f.metadata['hi']}], got" in str(e.value), key
+
+
+@pytest.mark.parametrize("key,value,bound", [
+    ("pretrain.model.seq_len", 100000, "[8, 16384]"),
+    ("pretrain.batch_size", 10 ** 12, "[1, 65536]"),
+    ("pretrain.model.n_layer", 10 ** 6, "[1, 256]"),
+    ("pretrain.max_steps", 10 ** 30, "[1, 100000000]"),
+    ("pretrain.model.vocab_size", 10 ** 12, "[0, 1048576]"),
+])
+def test_runaway_sizes_are_refused_with_key_line_and_bound(key, value, bound):
+    text = (ROOT / "params.yaml").read_text()
+    leaf = key.rsplit(".", 1)[1]
+    line = _line_of(text, f"{leaf}:", after="pretrain:")
+    lines = text.splitlines()
+    lines[line - 1] = re.sub(r":.*$", f": {value}", lines[line - 1])
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    assert f"params.yaml:{line}: {key}: expected an int in {bound}, got" in str(e.value)
+    assert len(e.value.problems) == 1
+
+
+@pytest.mark.parametrize("key", ["prepare.math_levels", "ppo.levels", "grpo.levels", "pairs.temperatures"])
+def test_a_list_that_must_hold_something_refuses_empty(key):
+    d = _base()
+    _set(d, key, [])
+    with pytest.raises(ConfigError, match=rf":\d+: {re.escape(key)}: expected a non-empty list, each"):
+        load_params_text(_dump(d))
+
+
+def test_grpo_curriculum_steps_need_curriculum_levels():
+    d = _base()
+    d["grpo"].update(curriculum_steps=5, curriculum_levels=[])
+    with pytest.raises(ConfigError, match="grpo.curriculum_levels: curriculum_steps=5 needs at least one level"):
+        load_params_text(_dump(d))
+    d["grpo"].update(curriculum_steps=0)
+    assert load_params_text(_dump(d)).grpo.curriculum_levels == []
+
+
+def test_list_items_are_range_checked_with_their_line():
+    text = (ROOT / "params.yaml").read_text().replace("math_levels: [1, 2, 3, 4]", "math_levels: [1, 2, 9]")
+    with pytest.raises(ConfigError) as e:
+        load_params_text(text, "params.yaml")
+    assert e.value.problems == [f"params.yaml:{_line_of(text, 'math_levels:')}: prepare.math_levels[2]: expected an"
+                                f" int in [1, 4], got 9"]
+
+
+def test_a_yaml_alias_bomb_is_refused_in_bounded_time():
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]  # 9**10 values
+    bomb = "\n".join(lines) + "\n" + (ROOT / "params.yaml").read_text()
+    with bounded(seconds=5, memory=256 << 20), pytest.raises(ConfigError, match="more than 100000 values once YAML"):
+        load_params_text(bomb, "params.yaml")
+
+
+@pytest.mark.parametrize("text", [
+    "common: " + "[" * 20_000 + "]" * 20_000 + "\n",  # flow style: PyYAML's scanner is quadratic in the depth
+    "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 60)) + " " * 60 + "v: 1\n",
+    "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 1000)) + " " * 1000 + "v: 1\n",
+])
+def test_deep_nesting_is_refused_quickly_without_a_traceback(text):
+    with bounded(seconds=2, memory=256 << 20), pytest.raises(ConfigError, match="nested"):
+        load_params_text(text, "params.yaml")
+
+
+def test_a_mapping_or_list_for_a_scalar_is_shown_as_such():
+    d = _base()
+    d["sft"]["lr"] = {"a": 1}
+    d["sft"]["max_steps"] = [1, 2]
+    d["sft"]["nonfinite_policy"] = {"raise": True}
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d))
+    msg = str(e.value)
+    assert "_Loc" not in msg and "object at 0x" not in msg
+    assert "sft.lr: expected a float > 0.0, got a mapping (1 keys)" in msg
+    assert "sft.max_steps: expected an int in [1, 100000000], got a list (2 items)" in msg
+    assert "sft.nonfinite_policy: expected one of 'raise', 'skip', got a mapping (1 keys)" in msg
+
+
+def test_cross_field_problems_carry_the_line_of_the_field():
+    text = (ROOT / "params.yaml").read_text()
+    sft = text.splitlines().index("sft:")
+    lines = text.splitlines()
+    at = _line_of(text, "min_lr:", after="sft:")
+    lines[at - 1] = "  min_lr: 5.0"
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    assert len(e.value.problems) == 1 and at > sft
+    assert e.value.problems[0].startswith(f"params.yaml:{at}: sft.min_lr: 5.0 is above lr=")
+
+
+def test_non_utf8_names_the_line(tmp_path):
+    data = (ROOT / "params.yaml").read_bytes()
+    lines = data.split(b"\n")
+    lines[20] = lines[20] + b"  # caf\xe9"
+    f = tmp_path / "params.yaml"
+    f.write_bytes(b"\n".join(lines))
+    with pytest.raises(ConfigError, match=r"params.yaml:21: not valid UTF-8"):
+        load_params(f)
+
+
+def test_path_and_hub_both_set_is_one_problem_under_the_real_key():
+    d = _base()
+    d["prepare"]["sft_sources"] = [{"path": "a.jsonl", "hub": "org/set", "hub_config": "", "split": "train",
+                                    "schema": "alpaca", "field": "text", "limit": 0}]
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    assert len(e.value.problems) == 1
+    assert re.match(r"params.yaml:\d+: prepare.sft_sources\[0\]: set exactly one of 'path'", e.value.problems[0])
+
+
+def test_an_int_too_long_to_convert_is_a_problem_not_a_traceback():
+    text = (ROOT / "params.yaml").read_text().replace("seed: 1337", "seed: " + "9" * 5000)
+    with pytest.raises(ConfigError, match=r"<text>:\d+: cannot read '9999"):
+        load_params_text(text)
+
+
+def test_a_huge_file_a_directory_or_a_device_is_refused_quickly(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("common: {}\n" + "#" * (2 << 20))
+    for path, fragment in ((big, "larger than 1048576 bytes"), (tmp_path, "cannot be read as a params file"),
+                           (Path("/dev/zero"), "larger than 1048576 bytes")):
+        if not path.exists():
+            continue
+        with bounded(seconds=2, memory=64 << 20), pytest.raises(ConfigError, match=fragment):
+            load_params(path)
+
+
+# ---------------------------------------------------------------------------
+# The property: any edit of params.yaml is a clean refusal or a load whose every value is in bounds.
+
+def _leaves_in_bounds(obj, prefix="") -> list[str]:
+    """Dotted keys of loaded values outside their field's type or bounds (empty = all fine)."""
+    import dataclasses
+    import math
+    bad = []
+    for f in dataclasses.fields(obj):
+        v, key, meta = getattr(obj, f.name), f"{prefix}{f.name}", f.metadata
+        if dataclasses.is_dataclass(v):
+            bad += _leaves_in_bounds(v, key + ".")
+            continue
+        for x in v if isinstance(v, list) else [v]:
+            if dataclasses.is_dataclass(x):
+                bad += _leaves_in_bounds(x, key + "[].")
+            elif isinstance(x, float) and not math.isfinite(x):
+                bad.append(key)
+            elif isinstance(x, (int, float)) and not isinstance(x, bool) and (
+                    (meta.get("lo") is not None and x < meta["lo"]) or (meta.get("hi") is not None and x > meta["hi"])):
+                bad.append(key)
+    return bad
+
+
+_TEXT = (ROOT / "params.yaml").read_text()
+_LINES = _TEXT.splitlines()
+_VALUE_LINES = [i for i, ln in enumerate(_LINES) if re.match(r"^ +\w+: \S", ln)]
+yaml_values = st.sampled_from([".nan", ".inf", "-.inf", "1e999", "10000000000000000000000000", "-1", "0", "1",
+                               "2", "3.0e-4", "[]", "[1, 2]", "{a: 1}", "yes", "'x'", "~", "*nope", "&a 1",
+                               "[" * 50 + "]" * 50, "2001-01-01", "0x10", "1_000", "!!python/object:os.system"])
+params_edits = st.one_of(
+    st.tuples(st.just("value"), st.integers(0, len(_VALUE_LINES) - 1), yaml_values),
+    st.tuples(st.just("bytes"), st.integers(0, len(_TEXT)), st.binary(max_size=8), st.integers(0, 8)),
+    st.tuples(st.just("bomb"), st.integers(1, 12)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edit_list=st.lists(params_edits, min_size=1, max_size=4))
+def test_any_edit_of_params_is_refused_cleanly_or_loads_in_bounds(tmp_path_factory, edit_list):
+    lines = list(_LINES)
+    data = None
+    for edit in edit_list:
+        if edit[0] == "value":
+            i = _VALUE_LINES[edit[1]]
+            lines[i] = re.sub(r": .*$", f": {edit[2]}", lines[i])
+        elif edit[0] == "bomb":  # n levels of nine aliases each: 9**n values once expanded
+            n = edit[1]
+            lines = ["b0: &b0 [x, x, x, x, x, x, x, x, x]"] + [
+                f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * 9)}]" for i in range(1, n)] + lines
+    data = ("\n".join(lines) + "\n").encode()
+    for edit in edit_list:
+        if edit[0] == "bytes":
+            _, at, blob, drop = edit
+            data = data[:at] + blob + data[at + drop:]
+    f = tmp_path_factory.mktemp("params") / "params.yaml"
+    f.write_bytes(data)
+    with bounded(seconds=10, memory=2 << 30):
+        try:
+            params = load_params(f)
+        except ConfigError as e:
+            assert e.problems and all(p.startswith(str(f)) for p in e.problems), e.problems
+            event(f"refused ({len(e.problems)} problem{'s' if len(e.problems) > 1 else ''})")
+            return
+    event("loaded")
+    assert _leaves_in_bounds(params) == []

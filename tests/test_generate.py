@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 from llm.config import ModelConfig
-from llm.generate import Generation, KVCache, filter_logits, generate, sample_next
+from llm.generate import Generation, KVCache, filter_logits, generate, sample_next, sampling_problem
 from llm.model import GPT
 
 V, PAD = 53, 0
@@ -247,6 +247,33 @@ def test_streaming_receives_every_step():
     got = []
     out = generate(m, ps, 9, temperature=0.0, pad_id=PAD, stream=lambda t: got.append(t.clone()))
     assert torch.equal(torch.stack(got, 1), out.tokens[:, out.prompt_len:])
+
+
+def test_a_stream_callback_returning_true_ends_generation_after_that_step():
+    m = model()
+    full = generate(m, prompts([4]), 12, temperature=0.0, pad_id=PAD)
+    seen = []
+    out = generate(m, prompts([4]), 12, temperature=0.0, pad_id=PAD,
+                   stream=lambda t: seen.append(int(t[0])) or len(seen) == 5)
+    assert len(seen) == 5 and out.responses() == [full.responses()[0][:5]]
+    assert not out.stopped.any()  # ended by the caller, not by a stop token
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e-320), "temperature"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k")])
+def test_unusable_sampling_settings_are_refused_before_any_work(kw, match):
+    assert match in sampling_problem(**kw)
+    with pytest.raises(ValueError, match=match):
+        generate(model(), [[1, 2]], 2, pad_id=PAD, generator=gen(0), **{"temperature": 1.0, **kw})
+
+
+def test_the_smallest_allowed_temperature_still_samples_finite_logprobs():
+    out = generate(model(), prompts([3]), 6, temperature=1e-6, pad_id=PAD, generator=gen(0))
+    assert sampling_problem(temperature=1e-6, top_k=0, top_p=1.0) is None
+    assert torch.isfinite(out.logprobs).all()
 
 
 def test_generate_restores_training_mode_and_validates_input():

@@ -43,6 +43,37 @@ def test_prepare_writes_disjoint_splits(tmp_path):
     assert metrics["by_source"]["pretrain/val"] == {"shakespeare": 2}
 
 
+def test_eval_only_items_are_no_training_prompt(tmp_path):
+    r = _run_prepare(tmp_path, task_train=600, task_test=40, arithmetic_test=100)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "prepared"
+    trained = {m["content"] for r in _jsonl(out / "sft" / "train.jsonl") for m in r["messages"] if m["role"] == "user"}
+    trained |= {r["question"] for r in _jsonl(out / "rl" / "train.jsonl")}
+    tasks, arithmetic = _jsonl(out / "tasks" / "test.jsonl"), _jsonl(out / "arithmetic" / "test.jsonl")
+    assert not {t["prompt"] for t in tasks} & trained and not {q["question"] for q in arithmetic} & trained
+    assert len({t["prompt"] for t in tasks}) == len(tasks) and len({q["question"] for q in arithmetic}) == 100
+    per_kind = {k: sum(t["kind"] == k for t in tasks) for k in {t["kind"] for t in tasks}}
+    assert per_kind["max"] == per_kind["sort"] == 40
+    # reverse has 60 distinct prompts: the test set is all of those SFT does not train on, and no more
+    reverse_trained = {p for p in trained if p.startswith(("Reverse the word: ", "Spell "))}
+    assert per_kind["reverse"] == 60 - len(reverse_trained) < 40
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    assert metrics["records"]["tasks/test"] == len(tasks) and metrics["records"]["arithmetic/test"] == 100
+
+
+def test_eval_only_items_change_no_training_record(tmp_path):
+    a, b = tmp_path / "with", tmp_path / "without"
+    a.mkdir(), b.mkdir()
+    assert _run_prepare(a, task_test=10, arithmetic_test=30).returncode == 0
+    assert _run_prepare(b, task_test=0, arithmetic_test=0).returncode == 0
+    files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
+    assert len(files) == 11
+    for f in files:
+        same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
+        assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
+    assert (b / "data/prepared/tasks/test.jsonl").read_text() == ""
+
+
 def test_prepare_is_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -80,3 +111,21 @@ def test_bad_external_record_fails_with_path_and_line(tmp_path):
     r = _run_prepare(tmp_path, sft_sources=[src])
     assert r.returncode == 1
     assert f"{bad}:2: field 'instruction' must be a string" in r.stderr
+
+
+def test_empty_math_levels_is_a_params_error_not_a_crash(tmp_path):
+    r = _run_prepare(tmp_path, math_levels=[])
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "prepare.math_levels: expected a non-empty list" in r.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_directory_as_source_path_fails_cleanly_even_when_skipping_bad_records(tmp_path):
+    src = {"path": str(tmp_path), "hub": "", "hub_config": "", "split": "train", "schema": "text", "field": "text",
+           "limit": 0}
+    r = _run_prepare(tmp_path, pretrain_sources=[src], on_bad_record="skip", max_bad_fraction=1.0,
+                     math_train=20, math_val=5, math_test=5, math_pretrain_docs=5, task_train=5, task_val=5,
+                     pref_train=5, pref_val=5)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{tmp_path}: is a directory, not a regular file" in r.stderr
+    assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()

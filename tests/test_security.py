@@ -178,6 +178,7 @@ def test_checkpoint_state_json_cannot_smuggle_objects(tmp_path, trap):
 def test_model_dir_loader_refuses_pickles(tmp_path, trap):
     from llm.artifacts import ArtifactError, load_model_dir, save_model_dir
     from llm.config import ModelConfig
+    from llm.fileio import sha256_file
     from llm.model import GPT
     from llm.tokenizer import Tokenizer
     _, payloads = trap
@@ -187,7 +188,7 @@ def test_model_dir_loader_refuses_pickles(tmp_path, trap):
         d = save_model_dir(tmp_path / kind, model, tok, {"stage": "test"})
         (d / "model.safetensors").write_bytes(data)
         meta = json.loads((d / "meta.json").read_text())
-        meta.pop("files", None)  # no hash to hide behind
+        meta["files"]["model.safetensors"] = sha256_file(d / "model.safetensors")  # a hash that matches
         (d / "meta.json").write_text(json.dumps(meta))
         with pytest.raises(ArtifactError, match="safetensors"):
             load_model_dir(d)

