@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from llm.config import ModelConfig, PPOConfig, GRPOConfig, TrainConfig  # noqa: E402
-from llm.memory import CUDA_CONTEXT, GIB, format_table, stage_memory  # noqa: E402
+from llm.config import GRPOConfig, PPOConfig, TrainConfig  # noqa: E402
+from llm.memory import CUDA_CONTEXT, GIB, format_table, model_config, stage_memory  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.monitor import Plots, peak_flops  # noqa: E402
 from llm.profile import render  # noqa: E402
@@ -117,12 +117,6 @@ def profile_params(name: str, overrides: dict) -> dict:
             else:
                 params[section][k] = v
     return params
-
-
-def model_config(params: dict) -> ModelConfig:
-    m = dict(params["pretrain"]["model"])
-    m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
-    return ModelConfig(**m)
 
 
 def sync(rt: Runtime) -> None:
@@ -214,7 +208,8 @@ def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
             res = run_train(model, cfg, s.rt, tokens, tmp / f"{name}-{compiled}")
             sync(s.rt)
             h = res.train_history
-            tps = (h[-1]["tokens_seen"] - h[s.warmup - 1]["tokens_seen"]) / (h[-1]["elapsed_s"] - h[s.warmup - 1]["elapsed_s"])
+            w = h[s.warmup - 1]  # the end of the warm-up steps (compilation, allocator)
+            tps = (h[-1]["tokens_seen"] - w["tokens_seen"]) / (h[-1]["elapsed_s"] - w["elapsed_s"])
             peak = peak_flops(s.rt.device, s.rt.dtype)
             mfu = model.flops_per_token() * tps / peak if peak else None
             mfu_measured = model.flops_per_token() * tps / ceiling if ceiling else None
@@ -294,7 +289,8 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
                      "seconds": time.perf_counter() - t0, "peak_gib": peak_gib(s.rt), "estimate_gib": est_alloc,
                      "note": (f"{len(prompts_fn(0)[0]) * (1 if name == 'ppo' else cfg.group_size)} rollouts x"
                               f" {cfg.max_new_tokens} tokens, minibatch {cfg.minibatch_size}: rollout"
-                              f" {row['rollout_s']:.1f} s, scoring {row['scoring_s']:.1f} s, update {row['update_s']:.1f} s")})
+                              f" {row['rollout_s']:.1f} s, scoring {row['scoring_s']:.1f} s,"
+                              f" update {row['update_s']:.1f} s")})
         del policy, ref, algo, updater
         if name == "ppo":
             del rm
@@ -335,7 +331,8 @@ def part_resume(s: Setup, tmp: Path) -> list[dict]:
           and (a == b if s.exact_resume else rel <= 1e-3))
     return [{"part": "resume", "what": f"{mcfg.preset} {k} + {k} vs {2 * k} steps", "ok": ok,
              "seconds": time.perf_counter() - t0, "resume_max_rel_diff": rel, "resume_bitwise": a == b,
-             "note": f"exit {code}, resumed from {resumed.resumed_from}, max rel loss diff {rel:.2g}, bitwise {a == b}"}]
+             "note": (f"exit {code}, resumed from {resumed.resumed_from}, max rel loss diff {rel:.2g},"
+                      f" bitwise {a == b}")}]
 
 
 PARTS = {"dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "resume": part_resume}

@@ -46,7 +46,6 @@ workspace, NCCL buffers, and data held on the host.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,16 +144,22 @@ def kv_cache_bytes(mcfg, batch: int, max_len: int) -> int:
 _SIZES: dict[Any, ModelSize] = {}
 
 
+def model_config(params: dict):
+    """The ModelConfig every stage's model has: pretrain.model with the tokenizer's vocab_size
+    where it says 0 (the tokenizer's requested size: one that stops short is smaller)."""
+    from llm.config import ModelConfig
+
+    m = dict(params["pretrain"]["model"])
+    m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
+    return ModelConfig(**m)
+
+
 class _Setting:
     """What the estimate needs from common + the model: device, widths, sizes."""
 
     def __init__(self, params: dict):
-        from llm.config import ModelConfig
-
         common = params["common"]
-        m = dict(params["pretrain"]["model"])
-        m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
-        self.m = ModelConfig(**m)
+        self.m = model_config(params)
         self.cuda = common["device"] != "cpu"
         self.b = 2 if self.cuda and common["dtype"] != "fp32" else 4
         self.nproc = common["nproc"]

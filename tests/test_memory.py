@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm.config import ModelConfig
-from llm.memory import GIB, PROMPT_TOKENS, fit_problems, kv_cache_bytes, largest_fitting, stage_memory
+from llm.memory import GIB, PROMPT_TOKENS, fit_problems, kv_cache_bytes, largest_fitting, model_config, stage_memory
 from llm.profile import render
 from tests.conftest import ROOT
 
@@ -32,9 +32,7 @@ class Allocated:
     """Models of a profile allocated on the CPU the way the stages build them; bytes measured."""
 
     def __init__(self, params: dict):
-        m = dict(params["pretrain"]["model"])
-        m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
-        self.cfg = ModelConfig(**m)
+        self.cfg = model_config(params)
         self.params = params
         self._cache: dict = {}
 
@@ -135,7 +133,8 @@ def expected(params: dict, a: Allocated) -> dict[str, dict[str, dict[str, int]]]
                  "update": {**lm, "weights": grpo_held},
                  "held-out eval": {"weights": grpo_held, "optimizer": lm["optimizer"],
                                    "kv_cache": a.kv(min(64, g["eval_problems"]), gen("grpo"))}},
-        "eval": {"perplexity": {"weights": w3}, "generate": {"weights": w3, "kv_cache": a.kv(e["batch_size"], gen("eval"))},
+        "eval": {"perplexity": {"weights": w3},
+                 "generate": {"weights": w3, "kv_cache": a.kv(e["batch_size"], gen("eval"))},
                  "RM scoring": {"weights": w3},
                  "KL to SFT": {"weights": w3, "kv_cache": a.kv(e["batch_size"], gen("eval"))}},
     }
