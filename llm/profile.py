@@ -3,7 +3,8 @@
     python -m llm.profile list              # the profiles and what each is for
     python -m llm.profile use smoke         # write params.yaml from env/profiles/smoke.yaml
     python -m llm.profile diff gpu-77m      # keys where that profile differs from params.yaml
-    python -m llm.profile memory gpu-406m   # estimated training memory of that profile's pretraining
+    python -m llm.profile memory gpu-406m   # memory per GPU of every stage, and whether it fits the card
+    python -m llm.profile rehearse gpu-13m  # the whole DAG at the profile's model shapes, on the CPU
 
 `env/profiles/cpu.yaml` is a complete params file (the default, 2 CPU cores, <= 30 min).
 Every other profile starts with `extends: cpu` and lists only the keys it changes, so a
@@ -16,6 +17,11 @@ reader sees at a glance what makes `smoke` small or `gpu-77m` big:
 `use` renders the profile, validates it with llm/config.py (every problem at once, nothing
 written on error) and writes params.yaml atomically with a header naming the profile.
 DVC then sees ordinary params changes, so `dvc repro` reruns what the switch touched.
+
+A GPU profile names its card's memory, `card_gib: 24` (like `description`, not inherited);
+`use` then also refuses a profile whose stages would not fit that card with 10% to spare
+(llm/memory.py's estimate per stage), naming the key to lower and the largest value that fits.
+`memory` prints that estimate; `rehearse` (llm/rehearse.py) runs the profile's DAG on the CPU.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from llm.config import ConfigError, load_params_text
 from llm.fileio import atomic_write_text
 
 PROFILES = Path("env/profiles")
-META_KEYS = ("extends", "description")
+META_KEYS = ("extends", "description", "card_gib")
 
 
 def available(profiles: Path = PROFILES) -> list[str]:
@@ -103,41 +109,27 @@ _ParamsDumper.add_representer(list, _ParamsDumper.represent_list)
 _ParamsDumper.add_representer(dict, _ParamsDumper.represent_dict)
 
 
+def card_gib(name: str, profiles: Path = PROFILES) -> float | None:
+    """The memory of the card a profile is sized for (its own `card_gib`), or None."""
+    v = _read(name, profiles).get("card_gib")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+        raise ConfigError([f"{profiles}/{name}.yaml: card_gib: expected a number of GiB > 0, got {v!r}"])
+    return v
+
+
 def validate(name: str, profiles: Path = PROFILES) -> str:
-    """The rendered params text of a profile, checked by the same rules as params.yaml."""
+    """The rendered params text of a profile, checked by the same rules as params.yaml, and
+    (with `card_gib`) every stage estimated to fit that card."""
     params, desc = render(name, profiles)
     text = to_yaml(params, name, desc)
     load_params_text(text, f"{profiles}/{name}.yaml (rendered)")
+    card = card_gib(name, profiles)
+    if card is not None:
+        from llm.memory import fit_problems
+        problems = fit_problems(params, card)
+        if problems:
+            raise ConfigError([f"{profiles}/{name}.yaml: {p}" for p in problems])
     return text
-
-
-def memory_estimate(params: dict) -> dict[str, float]:
-    """Estimated peak training memory (GiB) of a profile's pretraining, per GPU.
-
-    An estimate, not a measurement: fp32 master weights, gradients and two AdamW moments
-    (16 bytes per parameter), activations of bf16 training with fused attention and no
-    activation checkpointing (~34 bytes per token per layer per channel, Korthikanti et
-    al. 2022, without the attention-score term that fused kernels never store), the logits
-    (bf16 logits, their fp32 copy for the loss, and its gradient: ~10 bytes per token per
-    vocabulary entry), and ~1 GiB for the CUDA context and allocator slack.
-    """
-    from llm.config import ModelConfig
-    from llm.model import GPT
-
-    pre = params["pretrain"]
-    m = dict(pre["model"])
-    m["vocab_size"] = m["vocab_size"] or params["tokenizer"]["vocab_size"]
-    cfg = ModelConfig(**m)
-    n = GPT(cfg, device="meta").n_params()
-    tokens = pre["batch_size"] * cfg.seq_len
-    gib = 1024 ** 3
-    states = 16 * n / gib
-    acts = 34 * tokens * cfg.n_layer * cfg.n_embd / gib
-    if pre["activation_checkpointing"]:
-        acts = acts / cfg.n_layer + 2 * tokens * cfg.n_layer * cfg.n_embd / gib  # one layer live + inputs
-    logits = 10 * tokens * cfg.vocab_size / gib
-    return {"n_params_m": n / 1e6, "weights_grads_adam_gib": states, "activations_gib": acts,
-            "logits_gib": logits, "total_gib": states + acts + logits + 1.0}
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -160,8 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("diff", help="keys where a profile differs from params.yaml")
     d.add_argument("name")
     d.add_argument("--params", default="params.yaml")
-    m = sub.add_parser("memory", help="estimated pretraining memory per GPU (not a measurement)")
-    m.add_argument("name")
+    m = sub.add_parser("memory", help="memory per GPU of every stage (exact parts + estimates), and the fit")
+    m.add_argument("name", nargs="?", help="a profile; or give --params")
+    m.add_argument("--params", help="a params file instead of a profile (e.g. after `dvc exp run -S`)")
+    m.add_argument("--card-gib", type=float, help="check against a card of this many GiB (default: the"
+                   " profile's card_gib)")
+    r = sub.add_parser("rehearse", help="run the profile's whole DAG at its model shapes on the CPU (llm/rehearse.py)")
+    r.add_argument("name")
+    r.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -175,14 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                   f" (`dvc status` shows which stages)")
             return 0
         if args.cmd == "memory":
-            params = render(args.name)[0]
-            est = memory_estimate(params)
-            pre = params["pretrain"]
-            print(f"{args.name}: {est['n_params_m']:.1f}M parameters, batch {pre['batch_size']} x"
-                  f" {pre['model']['seq_len']} tokens: ESTIMATED {est['total_gib']:.1f} GiB"
-                  f" (weights+grads+AdamW {est['weights_grads_adam_gib']:.1f}, activations"
-                  f" {est['activations_gib']:.1f}, logits {est['logits_gib']:.1f}, context ~1.0)")
-            return 0
+            return _memory(args)
+        if args.cmd == "rehearse":
+            from llm.rehearse import rehearse
+            return rehearse(args.name, keep=args.keep)
         new = _flat(render(args.name)[0])
         old = _flat(yaml.safe_load(Path(args.params).read_text(encoding="utf-8")))
         for k in sorted(set(new) | set(old)):
@@ -192,6 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"profile: {e}", file=sys.stderr)
         return 1
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from llm.config import load_params, to_dict
+    from llm.memory import fit_problems, report
+
+    if (args.name is None) == (args.params is None):
+        raise ConfigError(["memory: give a profile name or --params FILE, not both"])
+    if args.params:
+        params, label, card = to_dict(load_params(args.params)), args.params, args.card_gib
+    else:
+        params, label = render(args.name)[0], args.name
+        card = args.card_gib or card_gib(args.name)
+    print("\n".join(report(params, label, card)))
+    return 1 if card and fit_problems(params, card) else 0
 
 
 if __name__ == "__main__":

@@ -191,7 +191,12 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
 @pytest.mark.slow
 def test_ppo_stage_with_the_verifier_and_the_kl_gate(tmp_path):
     make_workspace(tmp_path, "ppo", {"max_kl": 1.0e-9})
+    last_good = tmp_path / "metrics/plots/ppo.tsv"  # the curves of an earlier run that passed
+    last_good.parent.mkdir(parents=True, exist_ok=True)
+    last_good.write_text("step\treward\n1\t0.5\n")
     p = run_stage(tmp_path, "ppo")
     assert p.returncode == 1 and "reward from the verifier" in p.stdout
     assert "ppo: quality gate failed: final KL" in p.stderr and "no model was written" in p.stderr
     assert not (tmp_path / "models/ppo").exists()
+    assert last_good.read_text() == "step\treward\n1\t0.5\n"  # a failed run publishes no curves
+    assert (tmp_path / "runs/ppo/plots/ppo.tsv").is_file()     # they stay in its run directory

@@ -65,26 +65,30 @@ def test_use_writes_params_atomically(tmp_path, monkeypatch):
     assert out.read_text().startswith("# profile: smoke")  # untouched on error
 
 
-def test_memory_estimate_adds_up_and_scales_with_the_batch():
-    from llm.profile import memory_estimate
-
-    params, _ = render("gpu-77m", PROFILES)
-    est = memory_estimate(params)
-    parts = est["weights_grads_adam_gib"] + est["activations_gib"] + est["logits_gib"] + 1.0
-    assert est["total_gib"] == pytest.approx(parts)
-    # 16 bytes per parameter for fp32 weights, gradients and two AdamW moments
-    assert est["weights_grads_adam_gib"] == pytest.approx(16 * est["n_params_m"] * 1e6 / 1024 ** 3)
-    params["pretrain"]["batch_size"] *= 2
-    doubled = memory_estimate(params)
-    assert doubled["activations_gib"] == pytest.approx(2 * est["activations_gib"])
-    assert doubled["logits_gib"] == pytest.approx(2 * est["logits_gib"])
-    params["pretrain"]["activation_checkpointing"] = True
-    assert memory_estimate(params)["activations_gib"] < doubled["activations_gib"] / 2
+def test_a_gpu_profile_that_would_not_fit_its_card_is_refused_naming_the_key(tmp_path):
+    (tmp_path / "cpu.yaml").write_text((PROFILES / "cpu.yaml").read_text())
+    (tmp_path / "big.yaml").write_text((PROFILES / "gpu-77m.yaml").read_text().replace("card_gib: 40", "card_gib: 16"))
+    with pytest.raises(ConfigError) as e:
+        validate("big", tmp_path)
+    msg = str(e.value)
+    assert f"{tmp_path}/big.yaml: pretrain: estimated" in msg and "lower pretrain.batch_size: 64 -> at most" in msg
+    assert "the 16 GiB card less 10% headroom" in msg
 
 
-@pytest.mark.parametrize("name,card_gib", [("gpu-13m", 24), ("gpu-77m", 40), ("gpu-406m", 80)])
-def test_each_gpu_profile_is_estimated_to_fit_its_card(name, card_gib):
-    from llm.profile import memory_estimate
+def test_card_gib_must_be_a_positive_number(tmp_path):
+    (tmp_path / "cpu.yaml").write_text((PROFILES / "cpu.yaml").read_text())
+    (tmp_path / "bad.yaml").write_text("extends: cpu\ncard_gib: lots\n")
+    with pytest.raises(ConfigError, match="bad.yaml: card_gib: expected a number of GiB > 0, got 'lots'"):
+        validate("bad", tmp_path)
 
-    params, _ = render(name, PROFILES)
-    assert memory_estimate(params)["total_gib"] < 0.9 * card_gib
+
+def test_memory_command_prints_every_stage_and_the_fit(capsys, monkeypatch):
+    from llm import profile
+    monkeypatch.chdir(ROOT)
+    assert profile.main(["memory", "gpu-13m"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("pretrain", "sft", "reward", "pairs", "dpo", "ppo", "grpo", "eval"):
+        assert f"\n{stage} " in out, stage
+    assert "fits: every stage within 21.6 GiB (the 24 GiB card less 10%)" in out
+    assert profile.main(["memory", "--params", "params.yaml", "--card-gib", "0.5"]) == 1
+    assert "does NOT fit a 0.5 GiB card" in capsys.readouterr().out

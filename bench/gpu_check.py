@@ -1,0 +1,388 @@
+"""The device check: the one script a session with a GPU runs, printing one table of this project's GPU figures.
+
+    python bench/gpu_check.py [--parts dag,pretrain,rl,resume] [--budget-s 540]
+    python bench/gpu_check.py --cpu-plumbing        # tiny sizes on the CPU: checks the script, no GPU figures
+
+Written for one H200 lent for a few minutes: at the defaults it should take under 9 minutes there
+(`--budget-s`: a part that would start after that many seconds is skipped and its row says so).
+Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in order:
+
+1. dag: the gpu-13m profile's whole DAG on the device (bf16), each stage cut to one step as
+   `python -m llm.profile rehearse` cuts it (llm/rehearse.py), in a scratch copy of the work tree:
+   every stage's code path on CUDA at the profile's model shapes. One row per stage.
+2. pretrain: the 77m and 406m presets at their profiles' batch (grad_accum 1) and seq_len, bf16
+   autocast, eager and `torch.compile`d, through llm.trainer.train (the loop every stage uses) on
+   uniformly random tokens: tokens/s over the steps after the warm-up (the loop's own elapsed_s),
+   MFU = flops_per_token x tokens/s / the card's dense bf16 peak (llm.monitor.peak_flops), and
+   torch.cuda.max_memory_allocated against llm/memory.py's estimate of the pretrain stage
+   without its 1 GiB of CUDA context (which the allocator does not see).
+3. rl: one PPO step and one GRPO step (llm/ppo.py, llm/grpo.py) at 77m with the gpu-77m profile's
+   ppo / grpo settings, from a random policy (it never emits its stop token, so every response runs
+   to max_new_tokens: the most memory), random prompts as long as llm/memory.py assumes
+   (PROMPT_TOKENS), PPO's reward from a random reward model with the likelihood feature; peak
+   allocated memory against the estimate's largest phase of the rollout, scoring and update (the
+   held-out evaluation is not run).
+4. resume: SIGTERM during step k of a 2k-step 77m run on the device (the trainer's preemption path:
+   finish the step, write ckpt-k, exit 143), resume to 2k, and compare losses k+1..2k with an
+   uninterrupted run: passes when max |diff| / loss <= 1e-3 (CUDA kernels need not be bitwise
+   reproducible; on the CPU they are, and --cpu-plumbing requires bitwise equality).
+
+Prints the table and, as its last line, one JSON object with every figure. Exit status: 0 every
+part that ran passed, 1 one failed, 2 refused. Writes nothing outside temporary directories.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from llm.config import GRPOConfig, PPOConfig, TrainConfig  # noqa: E402
+from llm.memory import CUDA_CONTEXT, GIB, format_table, model_config, stage_memory  # noqa: E402
+from llm.model import GPT  # noqa: E402
+from llm.monitor import Plots, peak_flops  # noqa: E402
+from llm.profile import render  # noqa: E402
+from llm.runtime import Runtime  # noqa: E402
+from llm.trainer import lm_loss, train  # noqa: E402
+
+PROFILES = ROOT / "env" / "profiles"
+MARKER = 1               # the RL steps' random prompts end with it, as a chat prompt ends with <|assistant|>
+PLUMBING = "python bench/gpu_check.py --cpu-plumbing"
+
+
+@dataclasses.dataclass
+class Setup:
+    """What differs between the device run and the CPU plumbing run."""
+    rt: Runtime
+    dag_profile: str
+    dag_only: list[str] | None     # stages of the DAG part (None: all)
+    pretrain: list[tuple[str, dict]]  # (profile, overrides of its params) per pretraining run
+    rl_profile: str
+    rl_overrides: dict
+    steps: int                     # optimizer steps of a throughput run
+    warmup: int                    # of them, left out of tokens/s
+    resume_k: int
+    compile: bool
+    exact_resume: bool             # the CPU promises bitwise equality
+
+
+def say(msg: str) -> None:
+    print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+def refuse(msg: str) -> None:
+    say(msg)
+    raise SystemExit(2)
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    if args.cpu_plumbing:
+        tiny = {"pretrain": {"model": {"preset": "custom", "seq_len": 64, "n_layer": 2, "n_head": 2, "n_kv_head": 2,
+                                       "n_embd": 32}, "batch_size": 2},
+                "tokenizer": {"vocab_size": 512}, "common": {"device": "cpu", "dtype": "fp32"}}
+        rl = {**tiny, "ppo": {"rollout_prompts": 4, "minibatch_size": 2, "max_new_tokens": 8},
+              "grpo": {"prompts_per_step": 2, "group_size": 2, "minibatch_size": 2, "max_new_tokens": 8}}
+        return Setup(Runtime(torch.device("cpu"), torch.float32), "smoke", ["prepare", "tokenizer", "tokenize"],
+                     [("gpu-77m", tiny)], "gpu-77m", rl, steps=4, warmup=1, resume_k=2, compile=False,
+                     exact_resume=True)
+    if not torch.cuda.is_available():
+        refuse(f"needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch.__version__},"
+               f" CUDA build {torch.version.cuda}). Run it on a machine with an NVIDIA GPU; to check only this"
+               f" script's plumbing on a CPU (tiny sizes, no GPU figures):\n    {PLUMBING}")
+    device = torch.device("cuda", 0)
+    if not torch.cuda.is_bf16_supported():
+        refuse(f"{torch.cuda.get_device_name(device)} has no bf16; this check measures bf16 training")
+    return Setup(Runtime(device, torch.bfloat16), "gpu-13m", None, [("gpu-77m", {}), ("gpu-406m", {})], "gpu-77m",
+                 {}, steps=30, warmup=10, resume_k=10, compile=True, exact_resume=False)
+
+
+def profile_params(name: str, overrides: dict) -> dict:
+    params = render(name, PROFILES)[0]
+    for section, values in overrides.items():
+        for k, v in values.items():
+            if isinstance(v, dict):
+                params[section][k].update(v)
+            else:
+                params[section][k] = v
+    return params
+
+
+def sync(rt: Runtime) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+
+
+def reset_peak(rt: Runtime) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(rt.device)
+
+
+def peak_gib(rt: Runtime) -> float | None:
+    return torch.cuda.max_memory_allocated(rt.device) / GIB if rt.device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------------------
+# 1. the DAG
+
+def part_dag(s: Setup, tmp: Path) -> list[dict]:
+    from llm.rehearse import run
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON
+        rc, rows = run(s.dag_profile, only=s.dag_only, tmp=tmp, device=s.rt.device.type)
+    return [{"part": "dag", "what": f"{s.dag_profile} {r.stage}", "ok": r.ok, "seconds": r.seconds,
+             "note": r.error or f"host peak RSS {r.peak_rss / GIB:.2f} GiB"} for r in rows] or \
+        [{"part": "dag", "what": s.dag_profile, "ok": rc == 0, "seconds": 0.0, "note": f"exit {rc}"}]
+
+
+# ---------------------------------------------------------------------------
+# 2. pretraining throughput, MFU and memory
+
+def train_config(pre: dict, max_steps: int, compile_: bool) -> TrainConfig:
+    """TrainConfig from a profile's pretrain knobs: no eval, no checkpoint before the end."""
+    knobs = {f.name: pre[f.name] for f in dataclasses.fields(TrainConfig)}
+    knobs.update(max_steps=max_steps, grad_accum=1, warmup_steps=min(pre["warmup_steps"], max_steps // 10),
+                 eval_every=10**9, checkpoint_every=10**9, log_every=max_steps, keep_checkpoints=2,
+                 nonfinite_policy="raise", compile=compile_)
+    return TrainConfig(**knobs)
+
+
+def random_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    return np.random.default_rng(seed).integers(0, vocab, n, dtype=dtype)
+
+
+def run_train(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndarray, run_dir: Path, loss_fn=lm_loss):
+    from llm.batching import WindowSampler
+    src = WindowSampler(tokens, seq_len=model.config.seq_len, batch_size=cfg.batch_size, grad_accum=1, seed=0)
+    with contextlib.redirect_stdout(sys.stderr):
+        return train(model, cfg, rt, stage="bench", seed=0, batches=src, loss_fn=loss_fn, val_batches=None,
+                     run_dir=run_dir, fingerprint="bench-gpu-check",
+                     plots=Plots(tsv=run_dir.parent / f"{run_dir.name}.tsv"), progress=False)
+
+
+def matmul_ceiling(rt: Runtime, n: int = 8192, reps: int = 10) -> float | None:
+    """Measured bf16 n^3 matmul FLOP/s on this card (None on the CPU): what the card gives here."""
+    if rt.device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=rt.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=rt.device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(rt)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(rt)
+    flops = 2 * n**3 * reps / (time.perf_counter() - t0)
+    del a, b
+    return flops
+
+
+def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
+    ceiling = matmul_ceiling(s.rt)
+    rows = []
+    for name, over in s.pretrain:
+        params = profile_params(name, over)
+        params["pretrain"]["grad_accum"] = 1
+        mcfg = model_config(params)
+        est = stage_memory(params)["pretrain"].peak
+        est_alloc = (est.total - (CUDA_CONTEXT if s.rt.device.type == "cuda" else 0)) / GIB
+        tokens = random_tokens(mcfg.vocab_size, max(mcfg.seq_len + 2, 8_000_000), 0)
+        for compiled in ([False, True] if s.compile else [False]):
+            reset_peak(s.rt)
+            model = GPT(mcfg, seed=0)
+            cfg = train_config(params["pretrain"], s.steps, compiled)
+            t0 = time.perf_counter()
+            res = run_train(model, cfg, s.rt, tokens, tmp / f"{name}-{compiled}")
+            sync(s.rt)
+            h = res.train_history
+            w = h[s.warmup - 1]  # the end of the warm-up steps (compilation, allocator)
+            tps = (h[-1]["tokens_seen"] - w["tokens_seen"]) / (h[-1]["elapsed_s"] - w["elapsed_s"])
+            peak = peak_flops(s.rt.device, s.rt.dtype)
+            mfu = model.flops_per_token() * tps / peak if peak else None
+            mfu_measured = model.flops_per_token() * tps / ceiling if ceiling else None
+            alloc = peak_gib(s.rt)
+            rows.append({"part": "pretrain", "what": f"{mcfg.preset} {'compiled' if compiled else 'eager'}",
+                         "ok": math.isfinite(h[-1]["loss"]), "seconds": time.perf_counter() - t0,
+                         "tokens_per_s": tps, "mfu": mfu, "mfu_vs_matmul": mfu_measured, "matmul_flops": ceiling,
+                         "peak_gib": alloc, "estimate_gib": est_alloc,
+                         "note": (f"batch {cfg.batch_size} x {mcfg.seq_len}, {s.steps} steps ({s.warmup} warm-up):"
+                                  f" {tps:,.0f} tok/s, MFU " + ("n/a (no known peak)" if mfu is None else
+                                                                f"{mfu:.1%} of the datasheet bf16 peak")
+                                  + (f", {mfu_measured:.1%} of a measured bf16 8192^3 matmul"
+                                     f" ({ceiling / 1e12:.0f} TFLOP/s)" if ceiling else ""))})
+            del model, res
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# 3. one PPO and one GRPO step
+
+def part_rl(s: Setup, tmp: Path) -> list[dict]:
+    from llm.grpo import GRPO
+    from llm.ppo import PPO
+    from llm.loop import Updater
+    from llm.memory import PROMPT_TOKENS
+
+    params = profile_params(s.rl_profile, s.rl_overrides)
+    mcfg = model_config(params)
+    est = stage_memory(params)
+    ctx = CUDA_CONTEXT if s.rt.device.type == "cuda" else 0
+    g = torch.Generator().manual_seed(0)
+    stop, pad = (mcfg.vocab_size - 1,), 0  # a stop id a random policy will hardly ever sample
+    rows = []
+    for name in ("ppo", "grpo"):
+        c = dict(params[name])
+        cfg = (PPOConfig if name == "ppo" else GRPOConfig)(**c)
+        n_prompts = cfg.rollout_prompts if name == "ppo" else cfg.prompts_per_step
+
+        plen = min(PROMPT_TOKENS, mcfg.seq_len - cfg.max_new_tokens)
+
+        def prompts_fn(step, n=n_prompts, plen=plen):
+            ids = torch.randint(MARKER + 1, mcfg.vocab_size - 1, (n, plen), generator=g)
+            ids[:, -1] = MARKER
+            return ids.tolist(), [{} for _ in range(n)]
+
+        reset_peak(s.rt)
+        t0 = time.perf_counter()
+        policy = GPT(mcfg, seed=1).to(s.rt.device)
+        ref = GPT(mcfg, seed=1).to(s.rt.device)
+        if name == "ppo":
+            policy.add_head("value", seed=2)
+            rm = GPT(mcfg, seed=3)
+            rm.add_head("reward", seed=4)
+            if params["reward"]["logprob_feature"]:
+                rm.add_head("reward_logprob", marker=MARKER)
+            rm = rm.to(s.rt.device).eval().requires_grad_(False)
+
+            def reward_fn(ro, problems):  # the RM's score, as llm/rewards.py's, without decoding text
+                from llm.reward_model import reward
+                with torch.no_grad():
+                    return reward(rm, ro.tokens, ro.attention_mask).float().cpu(), {}
+            algo = PPO(policy, ref, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn, stop_ids=stop, pad_id=pad,
+                       seed=0, log=say)
+        else:
+            def reward_fn(ro, problems):  # distinct rewards within each group: every completion updates
+                return torch.arange(len(ro), dtype=torch.float32) % cfg.group_size, {}
+            algo = GRPO(policy, ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn,
+                        stop_ids=stop, pad_id=pad, seed=0)
+        updater = Updater(policy, cfg, s.rt, stage=name, say=say)
+        updater.set_step(0)
+        with s.rt.autocast():
+            row = algo.step(0, updater)
+        sync(s.rt)
+        phases = [p for p in est[name].phases if p.name != "held-out eval"]
+        est_alloc = (max(p.total for p in phases) - ctx) / GIB
+        rows.append({"part": "rl", "what": f"{name} step {mcfg.preset}", "ok": math.isfinite(row["loss"]),
+                     "seconds": time.perf_counter() - t0, "peak_gib": peak_gib(s.rt), "estimate_gib": est_alloc,
+                     "note": (f"{len(prompts_fn(0)[0]) * (1 if name == 'ppo' else cfg.group_size)} rollouts x"
+                              f" {cfg.max_new_tokens} tokens, minibatch {cfg.minibatch_size}: rollout"
+                              f" {row['rollout_s']:.1f} s, scoring {row['scoring_s']:.1f} s,"
+                              f" update {row['update_s']:.1f} s")})
+        del policy, ref, algo, updater
+        if name == "ppo":
+            del rm
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# 4. SIGTERM and resume on the device
+
+def part_resume(s: Setup, tmp: Path) -> list[dict]:
+    params = profile_params(*s.pretrain[0])
+    mcfg = model_config(params)
+    k = s.resume_k
+    pre = dict(params["pretrain"], batch_size=min(8, params["pretrain"]["batch_size"]))
+    cfg = train_config(pre, 2 * k, compile_=False)
+    tokens = random_tokens(mcfg.vocab_size, max(mcfg.seq_len + 2, 2_000_000), 1)
+    t0 = time.perf_counter()
+    ref = run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "ref")
+    calls = [0]
+
+    def term_at_k(model, batch):
+        out = lm_loss(model, batch)
+        calls[0] += 1
+        if calls[0] == k:  # during step k: the loop finishes it, writes ckpt-k and exits 128 + 15
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    code = None
+    try:
+        run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "run", loss_fn=term_at_k)
+    except SystemExit as e:
+        code = e.code
+    resumed = run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "run")
+    a = [r["loss"] for r in ref.train_history[k:]]
+    b = [r["loss"] for r in resumed.train_history[k:]]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+    ok = (code == 128 + signal.SIGTERM and resumed.resumed_from == k
+          and (a == b if s.exact_resume else rel <= 1e-3))
+    return [{"part": "resume", "what": f"{mcfg.preset} {k} + {k} vs {2 * k} steps", "ok": ok,
+             "seconds": time.perf_counter() - t0, "resume_max_rel_diff": rel, "resume_bitwise": a == b,
+             "note": (f"exit {code}, resumed from {resumed.resumed_from}, max rel loss diff {rel:.2g},"
+                      f" bitwise {a == b}")}]
+
+
+PARTS = {"dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "resume": part_resume}
+COST_S = {"dag": 240, "pretrain": 180, "rl": 60, "resume": 40}  # expected on an H200, for --budget-s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-plumbing", action="store_true", help="tiny sizes on the CPU: checks the script only")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="skip a part that would start after this many seconds (default 540 = 9 min)")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        refuse(f"--parts: unknown {bad}; expected some of {', '.join(PARTS)}")
+    s = setup(args)
+    t_start = time.perf_counter()
+    dev = torch.cuda.get_device_name(s.rt.device) if s.rt.device.type == "cuda" else "cpu (plumbing only)"
+    say(f"{dev}, torch {torch.__version__}, {str(s.rt.dtype).removeprefix('torch.')}; parts {', '.join(parts)}")
+    rows: list[dict] = []
+    for part in parts:
+        elapsed = time.perf_counter() - t_start
+        if not args.cpu_plumbing and elapsed + COST_S[part] > args.budget_s:
+            rows.append({"part": part, "what": "-", "ok": None, "seconds": 0.0,
+                         "note": f"skipped: {elapsed:.0f} s spent, about {COST_S[part]} s more would pass --budget-s"})
+            continue
+        say(f"part {part} at {elapsed:.0f} s")
+        with tempfile.TemporaryDirectory(prefix=f"gpu_check-{part}-") as d:
+            try:
+                rows += PARTS[part](s, Path(d))
+            except Exception as e:  # noqa: BLE001 - one broken part must not hide the others' figures
+                rows.append({"part": part, "what": "-", "ok": False, "seconds": time.perf_counter() - t_start - elapsed,
+                             "note": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+
+    def gib(v):
+        return "-" if v is None else f"{v:.2f}"
+    cells = [["part", "what", "result", "seconds", "peak alloc GiB", "estimate GiB", "note"]]
+    cells += [[r["part"], r["what"], {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]], f"{r['seconds']:.0f}",
+               gib(r.get("peak_gib")), gib(r.get("estimate_gib")), r["note"]] for r in rows]
+    total = time.perf_counter() - t_start
+    print("\n".join(format_table(cells)))
+    print(f"device {dev}; torch {torch.__version__}; total {total:.0f} s; estimate = llm/memory.py's, without the"
+          f" 1 GiB CUDA context the allocator does not see")
+    print(json.dumps({"bench": "gpu_check", "device": dev, "torch": torch.__version__, "total_s": total,
+                      "plumbing": args.cpu_plumbing, "rows": rows}))
+    return 1 if any(r["ok"] is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
