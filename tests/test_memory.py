@@ -228,3 +228,20 @@ def test_a_frozen_trunk_keeps_no_trunk_activations():
     norm = stage_memory(params)["dpo"].phases[1].parts
     assert norm["activations"] < full["activations"] / 10
     assert norm["gradients"] == 4 * params["pretrain"]["model"]["n_embd"]
+
+
+def test_fsdp_shards_every_supervised_stage_and_rl_processes_roll_out_their_share():
+    params = render("gpu-77m", PROFILES)[0]
+    one = stage_memory(params)
+    params["common"]["nproc"] = 4
+    for name in ("pretrain", "sft", "reward", "dpo"):
+        params[name]["distributed"] = "fsdp"
+    four = stage_memory(params)
+    for name, phase in (("pretrain", 0), ("sft", 0), ("reward", 0), ("dpo", 1)):
+        a, b = one[name].phases[phase].parts, four[name].phases[phase].parts
+        assert b["optimizer"] == pytest.approx(a["optimizer"] / 4, abs=4) and b["gradients"] < a["gradients"], name
+    ref = one["pretrain"].phases[0].parts["weights"]  # dpo's frozen reference is a whole copy on every process
+    assert four["dpo"].phases[1].parts["weights"] > ref
+    for name in ("ppo", "grpo"):
+        assert four[name].phases[0].parts["kv_cache"] == pytest.approx(one[name].phases[0].parts["kv_cache"] / 4,
+                                                                      rel=0.01), name
