@@ -18,7 +18,11 @@ every input token; grpo: prompt + response tokens of the rollout) over its time,
 the steps after --warmup; per rank = tokens/s / N; scaling efficiency = tokens/s(N) /
 (N x tokens/s(1)). Sides alternate (1, 2, 1, 2, ...) for --rounds rounds, and the machine's
 load average is read before and after each run, since a shared machine's other work slows
-whichever run it overlaps. The last line of output is JSON with every figure.
+whichever run it overlaps. Also reported, because it hardly depends on that other work: CPU
+seconds per 1000 tokens, summed over the ranks (each process's CPU time over the whole run,
+warm-up steps and checkpoint included, against every step's tokens); its ratio N : 1 is the
+parallel overhead (all-reduces, gathers, the work every rank repeats), the wall-clock speedup a
+machine with N free cores would show at most. The last line of output is JSON with every figure.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ def child(opt: dict) -> None:
 
     torch.set_num_threads(opt["threads"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu0 = time.process_time()
     rt = (setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=world, num_threads=opt["threads"],
                                      cpu_kernels=True)) if world > 1 else Runtime(torch.device("cpu")))
     model_cfg = ModelConfig(preset="tiny", vocab_size=V, seq_len=256, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
@@ -68,6 +73,7 @@ def child(opt: dict) -> None:
         res = train(GPT(model_cfg, seed=0), cfg, rt, stage="bench", seed=0, batches=src, run_dir=run_dir,
                     fingerprint="bench", progress=False)
         rows = res.train_history
+        tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
     else:
         from llm.grpo import GRPO
         from llm.rl import run_rl
@@ -80,12 +86,15 @@ def child(opt: dict) -> None:
         cfg = GRPOConfig(epochs=1, minibatch_size=32, prompts_per_step=8, group_size=8, beta=0.04, loss_agg="grpo",
                          curriculum_steps=0, curriculum_levels=[1], max_zero_std_steps=10 ** 6, clip_epsilon=0.2,
                          max_new_tokens=48, temperature=1.0, levels=[1], eval_problems=0, max_kl=1e9,
-                         correct_reward=1.0, format_reward=0.2, **loop)
+                         correct_reward=1.0, format_reward=0.2, step_credit=0.0, **loop)
         algo = GRPO(GPT(model_cfg, seed=0), GPT(model_cfg, seed=0), cfg, prompts_fn=lambda s: (prompts, [{}] * 8),
                     reward_fn=reward, stop_ids=(1,), pad_id=0, seed=0, rt=rt)
         rows = run_rl(algo, cfg, rt, stage="bench", run_dir=run_dir, fingerprint="bench", progress=False).history
+        tokens = sum(r["tokens_per_s"] * (r["rollout_s"] + r["scoring_s"] + r["update_s"]) for r in rows)
+    cpu = time.process_time() - cpu0
+    Path(f"{opt['out']}.cpu{rt.rank}").write_text(json.dumps(cpu))
     if rt.is_main:
-        Path(opt["out"]).write_text(json.dumps([r["tokens_per_s"] for r in rows]))
+        Path(opt["out"]).write_text(json.dumps({"rates": [r["tokens_per_s"] for r in rows], "tokens": tokens}))
     rt.close()
 
 
@@ -110,9 +119,12 @@ def run(task: str, n: int, args) -> dict:
              for r in range(n)]
     if any(p.wait() for p in procs):
         raise SystemExit(f"bench/scale.py: a {task} run on {n} process(es) failed")
-    rates = json.loads(out.read_text())[args.warmup:]
-    out.unlink()
-    return {"tokens_per_s": statistics.median(rates), "wall_s": time.perf_counter() - t0,
+    got = json.loads(out.read_text())
+    cpu = sum(json.loads(Path(f"{out}.cpu{r}").read_text()) for r in range(n))
+    for f in [out, *(Path(f"{out}.cpu{r}") for r in range(n))]:
+        f.unlink()
+    return {"tokens_per_s": statistics.median(got["rates"][args.warmup:]),
+            "cpu_s_per_1k_tokens": 1000 * cpu / got["tokens"], "wall_s": time.perf_counter() - t0,
             "load_before": load0, "load_after": os.getloadavg()[0]}
 
 
@@ -138,18 +150,23 @@ def main() -> None:
             for n in args.nproc:
                 x = run(task, n, args)
                 runs[n].append(x)
-                print(f"  {task} round {r + 1}: {n} process(es) {x['tokens_per_s']:8.0f} tokens/s"
-                      f" (load {x['load_before']:.1f} -> {x['load_after']:.1f}, {x['wall_s']:.0f} s)", flush=True)
+                print(f"  {task} round {r + 1}: {n} process(es) {x['tokens_per_s']:8.0f} tokens/s,"
+                      f" {x['cpu_s_per_1k_tokens']:.3f} CPU s / 1k tokens (load {x['load_before']:.1f} ->"
+                      f" {x['load_after']:.1f}, {x['wall_s']:.0f} s)", flush=True)
         base = statistics.median(x["tokens_per_s"] for x in runs[args.nproc[0]])
+        base_cpu = statistics.median(x["cpu_s_per_1k_tokens"] for x in runs[args.nproc[0]])
         results[task] = {}
         for n in args.nproc:
             tps = statistics.median(x["tokens_per_s"] for x in runs[n])
+            cpu = statistics.median(x["cpu_s_per_1k_tokens"] for x in runs[n])
             results[task][n] = {"tokens_per_s": tps, "tokens_per_s_per_rank": tps / n,
                                 "efficiency": tps / (n * base) if args.nproc[0] == 1 else None,
+                                "cpu_s_per_1k_tokens": cpu, "cpu_overhead": cpu / base_cpu,
                                 "load": [round(x["load_before"], 2) for x in runs[n]], "runs": runs[n]}
             eff = results[task][n]["efficiency"]
             print(f"{task}: {n} process(es): {tps:.0f} tokens/s, {tps / n:.0f} per rank"
-                  + (f", scaling efficiency {eff:.0%}" if eff is not None else ""), flush=True)
+                  + (f", scaling efficiency {eff:.0%}" if eff is not None else "")
+                  + f"; {cpu:.3f} CPU s / 1k tokens ({cpu / base_cpu:.2f}x one process's)", flush=True)
     print(json.dumps({"threads_per_process": args.threads, "cpus": os.cpu_count(), "results": results}))
 
 

@@ -273,11 +273,12 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
     B2, G = 2 * c["batch_size"], st.gen_len(c["max_new_tokens"])
     train = st.trained(pol, st.shard(c))
     train["weights"] += lm.weight_bytes  # the frozen reference: never sharded
+    ddp_buckets = 4 * pol.trainable if st.nproc > 1 and st.shard(c) == 1 else 0
     out["dpo"] = StageMemory("dpo", [
         st.phase("reference log-probs", "dpo.batch_size", weights=pol.weight_bytes + lm.weight_bytes,
                  activations=st.infer_acts(B2 * T), logits=st.logits(B2 * T, INFER_LOGITS[st.b])),
         st.phase("train", "dpo.batch_size", **train,
-                 activations=st.train_acts(B2 * T, pol) + (4 * pol.trainable if st.nproc > 1 and st.shard(c) == 1 else 0),
+                 activations=st.train_acts(B2 * T, pol) + ddp_buckets,
                  logits=st.logits(B2 * T, SEQ_LOGITS[st.b])),
         # the trained policy, its saved copy and the reference; responses sampled, then both
         # models' log-softmax at the response positions (llm.rollout.sampled_kl)

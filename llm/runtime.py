@@ -122,8 +122,8 @@ def check_shared_directory(rt: Runtime, directory: Path | None = None) -> None:
     blind = [f"rank {r} on {host}" for r, (host, ok) in enumerate(seen) if not ok]
     if blind:
         raise ConfigError([f"{directory}: {', '.join(blind)} cannot see the file rank 0 wrote there: the machines of"
-                           f" a run (common.nnodes > 1) must share the repository's directory (a network filesystem), since every rank reads the"
-                           f" inputs and checkpoints and rank 0 writes the outputs there"])
+                           f" a run (common.nnodes > 1) must share the repository's directory (a network filesystem),"
+                           f" since every rank reads the inputs and checkpoints and rank 0 writes the outputs there"])
 
 
 def teardown_runtime() -> None:

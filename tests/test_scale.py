@@ -40,7 +40,8 @@ def _env(**extra: str) -> dict:
 def _ranks(child: str, opt: dict, world: int, machines: int = 1) -> list[tuple[int, str]]:
     """Run tests.test_scale.<child>(opt) as `world` gloo ranks (torchrun's environment, as if on
     `machines` machines); (rc, output) per rank."""
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import test_scale; test_scale.{child}(sys.argv[1])"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import test_scale;"
+            f" test_scale.{child}(sys.argv[1])")
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
            "LOCAL_WORLD_SIZE": str(world // machines)} if world > 1 else {}
@@ -443,7 +444,8 @@ def test_the_rendezvous_may_name_its_host_by_an_environment_variable(monkeypatch
         torchrun_args(common, "stages.pretrain", [])
     monkeypatch.setenv("LLM_TEST_HEAD", "node17")
     args = torchrun_args(common, "stages.pretrain", ["--x"])
-    assert "--rdzv-endpoint=node17:29400" in args and "--rdzv-id=job-7" in args and args[-3:] == ["-m", "stages.pretrain", "--x"]
+    assert "--rdzv-endpoint=node17:29400" in args and "--rdzv-id=job-7" in args
+    assert args[-3:] == ["-m", "stages.pretrain", "--x"]
 
 
 def test_a_sampled_batch_does_not_depend_on_the_batches_before_it(world):
