@@ -100,7 +100,11 @@ def setup_runtime(common: CommonConfig) -> Runtime:
     rt = Runtime(device=device, dtype=resolve_dtype(common, device), rank=rank, local_rank=local_rank,
                  world_size=world)
     if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several machines
-        check_shared_directory(rt)
+        try:
+            check_shared_directory(rt)
+        except ConfigError:
+            teardown_runtime()  # the caller gets no Runtime to close
+            raise
     return rt
 
 

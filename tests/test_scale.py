@@ -474,11 +474,12 @@ def shared_child(arg: str) -> None:
     opt = json.loads(arg)
     os.chdir(opt["dirs"][int(os.environ["RANK"])])
     try:
-        setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True,
-                                   nnodes=2, rdzv_endpoint="127.0.0.1:1"))
-    except ConfigError as e:
+        rt = setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=1, num_threads=1,
+                                        cpu_kernels=True, nnodes=2, rdzv_endpoint="127.0.0.1:1"))
+    except ConfigError as e:  # setup_runtime has torn the process group down
         print(e)
         sys.exit(1)
+    rt.close()
 
 
 @pytest.mark.slow
