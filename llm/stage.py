@@ -254,17 +254,28 @@ def launch(stage: str, module: str, argv: list[str], common: CommonConfig) -> in
     return 0
 
 
+# How a collective fails when a peer process has gone: a consequence, never the root cause
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
 def failure_line(stage: str, failures: dict[int, Any], world: int) -> str:
-    """One line naming the rank that failed first and why; `failures` is torchrun's {rank:
-    ProcessFailure}. The root cause is a stage error (the message the rank would have printed)
-    before a death by signal before anything else (a peer's broken connection, most often),
-    then the earliest."""
+    """One line naming the rank whose failure came first in the chain of causes, and why;
+    `failures` is torchrun's {rank: ProcessFailure}. In order: a stage error (the message the
+    rank would have printed), an exception (a bug), a death by a signal other than SIGTERM (the
+    OOM killer's SIGKILL, a crash), a SIGTERM (usually the launcher stopping the others), a
+    collective that failed because a peer had gone, anything else; ties go to the earliest."""
     def data(f) -> dict:
         d = f.error_file_data if isinstance(f.error_file_data, dict) else {}
         return d if d.get("message") != "<NONE>" else {}  # torchrun's stand-in when there is no error file
 
     def kind(f) -> int:
-        return 0 if data(f).get("stage_error") else 1 if f.exitcode < 0 else 2
+        if data(f).get("stage_error"):
+            return 0
+        if data(f):
+            return 4 if any(p in f.message for p in _PEER_GONE) else 1
+        if f.exitcode < 0:
+            return 3 if f.exitcode == -15 else 2
+        return 5
 
     rank, f = min(failures.items(), key=lambda rf: (kind(rf[1]), data(rf[1]).get("time", rf[1].timestamp), rf[0]))
     if f.exitcode < 0:

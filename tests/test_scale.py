@@ -491,3 +491,25 @@ def test_machines_that_do_not_share_the_directory_are_named_by_every_rank(tmp_pa
     assert [rc for rc, _ in apart] == [1, 1], apart  # both ranks stop: neither waits for the other
     assert all("rank 1 on " in out and "cannot see the file rank 0 wrote" in out for _, out in apart)
     assert not list((tmp_path / "a").iterdir())  # the probe is gone
+
+
+def test_the_failure_reported_is_the_cause_not_its_consequences():
+    """A rank that fails takes the others down with it (broken connections, the launcher's
+    SIGTERM); the line names the one that started it."""
+    from types import SimpleNamespace as F
+
+    from llm.stage import failure_line
+
+    def f(exitcode, message="", t=0.0, **extra):
+        data = {"message": message, "time": t, **extra} if message else {"message": "<NONE>"}
+        return F(exitcode=exitcode, message=message, timestamp=int(t), error_file_data=data,
+                 signal_name=lambda: {-9: "SIGKILL", -15: "SIGTERM"}[exitcode])
+
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    bug = f(1, "RuntimeError: a bug", t=2.0)
+    assert failure_line("s", {0: f(1, peer, t=1.0), 1: bug}, 2).startswith("s: rank 1 of 2 failed: RuntimeError: a bug")
+    assert "rank 1 of 2 failed: RuntimeError: a bug" in failure_line("s", {0: f(-15), 1: bug}, 2)
+    assert "rank 0 of 2 failed: killed by SIGKILL" in failure_line("s", {0: f(-9), 1: f(1, peer, t=0.5)}, 2)
+    stage = f(1, "s: rank 2 could not read x", t=5.0, stage_error=True)
+    line = failure_line("s", {0: f(-15), 1: bug, 2: stage}, 3)
+    assert line == "s: rank 2 of 3 failed: rank 2 could not read x; rank(s) 0, 1 stopped with it"
