@@ -28,6 +28,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from llm.metrics import join_metrics, run_info_path
+
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
 PARENT = {"sft": "base", "ppo": "sft", "grpo": "sft", "dpo": "sft"}
 STAGES = ("tokenizer", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "grpo")
@@ -142,7 +144,9 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
     for st in STAGES:
         d = _read_json(root / f"{st}.json", notes)
         if isinstance(d, dict):
-            stages[st] = flatten_scalars(d)
+            run = run_info_path(root / f"{st}.json")  # its timings and provenance (llm/metrics.py)
+            run_d = _read_json(run, notes) if run.is_file() else None
+            stages[st] = flatten_scalars(join_metrics(d, run_d) if isinstance(run_d, dict) else d)
     plots = root / "plots"
     wanted = sorted({f for _, _, series in PANELS for f, _, _ in series})
     for f in wanted:

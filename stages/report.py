@@ -19,6 +19,8 @@ the same directory:
     report_curves.png    training curves (pretrain/SFT loss, RM accuracy, PPO/GRPO reward and
                          KL, DPO), also declared as a DVC image plot
     report_eval.png      math exact match, win rate and KL per model with 95% intervals
+    summary.json         the headline numbers per model (llm/metrics.py headline), a DVC metric
+                         that `dvc exp show` compares across experiments
 
 `report.max_samples` caps the prompts shown per sample table.
 """
@@ -27,7 +29,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llm.config import ReportConfig
-from llm.fileio import atomic_write_bytes, atomic_write_text
+from llm.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from llm.metrics import headline
 
 STAGE = "report"
 INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and plots/ (it writes the report there)"}
@@ -52,6 +55,7 @@ def run(cfg: ReportConfig, metrics_dir: Path) -> dict:
     atomic_write_text(metrics_dir / "report.md",
                       render_markdown(data, {"curves": "report_curves.png", "eval": "report_eval.png"}))
     atomic_write_text(metrics_dir / "report.html", page)
+    atomic_write_json(metrics_dir / "summary.json", headline(metrics_dir))
     return data
 
 
