@@ -9,9 +9,9 @@ which splits `m` by the rule below into two files:
     metrics/ppo.json       quality and size figures: what `dvc metrics diff` and `dvc exp show`
                            compare (dvc.yaml declares it under `metrics:`)
     metrics/run/ppo.json   timings, throughput, where and how it ran, samples and labels: still
-                           written and read by the report, but not a DVC metric (an `outs:`
-                           entry), so an experiment's diff is not buried under timings that
-                           change on every run
+                           written and read by the report, but not a DVC metric (an output in
+                           DVC's cache), so an experiment's diff is not buried under timings
+                           that change on every run
 
 The rule, applied key by key at every level of nesting (a nested dict is split the same way,
 and each half keeps the path to its keys):

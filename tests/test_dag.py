@@ -50,11 +50,14 @@ def _outs(stage: dict, all_deps: set[str]) -> list[str]:
 
 
 def _stub_pipeline(dst: Path) -> None:
+    """Replace every stage's command by the stub; a training stage's stub also writes its run
+    directory (`--run-dir`, which DVC does not track), as the real stage writes checkpoints."""
     dvc = yaml.safe_load((dst / "dvc.yaml").read_text())
     bodies = [st["do"] if "foreach" in st else st for st in dvc["stages"].values()]
     all_deps = {d for b in bodies for d in b.get("deps", [])}
     for body in bodies:
-        body["cmd"] = f"python stub.py {' '.join(_outs(body, all_deps))}"
+        run_dir = re.findall(r"--run-dir (\S+)", body["cmd"])
+        body["cmd"] = f"python stub.py {' '.join(_outs(body, all_deps) + [f'dir:{d}' for d in run_dir])}"
     (dst / "dvc.yaml").write_text(yaml.safe_dump(dvc, sort_keys=False))
     (dst / "stub.py").write_text(STUB)
 

@@ -156,8 +156,7 @@ def test_run_directories_are_no_dvc_output_and_git_ignored(name, stage):
 def test_metrics_files_have_their_run_file_declared(name, stage):
     """A stage that writes its metrics with llm.metrics.write_metrics (the RL stages through
     llm.rl.finish_rl_stage) also writes the run file (timings, provenance) beside them: dvc.yaml
-    declares it as an output that is not a metric, so `dvc metrics diff` never lists a timing and
-    the run-cache restores it with the metrics."""
+    declares it as an output that is not a metric, so `dvc metrics diff` never lists a timing."""
     from llm.metrics import run_info_path
 
     opts, _ = _path_args(stage["cmd"])
@@ -167,3 +166,21 @@ def test_metrics_files_have_their_run_file_declared(name, stage):
     run = str(run_info_path(opts["metrics"]))
     assert run in _declared_paths(stage, "outs"), f"stage {name}: {run} is not among its outs"
     assert run not in _declared_paths(stage, "metrics"), f"stage {name}: {run} must not be a metric"
+
+
+def test_every_stage_but_eval_and_report_can_be_restored_from_the_run_cache_on_another_machine():
+    """DVC restores a stage from its run-cache (params, deps and command run before, here or on
+    a machine whose run records were pulled) only when it has no persisted output, and none
+    uncached but metrics and plots; on another machine every output it restores must also be in
+    DVC's cache, since a remote holds cached objects only (DVC 3 pushes and pulls the run records,
+    not the git-tracked files they name). So the stages up to the models cache every output;
+    eval@<model> and report keep their samples and pages in git for a person to read, and
+    rerun (seconds to minutes) instead."""
+    blocked = set()
+    for name, stage in DVC.items():
+        body = stage.get("do", stage)
+        entries = [e for k in ("outs", "metrics", "plots") for e in body.get(k, [])]
+        if any(isinstance(e, dict) and ((next(iter(e.values())) or {}).get("persist")
+                                        or (next(iter(e.values())) or {}).get("cache") is False) for e in entries):
+            blocked.add(name)
+    assert blocked == {"eval", "report"}, sorted(blocked)
