@@ -142,3 +142,19 @@ def test_tokenize_change_does_not_rerun_the_tokenizer_or_prepare(stub_repo):
     ran = _change_and_repro(stub_repo, "tokenize", "chunk_docs", 7)
     assert "tokenize" in ran and "pretrain" in ran
     assert not ran & {"prepare", "tokenizer", "clean_sft"}
+
+
+@pytest.mark.slow
+def test_returning_to_the_baseline_after_an_experiment_reruns_nothing(stub_repo):
+    """An experiment writes into run directories (checkpoints) and outputs; back on the committed
+    baseline (`git checkout -- . && dvc checkout -f`) nothing DVC tracks differs from dvc.lock,
+    so `dvc repro` runs no stage (a run directory declared as an output made it retrain)."""
+    work = stub_repo.parent / "baseline"
+    shutil.copytree(stub_repo, work, symlinks=True)
+    dvc = [sys.executable, "-m", "dvc"]
+    assert _ran(_run(dvc + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)) == _downstream("ppo")
+    assert any((work / "runs" / "ppo").iterdir())  # the experiment wrote into the run directory
+    _run(["git", "checkout", "--", "."], work)
+    _run(dvc + ["checkout", "-f"], work)
+    assert _ran(_run(dvc + ["repro"], work)) == set()
+    assert _run(["git", "status", "--porcelain"], work) == ""

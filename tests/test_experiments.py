@@ -1,10 +1,7 @@
-"""The experiment workflows of the README and docs/experiments.md, on DVC itself.
-
-The DVC workflows run on the stub pipeline of tests/test_dag.py (the real dvc.yaml, params and
-outs; stub commands that write fresh content, run directories included), so they check what our
-dvc.yaml makes DVC do, in seconds: an experiment leaves the committed baseline as it was; a clone
-pulls everything from a remote and reruns nothing; an experiment already run elsewhere comes
-back from the run-cache. .ci/run does the same on the real smoke DAG.
+"""The experiment workflows of the README and docs/experiments.md: offline plots, the profiles
+and artifacts DVC sees, TensorBoard per params, the same bytes from the same params, the docs'
+copies of DVC output. tests/test_dag.py checks that an experiment leaves the baseline as it was
+(on stub stages); .ci/run runs every workflow, remotes and queues included, on the smoke DAG.
 """
 from __future__ import annotations
 
@@ -19,51 +16,8 @@ import yaml
 
 from tests.browser import chromium, offline_dom, vega_plots
 from tests.conftest import ROOT
-from tests.test_dag import _ran, _run, stub_repo  # noqa: F401  (stub_repo is a fixture)
 
 DVC = [sys.executable, "-m", "dvc"]
-
-
-def _copy(repo: Path, name: str) -> Path:
-    work = repo.parent / name
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(repo, work, symlinks=True)
-    return work
-
-
-@pytest.mark.slow
-def test_returning_to_the_baseline_after_an_experiment_reruns_nothing(stub_repo):  # noqa: F811
-    work = _copy(stub_repo, "baseline")
-    assert _ran(_run(DVC + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)) == {"ppo", "eval@ppo", "report"}
-    assert any((work / "runs" / "ppo").iterdir())  # the experiment wrote into the run directory
-    _run(["git", "checkout", "--", "."], work)
-    _run(DVC + ["checkout", "-f"], work)
-    assert _ran(_run(DVC + ["repro"], work)) == set()
-    assert _run(["git", "status", "--porcelain"], work) == ""
-
-
-@pytest.mark.slow
-def test_a_clone_pulls_from_a_remote_reruns_nothing_and_restores_an_experiment_from_the_run_cache(
-        stub_repo, tmp_path):  # noqa: F811
-    work = _copy(stub_repo, "pushed")
-    _run(DVC + ["remote", "add", "-d", "storage", str(tmp_path / "remote")], work)
-    _run(["git", "commit", "-qm", "remote", ".dvc/config"], work)
-    _run(DVC + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)  # an experiment run here ...
-    trained = (work / "models" / "ppo" / "stub.txt").read_text()
-    _run(["git", "checkout", "--", "."], work)
-    _run(DVC + ["checkout", "-f"], work)
-    _run(DVC + ["push", "--run-cache"], work)
-
-    clone = tmp_path / "clone"
-    _run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
-    _run(DVC + ["pull"], clone)
-    assert "Data and pipelines are up to date" in _run(DVC + ["status"], clone)
-    assert _ran(_run(DVC + ["repro"], clone)) == set()
-    _run(DVC + ["pull", "--run-cache"], clone)
-    out = _run(DVC + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], clone)  # ... is restored there
-    assert _ran(out) == set(), out
-    assert "Stage 'ppo' is cached" in out
-    assert (clone / "models" / "ppo" / "stub.txt").read_text() == trained
 
 
 # ---------------------------------------------------------------------------
@@ -163,3 +117,29 @@ def test_the_same_params_train_the_same_bytes(tmp_path):
         _, model = run(tmp_path / name, tcfg(max_steps=6))
         blobs.append(save({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}))
     assert blobs[0] == blobs[1]
+
+
+def test_the_graph_in_the_docs_is_dvc_dag():
+    """docs/experiments.md shows `dvc dag --md --collapse-foreach-matrix`: this keeps it current."""
+    out = subprocess.run(DVC + ["dag", "--md", "--collapse-foreach-matrix"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out in (ROOT / "docs" / "experiments.md").read_text(), "rerun dvc dag --md --collapse-foreach-matrix"
+
+
+def test_the_readme_exp_show_view_keeps_every_params_section():
+    """The README's `cols` pattern keeps the columns of every params section (and so the
+    headline of metrics/summary.json, grouped by the same names) and drops every other metric."""
+    import re
+
+    from llm.config import section_keys
+    from llm.metrics import MODEL_OF_STAGE
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.strip().startswith("cols='"))
+    pattern = line.strip()[len("cols='"):-1]
+    assert pattern in (ROOT / "docs" / "experiments.md").read_text()
+    sections = set(re.search(r"\(([a-z_|]+)\)", pattern).group(1).split("|"))
+    assert sections == set(section_keys())
+    assert {*MODEL_OF_STAGE, "reward"} <= sections
+    drop = re.compile(pattern)
+    assert not drop.match("Experiment") and not drop.match("ppo.clip_epsilon") and not drop.match("sft.em")
+    assert drop.match("math_exact_match") and drop.match("by_kind.math.n") and drop.match("llm/model.py")
