@@ -121,6 +121,10 @@ class PrepareConfig:
     math_pretrain_docs: int = _f(lo=0, hi=MAX_COUNT, doc="generated math problems added to the pretraining text")
     task_train: int = _f(lo=0, hi=MAX_COUNT)
     task_val: int = _f(lo=0, hi=MAX_COUNT)
+    task_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only instruction tasks per kind, none a training prompt"
+                        " (a kind with fewer unseen prompts gets fewer)")
+    arithmetic_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a"
+                              " training prompt")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -306,6 +310,8 @@ class PairsConfig:
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     adversarial_fraction: float = _f(lo=0.0, hi=1.0)
     tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
+                                                       " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
 
 
@@ -383,6 +389,8 @@ class GRPOConfig(RLConfig):
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
     curriculum_levels: list[int] = _f(lo=1, hi=4)
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
+    step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
+                                                 " added to each token's advantage; 0 = outcome reward only")
 
     def check(self, key: str) -> list[str]:
         out = super().check(key)
@@ -414,6 +422,8 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class ReportConfig:
     max_samples: int = _f(lo=0, hi=MAX_COUNT)
+    confidence: float = _f(lo=0.5, hi=0.999, doc="level of the paired intervals and of the significance calls")
+    bootstrap_samples: int = _f(lo=100, hi=10 ** 6, doc="resamples of the paired bootstrap")
 
 
 @dataclass(kw_only=True)

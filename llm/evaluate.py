@@ -1,5 +1,5 @@
-"""Evaluation: perplexity, math exact match and pass@k, RM score and win rate, KL to a
-reference, confidence intervals.
+"""Evaluation: perplexity, math exact match (English and Chinese) and pass@k, instruction
+tasks, bare arithmetic, RM score and win rate, KL to a reference, confidence intervals.
 
 - `wilson_interval(k, n, confidence)`: the Wilson score interval for a proportion; it
   stays inside [0, 1] and is sensible at k = 0 or k = n, unlike the normal approximation.
@@ -7,14 +7,20 @@ reference, confidence intervals.
 - `bootstrap_interval(values)`: percentile bootstrap of a mean, seeded.
 - `lm_eval(model, batches, bytes_per_token)`: mean token loss, perplexity and bits per byte.
 - `math_eval(model, tokenizer, problems, ...)`: greedy answers to held-out problems,
-  scored by the safe parser of llm/rewards.py; per-level accuracy; sample outputs.
+  scored by the safe parser of llm/rewards.py; per-level and per-language accuracy, the
+  `#### N` format rate; sample outputs.
+- `score_tasks(tasks, responses)`: instruction tasks, right only when the response is exactly
+  the answer; per kind.
+- `rate(key, outcomes)`: a proportion and its Wilson interval under `key`, `key_lo`, `key_hi`.
 - `rm_scores(rm, tokenizer, questions, responses)`: the reward model's score of each answer,
   read at the closing <|end|> of the rendered conversation (as the RM is trained).
 - `win_rate(scores, ref_scores, ties)`: wins + ties/2 over n, with a Wilson interval.
 - KL to a reference: llm.rollout.sampled_kl (sample from the model at temperature 1, exact
   per-token KL over the vocabulary at each sampled state).
 - `evaluate_model(model, tokenizer, cfg, ...)`: all of the above for one model, as flat
-  metrics (numbers only, for `dvc metrics diff`) plus samples and timings kept apart.
+  metrics (numbers only, for `dvc metrics diff`) plus samples, timings and the outcome of
+  every item (`ITEM_SETS`) kept apart; the report pairs those outcomes with the parent
+  model's to test each change (llm/paired.py).
 
 Library code only: the `eval` stage decides which models, data and params.
 """
@@ -129,27 +135,55 @@ def answer_questions(model, tokenizer, questions: Sequence[str], *, max_new_toke
                             temperature=temperature, generator=generator)[0]
 
 
+def rate(key: str, outcomes: Sequence[bool], confidence: float = 0.95) -> dict:
+    """{key: share of True, key_lo, key_hi}: a proportion with its Wilson interval."""
+    n, k = len(outcomes), sum(map(bool, outcomes))
+    lo, hi = wilson_interval(k, n, confidence)
+    return {key: k / max(n, 1), f"{key}_lo": lo, f"{key}_hi": hi}
+
+
+def _by(records: Sequence[dict], outcomes: Sequence[bool], field: str) -> dict[Any, list[bool]]:
+    """Outcomes grouped by a record field, in sorted key order; records without it are left out."""
+    groups: dict[Any, list[bool]] = defaultdict(list)
+    for r, c in zip(records, outcomes):
+        if field in r:
+            groups[r[field]].append(c)
+    return dict(sorted(groups.items()))
+
+
 def score_math(problems: Sequence[dict], answers: Sequence[str], confidence: float = 0.95,
                n_samples_kept: int = 5) -> dict:
-    """Exact match of `answers` against problems ({"question", "answer", "level"}): overall and
-    per level, each with a Wilson interval; the share ending in a `#### N` line; a few samples."""
+    """Exact match of `answers` against problems ({"question", "answer", "level", "lang"}):
+    overall, per level and per language ("math_exact_match_en", "_zh"), each with a Wilson
+    interval; the share ending in a `#### N` line, with its interval; a few samples."""
     correct = [is_correct(a, p["answer"]) for a, p in zip(answers, problems)]
     formatted = [parse_answer(a)[1] for a in answers]
-    n, k = len(problems), sum(correct)
-    lo, hi = wilson_interval(k, n, confidence)
-    by_level: dict[int, list[bool]] = defaultdict(list)
-    for p, c in zip(problems, correct):
-        by_level[int(p.get("level", 0))].append(c)
-    out = {"math_exact_match": k / max(n, 1), "math_exact_match_lo": lo, "math_exact_match_hi": hi,
-           "math_n": n, "math_format_rate": sum(formatted) / max(n, 1)}
-    for level, cs in sorted(by_level.items()):
-        l_lo, l_hi = wilson_interval(sum(cs), len(cs), confidence)
-        out[f"math_exact_match_level{level}"] = sum(cs) / len(cs)
-        out[f"math_exact_match_level{level}_lo"] = l_lo
-        out[f"math_exact_match_level{level}_hi"] = l_hi
+    out = {**rate("math_exact_match", correct, confidence), "math_n": len(problems),
+           **rate("math_format_rate", formatted, confidence)}
+    for level, cs in _by([{"level": int(p.get("level", 0))} for p in problems], correct, "level").items():
+        out.update(rate(f"math_exact_match_level{level}", cs, confidence))
+    for lang, cs in _by(problems, correct, "lang").items():
+        out.update(rate(f"math_exact_match_{lang}", cs, confidence))
+        out[f"math_n_{lang}"] = len(cs)
     out["samples"] = [{"question": p["question"], "answer": p["answer"], "response": a, "correct": c}
                       for p, a, c in list(zip(problems, answers, correct))[:n_samples_kept]]
     return out
+
+
+def task_correct(response: str, answer: str) -> bool:
+    """An instruction task is done when the response is exactly the answer (surrounding
+    whitespace aside): the SFT data answers with nothing else."""
+    return response.strip() == answer.strip()
+
+
+def score_tasks(tasks: Sequence[dict], responses: Sequence[str], confidence: float = 0.95) -> tuple[dict, list[bool]]:
+    """Exact match on instruction tasks ({"prompt", "answer", "kind"}): overall and per kind,
+    with Wilson intervals -> (metrics, per-task outcomes)."""
+    correct = [task_correct(r, t["answer"]) for t, r in zip(tasks, responses)]
+    out = {**rate("task_exact_match", correct, confidence), "task_n": len(tasks)}
+    for kind, cs in _by(tasks, correct, "kind").items():
+        out.update(rate(f"task_exact_match_{kind}", cs, confidence))
+    return out, correct
 
 
 def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
@@ -163,17 +197,21 @@ def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int
 def math_pass_at_k(model, tokenizer, problems: Sequence[dict], *, k: int, temperature: float,
                    max_new_tokens: int, batch_size: int, generator: torch.Generator,
                    confidence: float = 0.95) -> dict:
-    """pass@k with n = k samples per problem, and a bootstrap interval over problems."""
+    """pass@k with n = k samples per problem, and the sampled accuracy (the share of all k
+    samples that are right: pass@1 at this temperature), each with a bootstrap interval over
+    problems; "correct_counts" holds each problem's number of right samples."""
     questions = [p["question"] for p in problems for _ in range(k)]
     answers = answer_questions(model, tokenizer, questions, max_new_tokens=max_new_tokens,
                                batch_size=batch_size, temperature=temperature, generator=generator)
-    per_problem = []
-    for i, p in enumerate(problems):
-        c = sum(is_correct(a, p["answer"]) for a in answers[i * k:(i + 1) * k])
-        per_problem.append(pass_at_k(k, c, k))
+    counts = [sum(is_correct(a, p["answer"]) for a in answers[i * k:(i + 1) * k]) for i, p in enumerate(problems)]
+    per_problem = [pass_at_k(k, c, k) for c in counts]
+    accuracy = [c / k for c in counts]
     lo, hi = bootstrap_interval(per_problem, confidence)
+    a_lo, a_hi = bootstrap_interval(accuracy, confidence, seed=1)
     return {f"math_pass_at_{k}": sum(per_problem) / max(len(per_problem), 1),
-            f"math_pass_at_{k}_lo": lo, f"math_pass_at_{k}_hi": hi}
+            f"math_pass_at_{k}_lo": lo, f"math_pass_at_{k}_hi": hi,
+            "math_sample_accuracy": sum(accuracy) / max(len(accuracy), 1),
+            "math_sample_accuracy_lo": a_lo, "math_sample_accuracy_hi": a_hi, "correct_counts": counts}
 
 
 @torch.no_grad()
@@ -251,23 +289,53 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / max(len(xs), 1)
 
 
+# The per-item outcome records of `evaluate_model` (extras["items"]), one per scored item, in
+# a stable order; llm/paired.py pairs two models' records by (set, id). No texts: a few
+# hundred bytes per model per item set, so the files stay small enough to commit every run
+# (extras["item_samples"] keeps the texts of the first few items of each group).
+#   math          greedy answer to a held-out problem: correct, formatted (ends in `#### N`),
+#                 level, lang
+#   task          greedy answer to an instruction task: correct, kind
+#   arithmetic    greedy answer to a bare calculation: correct, op, lang
+#   math_sampled  the share of cfg.pass_k samples at cfg.temperature that are right: score
+#   rm            the reward model's score of the greedy answer: score
+ITEM_SETS = ("math", "task", "arithmetic", "math_sampled", "rm")
+
+
+def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:
+    """The first n of each (item set, group) of (set, group, prompt, answer, response, correct),
+    with their texts: every model keeps the same items, so the report shows them side by side."""
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    out = []
+    for item_set, group, prompt, answer, response, ok in shown:
+        if count[item_set, group] < n:
+            count[item_set, group] += 1
+            out.append({"set": item_set, "group": group, "prompt": prompt, "answer": answer, "response": response,
+                        "correct": ok})
+    return out
+
+
 def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
+                   tasks: Sequence[dict] = (), arithmetic: Sequence[dict] = (),
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
                    ref=None, rm=None, toxicity: Callable[[list[str]], list[float]] | None = None,
                    toxicity_threshold: float = 0.5, n_samples_kept: int = 5) -> tuple[dict, dict]:
     """Every measurement of one model -> (metrics, extras).
 
     metrics: flat, numbers only except `"toxicity": "unavailable"` when no scorer is given.
-    extras: sample generations, math samples and per-part timings (seconds): what is not a
-    metric, so `dvc metrics diff` stays clean and two runs compare equal.
+    extras: sample generations, math samples, per-part timings (seconds) and "items", the
+    outcome of every scored item (see `ITEM_SETS`): what is not a metric, so `dvc metrics diff`
+    stays clean and two runs compare equal.
 
-    problems: held-out math ({"question", "answer", "level"}); the first cfg.math_problems
-    are answered greedily, the first cfg.pass_k_problems sampled cfg.pass_k times at
-    cfg.temperature, the first cfg.rm_prompts scored by `rm` against `ref`'s greedy answers,
-    the first cfg.kl_prompts sampled for KL to `ref`. `ref` is the SFT model; pass `ref=model`
-    when evaluating SFT itself (KL 0, win rate 0.5 by definition, nothing recomputed); None
-    skips win rate and KL. `rm` None skips the RM metrics. Sampling uses generators seeded
-    from (seed, part), so the same seed gives the same numbers.
+    problems: held-out math ({"id", "question", "answer", "level", "lang"}); the first
+    cfg.math_problems are answered greedily, the first cfg.pass_k_problems sampled cfg.pass_k
+    times at cfg.temperature, the first cfg.rm_prompts scored by `rm` against `ref`'s greedy
+    answers, the first cfg.kl_prompts sampled for KL to `ref`. tasks ({"id", "prompt",
+    "answer", "kind"}) and arithmetic ({"id", "question", "answer", "op", "lang"}) are answered
+    greedily, all of them. `ref` is the SFT model; pass `ref=model` when evaluating SFT itself
+    (KL 0, win rate 0.5 by definition, nothing recomputed); None skips win rate and KL. `rm`
+    None skips the RM metrics. Sampling uses generators seeded from (seed, part), so the same
+    seed gives the same numbers.
     """
     device = model.wte.weight.device
     timing: dict[str, float] = {}
@@ -295,6 +363,33 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
     extras["math_samples"] = scored.pop("samples")
     metrics.update(scored)
     metrics["math_response_tokens_mean"] = _mean(n_tokens)
+    items: list[dict] = [
+        {"set": "math", "id": p.get("id", str(i)), "level": int(p.get("level", 0)), "lang": p.get("lang", ""),
+         "correct": is_correct(a, p["answer"]), "formatted": parse_answer(a)[1]}
+        for i, (p, a) in enumerate(zip(math_set, answers))]
+    shown = [("math", p.get("lang", ""), p["question"], p["answer"], a, r["correct"])
+             for p, a, r in zip(math_set, answers, items)]
+
+    if tasks:
+        with timed("tasks"):
+            task_answers = answer_questions(model, tokenizer, [t["prompt"] for t in tasks],
+                                            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+        scored_tasks, task_ok = score_tasks(tasks, task_answers, cfg.confidence)
+        metrics.update(scored_tasks)
+        items += [{"set": "task", "id": t.get("id", str(i)), "kind": t["kind"], "correct": c}
+                  for i, (t, c) in enumerate(zip(tasks, task_ok))]
+        shown += [("task", t["kind"], t["prompt"], t["answer"], a, c) for t, a, c in zip(tasks, task_answers, task_ok)]
+    if arithmetic:
+        with timed("arithmetic"):
+            arith_answers = answer_questions(model, tokenizer, [q["question"] for q in arithmetic],
+                                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+        arith_ok = [is_correct(a, q["answer"]) for q, a in zip(arithmetic, arith_answers)]
+        metrics.update({**rate("arithmetic_exact_match", arith_ok, cfg.confidence), "arithmetic_n": len(arithmetic)})
+        items += [{"set": "arithmetic", "id": q.get("id", str(i)), "op": q.get("op", ""), "lang": q.get("lang", ""),
+                   "correct": c} for i, (q, c) in enumerate(zip(arithmetic, arith_ok))]
+        shown += [("arithmetic", "", q["question"], q["answer"], a, c)
+                  for q, a, c in zip(arithmetic, arith_answers, arith_ok)]
+    extras["item_samples"] = _first_of_each_group(shown, n_samples_kept)
 
     if cfg.pass_k_problems:
         with timed("pass_k"):
@@ -304,7 +399,11 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
         k = cfg.pass_k
         metrics.update({"math_pass_at_k": pk[f"math_pass_at_{k}"], "math_pass_at_k_lo": pk[f"math_pass_at_{k}_lo"],
                         "math_pass_at_k_hi": pk[f"math_pass_at_{k}_hi"], "math_pass_k": k,
-                        "math_pass_k_problems": min(cfg.pass_k_problems, len(problems))})
+                        "math_pass_k_problems": min(cfg.pass_k_problems, len(problems)),
+                        **{key: pk[key] for key in ("math_sample_accuracy", "math_sample_accuracy_lo",
+                                                    "math_sample_accuracy_hi")}})
+        items += [{"set": "math_sampled", "id": p.get("id", str(i)), "score": c / k}
+                  for i, (p, c) in enumerate(zip(problems, pk["correct_counts"]))]
 
     if rm is not None and cfg.rm_prompts:
         rm_set = list(problems[:cfg.rm_prompts])
@@ -318,6 +417,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
             metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
                             "rm_prompts": len(rm_set)})
+            items += [{"set": "rm", "id": p.get("id", str(i)), "score": round(sc, 6)}
+                      for i, (p, sc) in enumerate(zip(rm_set, scores))]
             if ref is not None:
                 if ref is model:
                     theirs, ref_scores = mine, scores
@@ -373,4 +474,5 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
         metrics.update({"toxicity_rate": sum(t > toxicity_threshold for t in tox) / max(len(tox), 1),
                         "toxicity_mean": _mean(tox), "toxicity_n": len(tox)})
     extras["timing_s"] = {**timing, "total": round(sum(timing.values()), 3)}
+    extras["items"] = items
     return metrics, extras

@@ -13,8 +13,11 @@ records byte for byte:
   Levels drive the curriculum: 1 = one step, small numbers (add/subtract within 20);
   2 = one step, two-digit numbers or a times-table product; 3 = two steps;
   4 = three steps with numbers up to a few hundred.
-- `task(rng)`: small verifiable instruction tasks (reverse, sort, count, uppercase,
-  last word, repeat), each with the exact expected answer.
+- `task(rng, kind=None)`: small verifiable instruction tasks (`TASK_KINDS`: reverse,
+  uppercase, sort, count words, last word, repeat, max), each with the exact expected answer.
+- `arithmetic_question(rng, lang)`: a bare sum the word problems never ask in this form,
+  "What is 7 + 5?" or "7 + 5 等于多少？", with its value (an evaluation probe only: no
+  training split holds one).
 - `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
   formatted) and a rejected one (a wrong result, or the right result in a broken
   format: no `####` line).
@@ -175,9 +178,16 @@ class Task:
     wrong: str    # a plausible wrong answer of the same kind (for preference pairs)
 
 
-def task(rng: random.Random) -> Task:
-    """One instruction task whose answer is computed exactly."""
-    kind = rng.choice(["reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max"])
+TASK_KINDS = ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")
+
+
+def task(rng: random.Random, kind: str | None = None) -> Task:
+    """One instruction task whose answer is computed exactly; of a random kind unless `kind`
+    is given (a random kind costs one draw from `rng` first, as it always has)."""
+    if kind is None:
+        kind = rng.choice(TASK_KINDS)
+    elif kind not in TASK_KINDS:
+        raise ValueError(f"task: unknown kind {kind!r}; expected one of {', '.join(TASK_KINDS)}")
     if kind == "reverse":
         w = rng.choice(_WORDS)
         prompt = rng.choice(["Reverse the word: {w}", "Spell {w} backwards."]).format(w=w)
@@ -203,6 +213,32 @@ def task(rng: random.Random) -> Task:
     nums = rng.sample(range(1, 1000), rng.randint(3, 5))
     return Task(kind, f"Which number is the largest: {', '.join(map(str, nums))}", str(max(nums)),
                 str(min(nums)))
+
+
+@dataclass(frozen=True)
+class ArithmeticQuestion:
+    question: str
+    answer: int
+    op: str       # "+" | "-" | "*" | "/"
+    lang: str     # "en" | "zh"
+
+
+def arithmetic_question(rng: random.Random, lang: str = "en") -> ArithmeticQuestion:
+    """One bare calculation in the number ranges of levels 1-2: a sum or difference of numbers
+    up to 99 (never negative), a times-table product, or an exact division by 2..9."""
+    op = rng.choice("+-*/")
+    if op == "+":
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+    elif op == "-":
+        a = rng.randint(2, 99)
+        b = rng.randint(1, a)
+    elif op == "*":
+        a, b = rng.randint(2, 12), rng.randint(2, 9)
+    else:
+        b, q = rng.randint(2, 9), rng.randint(1, 12)
+        a = b * q
+    q_text = f"What is {a} {op} {b}?" if lang == "en" else f"{a} {op} {b} 等于多少？"
+    return ArithmeticQuestion(q_text, _apply(a, op, b), op, lang)
 
 
 def paraphrase_answer(rng: random.Random, answer: str) -> str:

@@ -11,7 +11,10 @@ No value function: the baseline is the group. One step:
      fp32; under bf16/fp16 autocast they are recomputed by one no_grad forward instead);
   2. scoring: reward per completion (the verifier), advantages
      A = (r - mean_group) / (std_group + 1e-4), exactly 0 for a group whose rewards are all
-     equal (llm.losses.group_advantages; counted in frac_reward_zero_std); the reference
+     equal (llm.losses.group_advantages; counted in frac_reward_zero_std), the same for every
+     token of a completion; with `step_credit` > 0, plus step_credit x the verifier's credit of
+     each token (+1 on the result of a right worked step, -1 on a slip: llm.rewards.step_credit),
+     a process-level signal that says where an answer went wrong; the reference
      log-probs from one no_grad forward of the frozen SFT model (skipped when beta = 0);
   3. `epochs` passes over shuffled minibatches of completions; per token
         clipped surrogate(ratio, A, clip_epsilon) + beta * k3(pi, ref)
@@ -43,7 +46,7 @@ from llm.config import GRPOConfig
 from llm.losses import aggregate, group_advantages, kl_estimate, masked_mean, ppo_policy_loss
 from llm.errors import QualityGateError
 from llm.loop import Updater
-from llm.rewards import RewardFn
+from llm.rewards import RewardFn, step_credit
 from llm.rl import Mean, minibatches, step_generator
 from llm.rollout import response_forward, rollout
 
@@ -52,10 +55,12 @@ PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
 
 class GRPO:
     def __init__(self, policy: nn.Module, ref: nn.Module | None, cfg: GRPOConfig, *, prompts_fn: PromptsFn,
-                 reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int):
+                 reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int, tokenizer=None):
         if cfg.beta > 0 and ref is None:
             raise ValueError("GRPO: beta > 0 needs a reference model")
-        self.model, self.ref, self.cfg = policy, ref, cfg
+        if cfg.step_credit > 0 and tokenizer is None:
+            raise ValueError("GRPO: step_credit > 0 needs the tokenizer (to find each step's result tokens)")
+        self.model, self.ref, self.cfg, self.tokenizer = policy, ref, cfg, tokenizer
         self.prompts_fn, self.reward_fn = prompts_fn, reward_fn
         self.stop_ids, self.pad_id, self.seed = tuple(stop_ids), pad_id, seed
         self.zero_std_streak = 0
@@ -88,7 +93,11 @@ class GRPO:
         rewards, rstats = self.reward_fn(ro, [p for p in problems for _ in range(G)])   # (B,)
         grouped = rewards.float().view(n, G)
         adv, zero_std = group_advantages(grouped)                           # (n, G), (n,)
-        adv = adv.reshape(B).to(device)
+        # per token: the group-relative outcome advantage, plus the verifier's step credit
+        # (+1 on right step results, -1 on a slip) when grpo.step_credit > 0
+        adv = adv.reshape(B, 1).expand(B, mask.shape[1]).to(device)         # (B, N)
+        if cfg.step_credit > 0:
+            adv = adv + cfg.step_credit * step_credit(self.tokenizer, ro).to(device)
         old_lp = ro.logprobs                                                # (B, N) behaviour log-probs
         ref_lp = None
         with torch.no_grad():
@@ -122,7 +131,7 @@ class GRPO:
                 idx = idx.to(device)
                 rows, share = idx, 1.0
                 if skip_zero:
-                    rows = idx[adv[idx] != 0]
+                    rows = idx[(adv[idx] != 0).any(1)]
                     if cfg.loss_agg == "dapo":
                         share = float(mask[rows].sum()) / max(float(mask[idx].sum()), 1.0)
                     else:
@@ -134,7 +143,7 @@ class GRPO:
                     continue
                 mb, m = ro.select(rows), mask[rows]
                 lp = response_forward(policy, mb, T).logprobs                 # (b, N)
-                a = adv[rows].unsqueeze(1).expand_as(lp)                       # (b, N): one advantage per sequence
+                a = adv[rows]                                                  # (b, N)
                 pg_tok, pst = ppo_policy_loss(lp, old_lp[rows], a, m, cfg.clip_epsilon)
                 per_tok = pg_tok
                 if ref_lp is not None:

@@ -126,13 +126,51 @@ def score_samples(samples: list[list[dict]], prompts: list[dict], prompt_ids: li
         smp["score"] = smp["verifier"] if ans is not None else r
 
 
-def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float
+@torch.no_grad()
+def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], policy, tok, *, batch_size: int,
+                    device) -> None:
+    """Add "logp" to every sample, in place: its answer's log-probability (sum over the answer
+    tokens and the closing <|end|>, temperature 1) under `policy`, batched by length."""
+    from llm.batching import pad_right
+    from llm.losses import sequence_logprob
+    from llm.preference import encode_response
+
+    seq_len = policy.config.seq_len
+    flat = [(i, k) for i in range(len(samples)) for k in range(len(samples[i]))]
+    seqs, starts = [], []
+    for i, k in flat:
+        full = encode_response(prompt_ids[i], samples[i][k]["text"], tok)
+        cut = max(0, len(full) - seq_len)           # as score_samples: keep the end, where the answer is
+        seqs.append(full[cut:])
+        starts.append(max(0, len(prompt_ids[i]) - cut))
+    order = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))
+    policy.eval()
+    for s in range(0, len(order), batch_size):
+        ix = order[s:s + batch_size]
+        idx, mask, resp = pad_right([seqs[j] for j in ix], tok.pad_id, [starts[j] for j in ix])
+        lp = sequence_logprob(policy, idx.to(device), mask.to(device), resp.to(device)).float().cpu()
+        for j, v in zip(ix, lp.tolist()):
+            i, k = flat[j]
+            samples[i][k]["logp"] = v
+
+
+def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float, tie_break: str = "first"
                  ) -> tuple[list[dict], Counter, list[int]]:
-    """(pair records, ties by scorer, the indices of the prompts that tied)."""
+    """(pair records, ties by scorer, the indices of the prompts that tied).
+
+    tie_break: which of several equally scored best (or worst) samples is taken: "first", or
+    "likelihood", the one the SFT model finds most likely (each sample's "logp"). The verifier's
+    scores tie often (every right answer scores 1.2), so with "likelihood" the rejected answer is
+    the wrong one the model itself would most readily write: a hard negative, a pair whose
+    ranking the model's own likelihood does not already give away."""
     pairs, ties, tied_prompts = [], Counter(), []
     for i, p in enumerate(prompts):
         smp = samples[i]
         pick = choose_pair([x["score"] for x in smp], tie_epsilon)
+        if pick is not None and tie_break == "likelihood":
+            best, worst = smp[pick[0]]["score"], smp[pick[1]]["score"]
+            pick = (max((j for j, x in enumerate(smp) if x["score"] == best), key=lambda j: smp[j]["logp"]),
+                    max((j for j, x in enumerate(smp) if x["score"] == worst), key=lambda j: smp[j]["logp"]))
         scorer = "verifier" if p["answer"] is not None else "rm"
         if pick is None or smp[pick[0]]["text"] == smp[pick[1]]["text"]:
             ties[scorer] += 1

@@ -1,81 +1,122 @@
-"""The stage-comparison report: tables, training curves and samples.
+"""The report card: what the run was, what each stage changed, and how sure we are.
 
-    data = collect(metrics_dir="metrics", max_samples=3)   # what exists; notes for what does not
-    md = render_markdown(data, images={"curves": "report_curves.png"})
-    page = render_html(data, images={"curves": png_bytes, ...})   # one self-contained file
+    data = collect("metrics", max_samples=3)             # what exists; notes for what does not
+    paired = paired_deltas(data["items"], confidence=0.95, n_boot=10000, seed=1337)
+    head = provenance("params.yaml")                      # profile, commit, date, hardware
+    md = render_markdown(data, paired, head, images={"curves": "report_curves.png", "eval": "report_eval.png"})
+    page = render_html(data, paired, head, images={"curves": png_bytes, "eval": png_bytes})
+    # (render_* are in llm/report_render.py; the figures in llm/report_plots.py)
 
-`collect` reads the per-model eval metrics (`metrics/eval/<model>.json`) and samples
-(`<model>_samples.json`), the stage metrics (`metrics/<stage>.json`) and the per-step TSVs
-of `metrics/plots/`; any of them may be missing (stages land one by one, or one failed): it is
-left out and listed in `data["notes"]`, never filled in.
+Reads the per-model eval metrics, samples and per-item outcomes (`metrics/eval/<model>.json`,
+`_samples.json`, `_items.jsonl`), the stage metrics (`metrics/<stage>.json`) and the per-step
+TSVs of `metrics/plots/`; any of them may be missing (stages land one by one, or one failed):
+it is left out and listed in `data["notes"]`, never filled in.
 
-The table has one row per metric and one column per model: value, its 95% interval where the
-metrics carry `<key>_lo` / `<key>_hi`, and each post-training stage's change against its
-parent (sft vs base; ppo, grpo and dpo vs sft).
+The page, top to bottom:
+- a header: the profile (from params.yaml's `# profile:` line), the git commit and whether
+  code or params differ from it, the date, the machine, and the wall time each stage recorded
+  in its own metrics (`stage_time_s`, else `train_time_s` + `eval_time_s`, else `seconds`;
+  eval's `timing_s`); a smoke run says that its numbers check plumbing, not learning;
+- the summary table: one row per model, one column per headline skill: the value, its 95%
+  interval, and the paired change against the parent (sft vs base; ppo, grpo, dpo vs sft)
+  with its interval, marked significant or not (llm/paired.py);
+- per stage, a sentence saying what moved and whether it is significant, then every skill's
+  paired comparison (per level and per task kind too);
+- plots (llm/report_plots.py), samples of each skill marked right or wrong, the fixed prompts,
+  every eval metric per model, and a few headline numbers per training stage. Hashes and
+  the full key=value contents stay in the metrics files.
 
-The HTML page is offline: no scripts, no stylesheets or fonts from elsewhere, images embedded as
-base64 PNG data URIs, and any http(s) URL appearing in model output or metrics defanged to
-`hxxp(s)://`, so the page can fetch nothing. Plots use matplotlib (Agg, imported lazily).
+This module gathers and words the content; llm/report_render.py writes it as markdown and as
+an offline HTML page.
 """
 from __future__ import annotations
 
-import base64
-import html
-import io
+import datetime
 import json
 import math
+import os
+import platform
 import re
+import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
 from llm.metrics import join_metrics, run_info_path
+from llm.paired import compare, read_items
 
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
 PARENT = {"sft": "base", "ppo": "sft", "grpo": "sft", "dpo": "sft"}
-STAGES = ("tokenizer", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "grpo")
+NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "grpo": "GRPO", "dpo": "DPO"}
+STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "grpo")
+PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
+                              " in minutes. These numbers check the plumbing, not learning: do not read them as"
+                              " results."}
 
-# (metrics key, label, kind, better): kind "pct" shows a proportion as a percentage (deltas in
-# percentage points), "num" a plain number; better: +1 higher is better, -1 lower, 0 neither.
-TABLE: tuple[tuple[str, str, str, int], ...] = (
-    ("math_exact_match", "math exact match (greedy)", "pct", +1),
-    ("math_pass_at_k", "math pass@k", "pct", +1),
-    ("math_format_rate", "answers ending in a #### N line", "pct", +1),
-    ("math_exact_match_level1", "exact match, level 1", "pct", +1),
-    ("math_exact_match_level2", "exact match, level 2", "pct", +1),
-    ("math_exact_match_level3", "exact match, level 3", "pct", +1),
-    ("math_exact_match_level4", "exact match, level 4", "pct", +1),
-    ("rm_score", "reward model score", "num", +1),
-    ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct", +1),
-    ("kl_to_sft", "KL to SFT (nats / response)", "num", 0),
-    ("kl_to_sft_per_token", "KL to SFT (nats / token)", "num", 0),
-    ("val_bpb", "held-out bits per byte", "num", -1),
-    ("val_ppl", "held-out perplexity", "num", -1),
-    ("math_response_tokens_mean", "answer length (tokens)", "num", 0),
-    ("toxicity_rate", "toxicity rate", "pct", -1),
+# The summary table's columns: (eval metrics key, paired skill or None, label, kind). kind "pct"
+# shows a proportion as a percentage (changes in percentage points), "num" a plain number.
+SUMMARY: tuple[tuple[str, str | None, str, str], ...] = (
+    ("math_exact_match", "math", "math", "pct"),
+    ("math_exact_match_en", "math_en", "English math", "pct"),
+    ("math_exact_match_zh", "math_zh", "Chinese math", "pct"),
+    ("math_format_rate", "math_format", "#### N format", "pct"),
+    ("task_exact_match", "task", "instruction tasks", "pct"),
+    ("arithmetic_exact_match", "arithmetic", "bare arithmetic", "pct"),
+    ("math_sample_accuracy", "math_sampled", "sampled math", "pct"),
+    ("rm_score", "rm_score", "RM score", "num"),
+    ("win_rate_vs_sft", None, "win rate vs SFT", "pct"),
+    ("kl_to_sft", None, "KL to SFT", "num"),
+)
+HEADLINE_SKILLS = tuple(s for _, s, _, _ in SUMMARY if s)
+
+# Every eval metric, one row each: (key, label, kind); rows no model has are dropped.
+ALL_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("math_exact_match", "math exact match (greedy)", "pct"),
+    ("math_exact_match_en", "English math", "pct"),
+    ("math_exact_match_zh", "Chinese math", "pct"),
+    *((f"math_exact_match_level{i}", f"math level {i}", "pct") for i in (1, 2, 3, 4)),
+    ("math_format_rate", "answers ending in a #### N line", "pct"),
+    ("math_sample_accuracy", "sampled math accuracy", "pct"),
+    ("math_pass_at_k", "math pass@k", "pct"),
+    ("task_exact_match", "instruction tasks", "pct"),
+    *((f"task_exact_match_{k}", f"task: {k.replace('_', ' ')}", "pct")
+      for k in ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")),
+    ("arithmetic_exact_match", "bare arithmetic", "pct"),
+    ("rm_score", "reward model score", "num"),
+    ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),
+    ("kl_to_sft", "KL to SFT (nats / response)", "num"),
+    ("kl_to_sft_per_token", "KL to SFT (nats / token)", "num"),
+    ("val_bpb", "held-out bits per byte", "num"),
+    ("val_ppl", "held-out perplexity", "num"),
+    ("math_response_tokens_mean", "answer length (tokens)", "num"),
+    ("toxicity_rate", "toxicity rate", "pct"),
 )
 
-# Training-curve panels: (title, y label, [(tsv file, candidate columns, legend)]). The first
-# candidate column a file has is plotted; files or columns that are missing are skipped.
-PANELS: tuple[tuple[str, str, tuple[tuple[str, tuple[str, ...], str], ...]], ...] = (
-    ("pretrain loss", "nats / token", (("pretrain.tsv", ("loss",), "train"),
-                                       ("pretrain_val.tsv", ("val_loss",), "val"))),
-    ("SFT loss", "nats / token", (("sft.tsv", ("loss",), "train"), ("sft_val.tsv", ("val_loss",), "val"))),
-    ("reward model accuracy", "pairwise accuracy", (("reward.tsv", ("accuracy",), "train"),
-                                                    ("reward_val.tsv", ("val_accuracy",), "val"))),
-    ("PPO reward", "reward", (("ppo.tsv", ("reward",), "rollouts"), ("ppo_val.tsv", ("reward",), "held-out"))),
-    ("PPO KL to SFT", "nats / token", (("ppo.tsv", ("kl",), "rollouts"), ("ppo_val.tsv", ("kl",), "held-out"))),
-    ("GRPO reward", "reward / accuracy", (("grpo.tsv", ("reward",), "rollouts"),
-                                          ("grpo_val.tsv", ("math_exact_match",), "held-out"))),
-    ("GRPO KL to SFT", "nats / token", (("grpo.tsv", ("kl",), "rollouts"), ("grpo_val.tsv", ("kl",), "held-out"))),
-    ("DPO loss", "loss", (("dpo.tsv", ("loss",), "train"), ("dpo_val.tsv", ("val_loss",), "val"))),
-    ("DPO preference accuracy", "rewards accuracy", (("dpo.tsv", ("rewards_accuracy",), "train"),
-                                                     ("dpo_val.tsv", ("val_rewards_accuracy",), "val"))),
+# A few numbers per training stage: (stage, dotted key, label, kind)
+STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
+    ("tokenizer", "vocab_size", "vocabulary", "int"),
+    ("tokenizer", "bytes_per_token_en", "bytes per token, English", "num"),
+    ("tokenizer", "bytes_per_token_zh", "bytes per token, Chinese", "num"),
+    ("pretrain", "n_params", "parameters", "int"),
+    ("pretrain", "tokens_seen", "tokens seen", "int"),
+    ("pretrain", "val_bpb", "held-out bits per byte", "num"),
+    ("clean_sft", "train.kept", "conversations kept", "int"),
+    ("clean_sft", "train.dropped_total", "conversations dropped", "int"),
+    ("sft", "val_loss", "held-out loss", "num"),
+    ("sft", "math_exact_match", "validation math", "pct"),
+    ("reward", "accuracy", "held-out pairs ranked right", "pct"),
+    ("pairs", "pairs", "preference pairs", "int"),
+    ("dpo", "rewards_accuracy", "held-out preference accuracy", "pct"),
+    ("dpo", "ref_logp_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),
+    ("dpo", "kl", "KL to SFT (nats / token)", "num"),
+    ("ppo", "reward_start", "rollout reward, first steps", "num"),
+    ("ppo", "reward_end", "rollout reward, last steps", "num"),
+    ("ppo", "math_exact_match", "validation math", "pct"),
+    ("grpo", "reward_start", "rollout reward, first steps", "num"),
+    ("grpo", "reward_end", "rollout reward, last steps", "num"),
+    ("grpo", "math_exact_match", "validation math", "pct"),
 )
-
-# KL to SFT is already a distance from the parent of ppo/grpo/dpo; a "change" of it says nothing more
-NO_DELTA = {"kl_to_sft", "kl_to_sft_per_token"}
-_URL = re.compile(r"(?i)\b(http)(s?)://")
-MAX_STAGE_KEYS = 40
+TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",
+        "grpo", "grpo_val")
 
 
 # ---------------------------------------------------------------------------
@@ -111,377 +152,356 @@ def _read_json(path: Path, notes: list[str]) -> Any:
         return None
 
 
-def flatten_scalars(obj: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
-    """Numbers, booleans and short strings of a metrics dict, nested dicts as dotted keys
-    (down to `depth` levels); lists are left out."""
-    out: dict[str, Any] = {}
-    for k, v in obj.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            if depth > 1:
-                out.update(flatten_scalars(v, key + ".", depth - 1))
-        elif isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 80) or v is None:
-            out[key] = v
-    return out
+def dig(obj: Any, dotted: str) -> Any:
+    """obj["a"]["b"] for "a.b"; None where a level is missing."""
+    for part in dotted.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
 
 
 def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
     """Everything the report shows, from what exists under `metrics_dir`.
 
-    Returns {"evals": {model: metrics}, "samples": {model: samples}, "stages": {stage: flat
-    scalars}, "curves": {tsv name: columns}, "notes": [what is missing], "max_samples"}.
+    Returns {"evals": {model: metrics}, "samples": {model: samples}, "items": {model: item
+    records}, "stages": {stage: metrics}, "curves": {tsv name: columns}, "notes": [what is
+    missing], "max_samples"}.
     """
     root = Path(metrics_dir)
     notes: list[str] = []
-    evals, samples, stages, curves = {}, {}, {}, {}
+    evals, samples, items, stages, curves = {}, {}, {}, {}, {}
     for m in MODELS:
         e = _read_json(root / "eval" / f"{m}.json", notes)
-        if isinstance(e, dict):
-            evals[m] = e
-            s = _read_json(root / "eval" / f"{m}_samples.json", notes)
-            if isinstance(s, dict):
-                samples[m] = s
+        if not isinstance(e, dict):
+            continue
+        evals[m] = e
+        s = _read_json(root / "eval" / f"{m}_samples.json", notes)
+        if isinstance(s, dict):
+            samples[m] = s
+        f = root / "eval" / f"{m}_items.jsonl"
+        if not f.is_file():
+            notes.append(f"{f}: missing (eval@{m} predates per-item outcomes; rerun it for paired tests)")
+        else:
+            try:
+                items[m] = read_items(f)
+            except (ValueError, UnicodeDecodeError) as e:
+                notes.append(f"{f}: unreadable ({e}); left out")
     for st in STAGES:
         d = _read_json(root / f"{st}.json", notes)
         if isinstance(d, dict):
             run = run_info_path(root / f"{st}.json")  # its timings and provenance (llm/metrics.py)
             run_d = _read_json(run, notes) if run.is_file() else None
-            stages[st] = flatten_scalars(join_metrics(d, run_d) if isinstance(run_d, dict) else d)
-    plots = root / "plots"
-    wanted = sorted({f for _, _, series in PANELS for f, _, _ in series})
-    for f in wanted:
-        if (plots / f).is_file():
-            cols = read_tsv(plots / f)
+            stages[st] = join_metrics(d, run_d) if isinstance(run_d, dict) else d
+    for name in TSVS:
+        f = root / "plots" / f"{name}.tsv"
+        if f.is_file():
+            cols = read_tsv(f)
             if cols.get("step"):
-                curves[f] = cols
-    return {"evals": evals, "samples": samples, "stages": stages, "curves": curves, "notes": notes,
+                curves[f.name] = cols
+    return {"evals": evals, "samples": samples, "items": items, "stages": stages, "curves": curves, "notes": notes,
             "max_samples": max_samples}
 
 
-# ---------------------------------------------------------------------------
-# The table
+def paired_deltas(items: dict[str, list[dict]], *, confidence: float, n_boot: int, seed: int) -> dict[str, dict]:
+    """{child: {"parent", "skills": llm.paired.compare(...)}} for every model whose parent's
+    items exist too (the content of metrics/paired.json)."""
+    out = {}
+    for child, parent in PARENT.items():
+        if child in items and parent in items:
+            out[child] = {"parent": parent, "skills": compare(items[child], items[parent], confidence=confidence,
+                                                              n_boot=n_boot, seed=seed, child_name=child)}
+    return out
 
-def _num(v: float) -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+
+def paired_metrics(paired: dict[str, dict]) -> dict[str, dict]:
+    """The paired changes as a DVC metrics file: {"<child>_vs_<parent>": {skill: numbers}}, numbers
+    and booleans only (labels stay in the report), so `dvc metrics diff` lists what moved."""
+    return {f"{c}_vs_{p['parent']}": {s: {k: v for k, v in r.items() if k not in ("label", "type")}
+                                      for s, r in p["skills"].items()} for c, p in paired.items()}
+
+
+def recorded_seconds(metrics: dict) -> tuple[float, str] | None:
+    """(seconds, which keys) a stage recorded about its own run, or None."""
+    for keys in (("stage_time_s",), ("train_time_s", "eval_time_s"), ("seconds.total",), ("seconds",),
+                 ("train_seconds",), ("timing_s.total",)):
+        found = [(k, dig(metrics, k)) for k in keys]
+        found = [(k, v) for k, v in found if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if found:
+            return float(sum(v for _, v in found)), " + ".join(k for k, _ in found)
+    return None
+
+
+def stage_times(data: dict) -> list[tuple[str, float | None, str]]:
+    """[(stage, seconds or None, source)] in pipeline order, eval@<model> included."""
+    rows: list[tuple[str, float | None, str]] = [("prepare", None, "")]
+    for st in STAGES:
+        if st in data["stages"]:
+            t = recorded_seconds(data["stages"][st])
+            rows.append((st, t[0], t[1]) if t else (st, None, ""))
+    for m in MODELS:
+        if m in data["samples"]:
+            t = recorded_seconds(data["samples"][m])
+            rows.append((f"eval@{m}", t[0], t[1]) if t else (f"eval@{m}", None, ""))
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Provenance
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal"))
+        mem = f", {kb / 2 ** 20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores{mem} ({platform.system()} {platform.machine()})"
+
+
+def provenance(params: str | Path = "params.yaml", now: datetime.datetime | None = None) -> dict[str, Any]:
+    """Profile, commit, uncommitted changes to code or params, date and machine of this run."""
+    params = Path(params)
+    root = params.resolve().parent
+    first = params.read_text(encoding="utf-8").split("\n", 1)[0] if params.is_file() else ""
+    m = re.match(r"# profile: (\S+)(?: \((.*)\))?\s*$", first)
+    commit = _git(["rev-parse", "--short=12", "HEAD"], root)
+    status = _git(["status", "--porcelain", "--untracked-files=no"], root)
+    changed = sorted({line[3:].strip() for line in (status or "").splitlines()
+                      if line[3:].strip() != "dvc.lock" and not line[3:].strip().startswith("metrics/")})
+    return {"profile": m.group(1) if m else None, "profile_description": (m.group(2) or "") if m else "",
+            "commit": commit.strip() if commit else None, "changed": changed,
+            "date": (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
+            "hardware": _hardware()}
+
+
+# ---------------------------------------------------------------------------
+# Numbers and words
+
+def _isnum(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v: Any) -> str:
+    if not _isnum(v):
         return str(v)
     if isinstance(v, int):
         return f"{v:,}"
-    if not math.isfinite(v):
-        return str(v)
     a = abs(v)
     if a != 0 and (a >= 1e5 or a < 1e-3):
         return f"{v:.3g}"
     return f"{v:.4g}" if a >= 100 else f"{v:.3f}"
 
 
-def fmt_value(v: float, kind: str) -> str:
-    return f"{100 * v:.1f}%" if kind == "pct" else _num(v)
+def fmt_value(v: Any, kind: str) -> str:
+    if not _isnum(v):
+        return "n/a"
+    if kind == "pct":
+        return f"{100 * v:.1f}%"
+    return f"{int(v):,}" if kind == "int" else _num(v)
+
+
+def fmt_interval(lo: Any, hi: Any, kind: str) -> str:
+    if not (_isnum(lo) and _isnum(hi)):
+        return ""
+    return f"[{100 * lo:.1f}, {100 * hi:.1f}]" if kind == "pct" else f"[{_num(lo)}, {_num(hi)}]"
 
 
 def fmt_delta(d: float, kind: str) -> str:
-    if kind == "pct":
-        return f"{100 * d:+.1f} pp"
-    return f"{d:+,.0f}" if abs(d) >= 1000 else f"{d:+.3g}"
+    return f"{100 * d:+.1f} pp" if kind == "pct" else f"{d:+.3g}"
 
 
-def table_rows(evals: dict[str, dict]) -> tuple[list[str], list[dict]]:
-    """(models present, rows): each row {"key", "label", "cells": {model: {"value", "interval",
-    "delta", "verdict"}}}; rows no model has are dropped. verdict: "better" / "worse" / ""
-    (the change against the parent, where the metric has a direction)."""
+def fmt_p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.1 else f"{p:.2f}"
+
+
+def verdict(res: dict) -> str:
+    """"up" / "down" (significant), "borderline" (test and interval disagree) or "flat"."""
+    if res["significant"]:
+        return "up" if res["delta"] > 0 else "down"
+    return "borderline" if res["borderline"] else "flat"
+
+
+MARK = {"up": "▲", "down": "▼", "borderline": "?", "flat": "·"}
+NBSP, NBSP_COMMA = "\u00a0", ",\u00a0"
+
+
+def _kind_of(skill: str, res: dict) -> str:
+    return "num" if res.get("type") == "score" and skill != "math_sampled" else "pct"
+
+
+def _change(skill: str, res: dict, with_values: bool = True) -> str:
+    k = _kind_of(skill, res)
+    text = f"{fmt_delta(res['delta'], k)} {fmt_interval(res['lo'], res['hi'], k)}".strip()
+    if with_values:
+        text = f"{fmt_value(res['parent_value'], k)} → {fmt_value(res['value'], k)}, {text}"
+    return text
+
+
+def _join(xs: Sequence[str]) -> str:
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+
+
+def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]]:
+    """What moved from the parent to `child`, from the paired comparisons: (one sentence in
+    words over the headline skills, [the numbers behind it, one line each])."""
+    parent, res = paired[child]["parent"], paired[child]["skills"]
+    head = [s for s in HEADLINE_SKILLS if s in res]
+    groups: dict[str, list[str]] = {"up": [], "down": [], "borderline": [], "flat": []}
+    for s in head:
+        groups[verdict(res[s])].append(s)
+    labels = lambda keys: _join([res[k]["label"] for k in keys])  # noqa: E731
+    parts = []
+    if groups["up"]:
+        parts.append("significantly better at " + labels(groups["up"]))
+    if groups["down"]:
+        parts.append("significantly worse at " + labels(groups["down"]))
+    if groups["flat"]:
+        parts.append(("no significant change in " if parts else "no significant change in any skill: ")
+                     + labels(groups["flat"]))
+    if groups["borderline"]:
+        parts.append("borderline for " + labels(groups["borderline"]))
+    sentence = f"{NAME[child]} against {NAME[parent]}: " + ("; ".join(parts) if parts else "no paired items") + "."
+    lines = []
+    for s in groups["up"] + groups["down"] + groups["borderline"]:
+        r = res[s]
+        p = f", McNemar p {fmt_p(r['p_value'])}" if "p_value" in r else ""
+        note = " (the test and the interval disagree)" if r["borderline"] else ""
+        lines.append(f"{MARK[verdict(r)]} {r['label']}: {_change(s, r)}{p}{note}")
+    fine = [f"{res[s]['label']} {MARK[verdict(res[s])]} {fmt_delta(res[s]['delta'], _kind_of(s, res[s]))}"
+            for s in res if s not in head and verdict(res[s]) in ("up", "down")]
+    if fine:
+        lines.append("significant within those: " + _join(fine))
+    kl = evals.get(child, {}).get("kl_to_sft")
+    if child != "sft" and _isnum(kl):
+        lines.append(f"KL to SFT: {_num(kl)} nats per response" + (_NEG_KL if kl < 0 else ""))
+    return sentence, lines
+
+
+_NEG_KL = (" (an estimate below zero: the sampled estimator's noise around a KL of about zero; KL itself"
+           " is never negative)")
+
+
+# ---------------------------------------------------------------------------
+# Tables
+
+def summary_rows(evals: dict[str, dict], paired: dict[str, dict]) -> tuple[list[tuple[str, str]], list[dict]]:
+    """(columns present as (key, label), rows): one row per model, each cell {"value", "interval",
+    "change", "verdict"} ("verdict" one of up / down / borderline / flat / "" without a test)."""
+    models = [m for m in MODELS if m in evals]
+    cols = [(key, skill, label, kind) for key, skill, label, kind in SUMMARY if any(_isnum(evals[m].get(key))
+                                                                                    for m in models)]
+    rows = []
+    for m in models:
+        cells = {}
+        for key, skill, _, kind in cols:
+            e = evals[m]
+            v = e.get(key)
+            cell = {"value": fmt_value(v, kind), "interval": fmt_interval(e.get(f"{key}_lo"), e.get(f"{key}_hi"), kind),
+                    "change": "", "verdict": ""}
+            if key == "kl_to_sft" and _isnum(v) and v < 0:
+                cell["value"] += " †"
+            if key in ("kl_to_sft", "win_rate_vs_sft") and m == "sft":
+                cell["interval"] = "(itself)"
+            res = paired.get(m, {}).get("skills", {}).get(skill) if skill else None
+            if res:
+                cell["change"] = _change(skill, res, with_values=False).replace(" pp", "")
+                cell["verdict"] = verdict(res)
+            cells[key] = cell
+        rows.append({"model": m, "parent": PARENT.get(m, ""), "cells": cells})
+    return [(key, label) for key, _, label, _ in cols], rows
+
+
+def all_metric_rows(evals: dict[str, dict]) -> tuple[list[str], list[dict]]:
+    """(models, rows) of every eval metric: {"label", "cells": {model: "value [interval]"}}."""
     models = [m for m in MODELS if m in evals]
     rows = []
-    for key, label, kind, better in TABLE:
-        if not any(isinstance(evals[m].get(key), (int, float)) for m in models):
+    for key, label, kind in ALL_METRICS:
+        if not any(_isnum(evals[m].get(key)) for m in models):
             continue
         if key == "math_pass_at_k":
             ks = {evals[m].get("math_pass_k") for m in models} - {None}
-            if len(ks) == 1:
-                label = f"math pass@{ks.pop()}"
-        cells = {}
-        for m in models:
-            v = evals[m].get(key)
-            if not isinstance(v, (int, float)):
-                cells[m] = {"value": "n/a", "interval": "", "delta": "", "verdict": ""}
-                continue
-            lo, hi = evals[m].get(f"{key}_lo"), evals[m].get(f"{key}_hi")
-            interval = (f"[{fmt_value(lo, kind)}, {fmt_value(hi, kind)}]"
-                        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else "")
-            delta, verdict = "", ""
-            p = PARENT.get(m)
-            pv = evals.get(p, {}).get(key) if p and key not in NO_DELTA else None
-            if isinstance(pv, (int, float)):
-                d = v - pv
-                delta = f"{fmt_delta(d, kind)} vs {p}"
-                if better and d != 0:
-                    verdict = "better" if d * better > 0 else "worse"
-            cells[m] = {"value": fmt_value(v, kind), "interval": interval, "delta": delta, "verdict": verdict}
-        rows.append({"key": key, "label": label, "cells": cells})
+            label = f"math pass@{ks.pop()}" if len(ks) == 1 else label
+        cells = {m: (fmt_value(evals[m].get(key), kind) + " "
+                     + fmt_interval(evals[m].get(f"{key}_lo"), evals[m].get(f"{key}_hi"), kind)).strip()
+                 for m in models}
+        rows.append({"label": label, "cells": cells})
     return models, rows
 
 
-# ---------------------------------------------------------------------------
-# Plots
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, metadata={"Software": None})  # no version string: same bytes per run
-    _plt().close(fig)
-    return buf.getvalue()
+def paired_rows(child: str, paired: dict) -> list[list[str]]:
+    """Every skill's paired comparison for one stage: [skill, parent, child, change [interval],
+    McNemar p, items, verdict] as text."""
+    out = []
+    for s, r in paired[child]["skills"].items():
+        k = _kind_of(s, r)
+        out.append([r["label"], fmt_value(r["parent_value"], k), fmt_value(r["value"], k), _change(s, r, False),
+                    fmt_p(r["p_value"]) if "p_value" in r else "", str(r["n"]),
+                    {"up": "better", "down": "worse", "borderline": "borderline", "flat": "no significant change"}
+                    [verdict(r)]])
+    return out
 
 
-def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None, list[str]]:
-    """One figure with a panel per training curve that has data; (png or None, titles drawn)."""
-    panels = []
-    for title, ylabel, series in PANELS:
-        lines = []
-        for f, candidates, legend in series:
-            cols = curves.get(f)
-            col = next((c for c in candidates if cols and c in cols), None) if cols else None
-            if col is not None:
-                pts = [(s, y) for s, y in zip(cols["step"], cols[col]) if math.isfinite(y)]
-                if pts:
-                    lines.append((pts, f"{legend} ({col})"))
-        if lines:
-            panels.append((title, ylabel, lines))
-    if not panels:
-        return None, []
-    plt = _plt()
-    ncol = min(3, len(panels))
-    nrow = math.ceil(len(panels) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.0 * nrow), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax, (title, ylabel, lines) in zip(axes.flat, panels):
-        for pts, legend in lines:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, "o-" if len(xs) < 30 else "-", lw=1.0, ms=3, label=legend)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return _png(fig), [t for t, _, _ in panels]
+def stage_headline_rows(stages: dict[str, dict]) -> list[tuple[str, str, str]]:
+    rows = []
+    for st, key, label, kind in STAGE_HEADLINES:
+        v = dig(stages.get(st, {}), key)
+        if _isnum(v):
+            rows.append((st, label, fmt_value(v, kind)))
+    return rows
 
 
-def eval_png(evals: dict[str, dict]) -> bytes | None:
-    """Bars per model with 95% intervals: math exact match, win rate vs SFT; KL to SFT."""
-    models = [m for m in MODELS if m in evals]
-    specs = [(k, t) for k, t in (("math_exact_match", "held-out math exact match"),
-                                 ("win_rate_vs_sft", "win rate vs SFT"), ("kl_to_sft", "KL to SFT (nats/response)"))
-             if any(isinstance(evals[m].get(k), (int, float)) for m in models)]
-    if not specs:
-        return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(specs), figsize=(4.0 * len(specs), 3.0), squeeze=False)
-    for ax, (key, title) in zip(axes.flat, specs):
-        ms = [m for m in models if isinstance(evals[m].get(key), (int, float))]
-        vals = [evals[m][key] for m in ms]
-        lo = [max(0.0, v - evals[m].get(f"{key}_lo", v)) for m, v in zip(ms, vals)]
-        hi = [max(0.0, evals[m].get(f"{key}_hi", v) - v) for m, v in zip(ms, vals)]
-        ax.bar(ms, vals, yerr=[lo, hi], capsize=4, color="tab:blue", alpha=0.8)
-        if key != "kl_to_sft":  # proportions: the whole [0, 1] scale, and chance for the win rate
-            ax.set_ylim(0, 1)
-        if key == "win_rate_vs_sft":
-            ax.axhline(0.5, color="gray", ls="--", lw=0.8)
-        ax.set_title(title, fontsize=10)
-        ax.tick_params(labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("error bars: 95% intervals", fontsize=8)
-    fig.tight_layout()
-    return _png(fig)
+GROUP_TITLES = {("math", "en"): "English math", ("math", "zh"): "Chinese math", ("math", ""): "math",
+                ("arithmetic", ""): "bare arithmetic"}
 
 
-def placeholder_png(text: str) -> bytes:
-    """A small image saying what is missing (a DVC out must exist even before its data does)."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(4.0, 1.2))
-    ax.axis("off")
-    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True)
-    return _png(fig)
+def item_sample_groups(samples: dict[str, dict], max_samples: int) -> list[tuple[str, list[dict]]]:
+    """[(group title, [{"prompt", "answer", "by_model": {model: (response, correct)}}])]: the first
+    `max_samples` items of each math language and of arithmetic, one item per task kind."""
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    for m in MODELS:
+        for x in (samples.get(m) or {}).get("item_samples", []):
+            g = groups.setdefault((x["set"], x.get("group", "")), {})
+            rec = g.setdefault(x["prompt"], {"prompt": x["prompt"], "answer": x["answer"], "by_model": {}})
+            rec["by_model"][m] = (x.get("response", ""), bool(x.get("correct")))
+    out = []
+    task_rows = []
+    for (item_set, group), recs in groups.items():
+        if item_set == "task":
+            first = next(iter(recs.values()))
+            task_rows.append({**first, "prompt": f"[{group.replace('_', ' ')}] {first['prompt']}"})
+        else:
+            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()),
+                        list(recs.values())[:max_samples]))
+    if task_rows:
+        out.append(("instruction tasks (one per kind)", task_rows))
+    return out
 
 
-# ---------------------------------------------------------------------------
-# Rendering
-
-def defang(text: str) -> str:
-    """http(s):// -> hxxp(s)://: the offline page must hold no URL it could fetch."""
-    return _URL.sub(lambda m: f"{m.group(1)[0]}xx{m.group(1)[3]}{m.group(2)}://", text)
-
-
-def _samples_by_prompt(data: dict, field: str, key: str) -> list[tuple[str, dict[str, str]]]:
-    """[(prompt, {model: response})] for the first max_samples prompts, in the first model's order."""
+def fixed_prompt_rows(samples: dict[str, dict], max_samples: int) -> list[tuple[str, dict[str, str]]]:
     order: list[str] = []
     table: dict[str, dict[str, str]] = {}
     for m in MODELS:
-        for s in (data["samples"].get(m) or {}).get(field, []):
-            p = s.get(key, "") + (f"\n(answer: {s['answer']})" if "answer" in s else "")
+        for s in (samples.get(m) or {}).get("sample_prompts", []):
+            p = s.get("prompt", "")
             if p not in table:
                 order.append(p)
                 table[p] = {}
-            table[p][m] = _clip(s.get("response", ""))
-    return [(p, table[p]) for p in order[:data["max_samples"]]]
-
-
-MAX_SAMPLE_CHARS = 600
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_SAMPLE_CHARS else text[:MAX_SAMPLE_CHARS] + f" … ({len(text)} characters)"
-
-
-def _md_cell(text: str) -> str:
-    """Text for a markdown table cell: no raw HTML (model output is data), pipes and newlines kept."""
-    if not text:
-        return "_(empty)_"
-    return html.escape(_clip(text), quote=False).replace("|", "\\|").replace("\n", "<br>")
-
-
-def render_markdown(data: dict, images: dict[str, str] | None = None) -> str:
-    """The report as GitHub markdown; `images` maps "curves"/"eval" to relative image paths."""
-    images = images or {}
-    out = ["# Pipeline report", ""]
-    models, rows = table_rows(data["evals"])
-    out += ["## Stage by stage", ""]
-    if rows:
-        out += ["Value [95% interval]; deltas against the parent stage (sft vs base; ppo, grpo, dpo vs sft).",
-                "", "| metric | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
-        for r in rows:
-            cells = []
-            for m in models:
-                c = r["cells"][m]
-                txt = c["value"] + (f" {c['interval']}" if c["interval"] else "")
-                if c["delta"]:
-                    mark = {"better": " ▲", "worse": " ▼"}.get(c["verdict"], "")
-                    txt += f"<br>{c['delta']}{mark}"
-                cells.append(txt)
-            out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
-        tox = {m: data["evals"][m].get("toxicity") for m in models if data["evals"][m].get("toxicity")}
-        if tox:
-            out += ["", "Toxicity: " + ", ".join(f"{m} {v}" for m, v in tox.items())
-                    + " (no Detoxify checkpoint configured: `eval.detoxify_checkpoint`)."]
-    else:
-        out.append("_No eval metrics yet (metrics/eval/<model>.json)._")
-    if images.get("eval"):
-        out += ["", f"![eval metrics with 95% intervals]({images['eval']})"]
-    out += ["", "## Training curves", ""]
-    out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
-    out += ["", "## Samples", ""]
-    for title, field, key in (("Fixed prompts (greedy)", "sample_prompts", "prompt"),
-                              ("Held-out math (greedy)", "math_samples", "question")):
-        groups = _samples_by_prompt(data, field, key)
-        if not groups:
-            continue
-        out += [f"### {title}", ""]
-        for prompt, by_model in groups:
-            out += [f"**{_md_cell(prompt)}**", "", "| model | response |", "|---|---|"]
-            out += [f"| {m} | {_md_cell(by_model[m])} |" for m in MODELS if m in by_model]
-            out.append("")
-    out += ["## Training stages", ""]
-    if data["stages"]:
-        for st, kv in data["stages"].items():
-            items = list(kv.items())[:MAX_STAGE_KEYS]
-            out.append(f"- **{st}**: " + ", ".join(f"{k} {_num(v) if isinstance(v, (int, float)) else v}"
-                                                    for k, v in items))
-    else:
-        out.append("_No stage metrics yet._")
-    if data["notes"]:
-        out += ["", "## Not available", ""] + [f"- {n}" for n in data["notes"]]
-    return "\n".join(out) + "\n"
-
-
-_CSS = """
-body { font-family: system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
-th { background: #f3f3f3; }
-td.num { white-space: nowrap; }
-.iv { color: #666; font-size: 0.85em; }
-.delta { font-size: 0.85em; }
-.better { color: #1a7f37; } .worse { color: #cf222e; }
-pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; max-width: 28em; }
-img { max-width: 100%; }
-.note { color: #666; }
-"""
-
-
-def _e(text: Any) -> str:
-    return html.escape(defang(str(text)))
-
-
-def _img(png: bytes | None, alt: str) -> str:
-    if not png:
-        return ""
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
-
-
-def render_html(data: dict, images: dict[str, bytes | None] | None = None) -> str:
-    """The report as one offline HTML page (no URL anywhere; images inlined)."""
-    images = images or {}
-    h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>Pipeline report</title>",
-         f"<style>{_CSS}</style></head><body>", "<h1>Pipeline report</h1>", "<h2>Stage by stage</h2>"]
-    models, rows = table_rows(data["evals"])
-    if rows:
-        h.append('<p class="note">Value, [95% interval], and the change against the parent stage'
-                 " (sft vs base; ppo, grpo, dpo vs sft).</p>")
-        h.append("<table><tr><th>metric</th>" + "".join(f"<th>{_e(m)}</th>" for m in models) + "</tr>")
-        for r in rows:
-            tds = []
-            for m in models:
-                c = r["cells"][m]
-                cell = _e(c["value"])
-                if c["interval"]:
-                    cell += f' <span class="iv">{_e(c["interval"])}</span>'
-                if c["delta"]:
-                    cell += f'<br><span class="delta {c["verdict"]}">{_e(c["delta"])}</span>'
-                tds.append(f'<td class="num">{cell}</td>')
-            h.append(f"<tr><th>{_e(r['label'])}</th>{''.join(tds)}</tr>")
-        h.append("</table>")
-        tox = {m: data["evals"][m].get("toxicity") for m in models if data["evals"][m].get("toxicity")}
-        if tox:
-            h.append('<p class="note">Toxicity: ' + _e(", ".join(f"{m} {v}" for m, v in tox.items()))
-                     + " (no Detoxify checkpoint configured: <code>eval.detoxify_checkpoint</code>).</p>")
-    else:
-        h.append('<p class="note">No eval metrics yet (metrics/eval/&lt;model&gt;.json).</p>')
-    h.append(_img(images.get("eval"), "eval metrics with 95% intervals"))
-    h.append("<h2>Training curves</h2>")
-    h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
-    h.append("<h2>Samples</h2>")
-    for title, field, key in (("Fixed prompts (greedy)", "sample_prompts", "prompt"),
-                              ("Held-out math (greedy)", "math_samples", "question")):
-        groups = _samples_by_prompt(data, field, key)
-        if not groups:
-            continue
-        present = [m for m in MODELS if any(m in g for _, g in groups)]
-        h.append(f"<h3>{_e(title)}</h3><table><tr><th>prompt</th>"
-                 + "".join(f"<th>{_e(m)}</th>" for m in present) + "</tr>")
-        for prompt, by_model in groups:
-            h.append(f"<tr><td><pre>{_e(prompt)}</pre></td>"
-                     + "".join(f"<td><pre>{_e(by_model.get(m, ''))}</pre></td>" for m in present) + "</tr>")
-        h.append("</table>")
-    h.append("<h2>Training stages</h2>")
-    if data["stages"]:
-        for st, kv in data["stages"].items():
-            items = list(kv.items())[:MAX_STAGE_KEYS]
-            h.append(f"<details><summary><b>{_e(st)}</b></summary><table>"
-                     + "".join(f"<tr><td>{_e(k)}</td><td>{_e(_num(v) if isinstance(v, (int, float)) else v)}</td></tr>"
-                               for k, v in items) + "</table></details>")
-    else:
-        h.append('<p class="note">No stage metrics yet.</p>')
-    if data["notes"]:
-        h.append("<h2>Not available</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in data["notes"]) + "</ul>")
-    h.append("</body></html>")
-    return "\n".join(x for x in h if x) + "\n"
-
-
-def find_urls(text: str) -> Sequence[str]:
-    """Every http(s) URL in `text` (the offline check of tests and the report stage)."""
-    return re.findall(r"(?i)https?://\S*", text)
+            table[p][m] = s.get("response", "")
+    return [(p, table[p]) for p in order[:max_samples]]

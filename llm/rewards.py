@@ -156,3 +156,68 @@ def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, forma
         r_ver, stats = ver_fn(ro, problems)                                # decodes each response once
         return r_rm + r_ver, {**stats, "rm_score": float(r_rm.mean()), "verifier_reward": float(r_ver.mean())}
     return score
+
+
+# ---------------------------------------------------------------------------
+# Process-level credit: which result tokens of a worked answer are right
+
+_STEP = re.compile(rb"(?<![0-9])([0-9]+) ([-+*/]) ([0-9]+) = (-?[0-9]+)(?![0-9])")
+_MAX_STEP_DIGITS = 12  # longer numbers are not checked (no huge-integer arithmetic on model output)
+
+
+def check_steps(text: bytes) -> list[tuple[int, int, bool]]:
+    """The result of every worked step `a op b = c` in a response, as (start, end, right) byte spans.
+
+    Steps are written as the data writes them, one per line: `12 + 7 = 19`, with op one of
+    `+ - * /` (ASCII digits only; integer division must be exact). A result is right when
+    c == a op b, and, after the first step, when its `a` is the previous step's result (a
+    copied wrong number makes the rest of the chain wrong, so that step's result is marked
+    wrong even if its own arithmetic holds). Only the digits of c are in the span.
+    """
+    out, prev = [], None
+    for m in _STEP.finditer(text):
+        a, op, b, c = m.group(1), m.group(2), m.group(3), m.group(4)
+        if max(len(a), len(b), len(c)) > _MAX_STEP_DIGITS:
+            continue
+        a_i, b_i, c_i = int(a), int(b), int(c)
+        if op == b"+":
+            want = a_i + b_i
+        elif op == b"-":
+            want = a_i - b_i
+        elif op == b"*":
+            want = a_i * b_i
+        else:
+            want = a_i // b_i if b_i and a_i % b_i == 0 else None
+        right = want == c_i and (prev is None or prev == a_i)
+        out.append((m.start(4), m.end(4), right))
+        prev = c_i
+    return out
+
+
+def step_credit(tokenizer, ro) -> Tensor:
+    """Per-token credit (B, N) float32 of a batch of rollouts: +1 on the tokens of every right
+    step result, -1 on those of a wrong one (`check_steps`), 0 elsewhere.
+
+    The verifier can say exactly where a worked answer went wrong, which an outcome reward
+    cannot: GRPO adds `step_credit` times this to its per-token advantages, so a slip is pushed
+    down where it happened and the right arithmetic around it is not. A token counts for a step
+    when any of its bytes lies in the result's span (digits are single tokens here)."""
+    B, N = ro.response_mask.shape
+    credit = torch.zeros(B, N)
+    for row, (ids, mask) in enumerate(zip(ro.responses.tolist(), ro.response_mask.tolist())):
+        ids = [t for t, keep in zip(ids, mask) if keep]
+        pieces = [tokenizer.token_bytes(t) if 0 <= t < tokenizer.n_base else b"" for t in ids]
+        text = b"".join(pieces)
+        ends, pos = [], 0
+        for p in pieces:
+            pos += len(p)
+            ends.append(pos)
+        t = 0
+        for start, end, right in check_steps(text):
+            while t < len(ends) and ends[t] <= start:
+                t += 1
+            u = t
+            while u < len(ends) and ends[u] - len(pieces[u]) < end:
+                credit[row, u] = 1.0 if right else -1.0
+                u += 1
+    return credit

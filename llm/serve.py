@@ -324,7 +324,11 @@ class Engine:
 
 def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None, max_queue: int = 16,
              max_request_bytes: int = 1 << 20, seed: int = 0):
-    """The Starlette application serving `model`; its engine starts and stops with the app."""
+    """The Starlette application serving `model`; its engine starts and stops with the app.
+
+    One function on purpose, longer than most here: the route handlers are closures over the one
+    engine, the model's id and the request limits, so the whole HTTP surface reads top to bottom
+    in one place (and Starlette is imported only when a server is made)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException

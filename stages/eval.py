@@ -9,13 +9,17 @@ and `eval` sections of params.yaml and
     --sft        the reference for KL and for the win rate
     --rm         the reward model that scores the answers
     --test       held-out math problems (never in any training split)
+    --tasks      instruction tasks no policy trains on (may be empty)
+    --arithmetic bare calculations, "What is 7 + 5?" (may be empty)
     --tokens     val.bin, meta.json: held-out pretraining text, for perplexity and bits per byte
 
 and computes (llm/evaluate.py evaluate_model): perplexity and bits per byte on
 `eval.ppl_batches` fixed windows of val.bin; greedy exact match on the first
-`eval.math_problems` test problems, overall and per level, with Wilson intervals at
-`eval.confidence`; pass@k (`eval.pass_k` samples at `eval.temperature` on
-`eval.pass_k_problems` problems) with a bootstrap interval; the reward model's mean score of
+`eval.math_problems` test problems, overall, per level and per language (English, Chinese),
+and the share of answers in the `#### N` format, with Wilson intervals at `eval.confidence`;
+greedy exact match on every instruction task (overall and per kind) and every arithmetic
+question; pass@k and the sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
+`eval.pass_k_problems` problems) with bootstrap intervals; the reward model's mean score of
 the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's greedy answers
 to the same prompts (ties count half); KL to SFT on `eval.kl_prompts` prompts (responses sampled
 from the model at temperature 1; 0 for SFT itself); the Detoxify toxicity rate when
@@ -26,6 +30,8 @@ Writes
 
     --metrics    flat metrics (numbers; "toxicity": "unavailable" at most), for `dvc metrics diff`
     --samples    sample generations, math and RM samples, timings (not metrics)
+    --items      one line per scored item: its outcome (right or wrong, or a score), no texts
+                 (llm/evaluate.py ITEM_SETS); the report pairs these with the parent model's
 """
 from __future__ import annotations
 
@@ -34,14 +40,17 @@ from pathlib import Path
 
 from llm.batching import derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, EvalConfig
-from llm.fileio import DataError, atomic_write_json, read_jsonl
+from llm.fileio import DataError, atomic_write_json, read_jsonl, write_jsonl
 
 STAGE = "eval"
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
 INPUTS = {"model": "the model directory evaluated", "sft": "the SFT model directory (reference for KL and win rate)",
           "rm": "the reward model directory", "test": "held-out math problems (JSONL)",
+          "tasks": "evaluation-only instruction tasks (JSONL, may be empty)",
+          "arithmetic": "evaluation-only bare calculations (JSONL, may be empty)",
           "tokens": "token shards (val.bin, meta.json): held-out text for bits per byte"}
-OUTPUTS = {"metrics": "the metrics JSON", "samples": "the samples JSON (not a metric)"}
+OUTPUTS = {"metrics": "the metrics JSON", "samples": "the samples JSON (not a metric)",
+           "items": "the per-item outcomes (JSONL): what the report's paired tests read"}
 
 
 def _token_meta(path: Path) -> dict:
@@ -54,8 +63,17 @@ def _token_meta(path: Path) -> dict:
     return meta
 
 
+def _optional_jsonl(path: Path) -> list[dict]:
+    """The records of an evaluation-only test file; a missing file is an error (prepare writes it,
+    empty when its count is 0), an empty one means the skill is not scored."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; run `dvc repro prepare` first")
+    return list(read_jsonl(path))
+
+
 def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: Path, rm: Path, test: Path,
-        tokens: Path, metrics: Path, samples: Path, device: str | None = None) -> tuple[dict, dict]:
+        tasks: Path, arithmetic: Path, tokens: Path, metrics: Path, samples: Path, items: Path,
+        device: str | None = None) -> tuple[dict, dict]:
     """Evaluate the model `name` in directory `model`; write and return (metrics, samples)."""
     from llm.artifacts import load_model_dir
     from llm.evaluate import evaluate_model
@@ -99,11 +117,14 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
             raise type(e)(str(e).replace("clean_sft.detoxify_checkpoint", "eval.detoxify_checkpoint")) from None
 
     m, extras = evaluate_model(policy, tok, cfg, seed=derive_seed(common.seed, STAGE), problems=problems,
+                               tasks=_optional_jsonl(tasks), arithmetic=_optional_jsonl(arithmetic),
                                val_batches=val_batches, bytes_per_token=tmeta["val_bytes"] / tmeta["val_tokens"],
                                ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold)
+    outcomes = extras.pop("items")
     s = {"model": name, "model_fingerprint": meta.get("fingerprint", ""), "device": dev, **extras}
     atomic_write_json(metrics, m)
     atomic_write_json(samples, s)
+    write_jsonl(items, outcomes)
     return m, s
 
 
@@ -118,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         m, s = run(args.name, common, cfg, device=str(rt.device), **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)})
         parts = [f"math exact match {m['math_exact_match']:.1%} [{m['math_exact_match_lo']:.1%},"
                  f" {m['math_exact_match_hi']:.1%}]"]
+        for key, label in (("task_exact_match", "tasks"), ("arithmetic_exact_match", "arithmetic")):
+            if key in m:
+                parts.append(f"{label} {m[key]:.1%}")
         if "val_bpb" in m:
             parts.insert(0, f"val bits/byte {m['val_bpb']:.4f}")
         if "math_pass_at_k" in m:

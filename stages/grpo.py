@@ -54,7 +54,7 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
         return setup.pool.sample(cfg.prompts_per_step, levels, step_generator(setup.seed, "prompts", step))
 
     algo = GRPO(policy, setup.ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
-                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed)
+                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed, tokenizer=tok)
 
     def extra_metrics(result) -> dict:
         zero_std = [r["frac_reward_zero_std"] for r in result.history]

@@ -73,7 +73,9 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
     t0 = time.perf_counter()
     lib.score_samples(samples, prompts, prompt_ids, rm_score, tok, seq_len)
     t_score = time.perf_counter() - t0
-    pairs, ties, tied_prompts = lib.choose_pairs(prompts, samples, cfg.tie_epsilon)
+    if cfg.tie_break == "likelihood":
+        lib.add_likelihoods(samples, prompt_ids, policy, tok, batch_size=cfg.batch_size, device=device)
+    pairs, ties, tied_prompts = lib.choose_pairs(prompts, samples, cfg.tie_epsilon, cfg.tie_break)
     wanted = lib.adversarial_wanted(cfg.adversarial_fraction, len(pairs), len(prompts))
     adversarial = lib.adversarial_pairs(prompts, prompt_ids, samples, wanted=wanted, tied_prompts=tied_prompts,
                                         rng=random.Random(derive_seed(seed, "adversarial")), rm_score=rm_score,

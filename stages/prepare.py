@@ -11,11 +11,24 @@ directory:
     sft/{train,val}.jsonl        {"id", "messages", "source"}
     prefs/{train,val}.jsonl      {"id", "prompt", "chosen", "rejected", "kind", "source"}
     rl/{train,val,test}.jsonl    {"id", "question", "answer", "level", "lang", "source"}
+    tasks/test.jsonl             {"id", "prompt", "answer", "kind", "source"}              eval only
+    arithmetic/test.jsonl        {"id", "question", "answer", "op", "lang", "source"}      eval only
 
 and the metrics file (records and characters per source and split).
 
 Splits share no prompt: held-out math (`rl/test`, the evaluation set) is drawn first,
 then validation, and every later draw skips the questions already taken.
+
+The two evaluation-only files come last, each from its own seeded generator, so they leave
+every training record as it would be without them (`prepare.task_test` instruction tasks per
+kind, `prepare.arithmetic_test` bare calculations such as "What is 7 + 5?"). Neither holds a
+prompt that a policy model trains on: a user turn of sft/train or a question of rl/train
+(DPO's pairs and the RL rollouts are drawn from those two). Task prompts may coincide with
+sft/val ones, which SFT only computes a loss on, and with the reward model's preference
+pairs, on which no policy trains: the reverse and repeat kinds have only 60 and 90 distinct
+prompts, all of them in sft/train, sft/val or prefs/train on the default profile, so a
+kind's test set is whatever SFT never trained on (26 and 19 prompts there), fewer than
+`task_test` where the kind runs out.
 """
 from __future__ import annotations
 
@@ -25,7 +38,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from llm.fileio import DataError, atomic_dir, write_jsonl
-from llm.generators import math_problem, paraphrase_answer, preference_pair, task, task_preference_pair
+from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, paraphrase_answer, preference_pair, task,
+                            task_preference_pair)
 from llm.metrics import write_metrics
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
@@ -63,6 +77,41 @@ def _math_splits(cfg, rng: random.Random) -> dict[str, list]:
             probs.append(p)
         out[split] = probs
     return out
+
+
+def _eval_items(cfg, seed: int, trained: set[str]) -> dict[str, list[dict]]:
+    """The evaluation-only instruction tasks (up to cfg.task_test per kind) and bare arithmetic
+    questions (cfg.arithmetic_test), none of them in `trained`, from generators seeded apart
+    from the training draws."""
+    rng = random.Random(f"{seed}:prepare:task_test")
+    tasks: list[dict] = []
+    for kind in TASK_KINDS:
+        seen: set[str] = set()
+        attempts = 0
+        while len(seen) < cfg.task_test and attempts < 50 * cfg.task_test + 1000:  # a small kind runs out
+            attempts += 1
+            t = task(rng, kind)
+            if t.prompt in trained or t.prompt in seen:
+                continue
+            seen.add(t.prompt)
+            tasks.append({"id": f"task-test-{len(tasks)}", "prompt": t.prompt, "answer": t.answer, "kind": kind,
+                          "source": f"generated/task_{kind}"})
+    rng = random.Random(f"{seed}:prepare:arithmetic_test")
+    arithmetic: list[dict] = []
+    seen = set()
+    attempts = 0
+    while len(arithmetic) < cfg.arithmetic_test:
+        attempts += 1
+        if attempts > 50 * cfg.arithmetic_test + 1000:
+            raise DataError(f"prepare: could not draw {cfg.arithmetic_test} distinct arithmetic questions outside the"
+                            f" training prompts; lower prepare.arithmetic_test")
+        q = arithmetic_question(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en")
+        if q.question in trained or q.question in seen:
+            continue
+        seen.add(q.question)
+        arithmetic.append({"id": f"arithmetic-test-{len(arithmetic)}", "question": q.question, "answer": str(q.answer),
+                           "op": q.op, "lang": q.lang, "source": "generated/arithmetic"})
+    return {"tasks": tasks, "arithmetic": arithmetic}
 
 
 def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
@@ -166,12 +215,20 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
                 else:
                     data["prefs"][split].append({"id": rid, "prompt": rec["prompt"], "chosen": rec["chosen"],
                                                  "rejected": rec["rejected"], "kind": "external", "source": name})
+
+    # Evaluation-only items, last: what a policy model trains on is known by now.
+    trained = {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
+    trained |= {r["question"] for r in data["rl"]["train"]}
+    for kind, recs in _eval_items(cfg, seed, trained).items():
+        data[kind]["test"] = recs
     return data, {"sources": sources_stats}
 
 
 def _chars(rec: dict) -> int:
     if "text" in rec:
         return len(rec["text"])
+    if "prompt" in rec and isinstance(rec["prompt"], str):  # an instruction task
+        return len(rec["prompt"])
     if "messages" in rec:
         return sum(len(m["content"]) for m in rec["messages"])
     if "question" in rec:
@@ -183,6 +240,7 @@ def write(data: dict[str, dict[str, list[dict]]], stats: dict, out: Path, metric
     """Write every kind and split under `out` (atomically, as one directory) and the metrics."""
     required = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("train", "val"),
                 "rl": ("train", "val", "test")}
+    evaluation_only = {"tasks": ("test",), "arithmetic": ("test",)}  # may be empty: eval then skips them
     for kind, splits in required.items():
         for split in splits:
             if not data[kind][split]:
@@ -190,7 +248,7 @@ def write(data: dict[str, dict[str, list[dict]]], stats: dict, out: Path, metric
                                 f" or add a source")
     metrics: dict = {"records": {}, "chars": {}, "by_source": {}, **stats}
     with atomic_dir(out) as tmp:
-        for kind, splits in required.items():
+        for kind, splits in {**required, **evaluation_only}.items():
             for split in splits:
                 recs = data[kind][split]
                 write_jsonl(tmp / kind / f"{split}.jsonl", recs)

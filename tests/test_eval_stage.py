@@ -22,8 +22,8 @@ from llm.artifacts import MissingArtifactError, save_model_dir
 from llm.batching import pad_collate
 from llm.chat import render
 from llm.config import EvalConfig, ModelConfig, load_sections
-from llm.evaluate import evaluate_model, lm_eval, rm_scores, win_rate
-from llm.generators import math_problem
+from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
+from llm.generators import TASK_KINDS, arithmetic_question, math_problem, task
 from llm.model import GPT
 from llm.tokenizer import Tokenizer
 from tests.conftest import ROOT, dvc_command
@@ -84,6 +84,14 @@ def world(tmp_path_factory, one_thread):
             for i, p in enumerate(probs[100:])]
     (root / "data/prepared/rl").mkdir(parents=True)
     (root / "data/prepared/rl/test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    trng = random.Random(4)
+    tasks = [{"id": f"task-test-{i}", "prompt": t.prompt, "answer": t.answer, "kind": t.kind}
+             for i, t in enumerate(task(trng, kind) for kind in TASK_KINDS[:3] for _ in range(2))]
+    arithmetic = [{"id": f"arithmetic-test-{i}", "question": q.question, "answer": str(q.answer), "op": q.op,
+                   "lang": q.lang} for i, q in enumerate(arithmetic_question(trng, "en") for _ in range(5))]
+    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic)):
+        (root / "data/prepared" / kind).mkdir(parents=True)
+        (root / "data/prepared" / kind / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
     ids = tok.encode(text, allowed_special="all")
     (root / "data/tokens").mkdir(parents=True)
@@ -96,7 +104,7 @@ def world(tmp_path_factory, one_thread):
     import yaml
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return {"root": root, "tok": tok, "base": base, "sft": sft, "ppo": ppo, "reward": reward, "test": test,
-            "cfg": EvalConfig(**EVAL_PARAMS)}
+            "tasks": tasks, "arithmetic": arithmetic, "cfg": EvalConfig(**EVAL_PARAMS)}
 
 
 def test_eval_metrics_are_deterministic_under_a_seed(world):
@@ -181,13 +189,17 @@ def _check_outputs(out, name: str) -> dict:
     assert metrics["toxicity"] == "unavailable"
     assert [s["prompt"] for s in samples["sample_prompts"]] == EVAL_PARAMS["sample_prompts"]
     assert samples["model"] == name and samples["timing_s"]["total"] > 0
+    for key in ("task_exact_match", "task_exact_match_reverse", "arithmetic_exact_match", "math_sample_accuracy"):
+        assert metrics[f"{key}_lo"] <= metrics[key] <= metrics[f"{key}_hi"], key
     return metrics
 
 
 def _paths(root, name: str, out) -> dict:
     return {"model": root / "models" / name, "sft": root / "models/sft", "rm": root / "models/reward",
-            "test": root / "data/prepared/rl/test.jsonl", "tokens": root / "data/tokens",
-            "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json"}
+            "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
+            "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
+            "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
+            "items": out / f"{name}_items.jsonl"}
 
 
 def test_eval_stage_run_writes_flat_metrics_and_samples(world):
@@ -198,6 +210,57 @@ def test_eval_stage_run_writes_flat_metrics_and_samples(world):
     assert _check_outputs(root / "run", "ppo") == m
     m, _ = run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "run"))
     assert _check_outputs(root / "run", "sft")["kl_to_sft"] == 0.0 and m["win_rate_vs_sft"] == 0.5
+
+
+def test_every_rate_is_the_mean_of_its_item_outcomes(world):
+    """The item file and the metrics agree: the report's paired deltas rest on the item file."""
+    from llm.paired import read_items
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    m, samples = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "items"))
+    items = read_items(root / "items/ppo_items.jsonl")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    of = lambda s, **kw: [r for r in items if r["set"] == s and all(r[k] == v for k, v in kw.items())]  # noqa: E731
+    assert len(of("math")) == EVAL_PARAMS["math_problems"] and len(of("task")) == len(world["tasks"])
+    assert m["math_exact_match"] == mean([r["correct"] for r in of("math")])
+    assert m["math_exact_match_en"] == mean([r["correct"] for r in of("math", lang="en")])
+    assert m["math_format_rate"] == mean([r["formatted"] for r in of("math")])
+    assert m["task_exact_match_reverse"] == mean([r["correct"] for r in of("task", kind="reverse")])
+    assert m["arithmetic_exact_match"] == mean([r["correct"] for r in of("arithmetic")])
+    assert m["math_sample_accuracy"] == pytest.approx(mean([r["score"] for r in of("math_sampled")]))
+    assert m["rm_score"] == pytest.approx(mean([r["score"] for r in of("rm")]), abs=1e-6)  # rounded to 6 places
+    assert [r["id"] for r in of("task")] == [t["id"] for t in world["tasks"]]
+    shown = [x for x in samples["item_samples"] if x["set"] == "task"]
+    assert {x["group"] for x in shown} == {t["kind"] for t in world["tasks"]}
+    assert all(x["correct"] == (x["response"].strip() == x["answer"]) for x in shown)
+
+
+def test_a_missing_test_file_names_the_stage_that_writes_it(world, tmp_path):
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    with pytest.raises(FileNotFoundError, match="tasks/test.jsonl: not found; run `dvc repro prepare` first"):
+        run("sft", sections["common"], sections["eval"],
+            **{**_paths(root, "sft", tmp_path), "tasks": tmp_path / "data/prepared/tasks/test.jsonl"})
+
+
+def test_score_math_splits_english_and_chinese():
+    problems = [{"question": "q", "answer": "3", "level": 1, "lang": lang} for lang in ("en", "en", "zh", "zh", "zh")]
+    answers = ["#### 3", "#### 4", "1 + 2 = 3\n#### 3", "3", "#### 5"]
+    m = score_math(problems, answers)
+    assert (m["math_exact_match_en"], m["math_n_en"]) == (0.5, 2)
+    assert (m["math_exact_match_zh"], m["math_n_zh"]) == (pytest.approx(2 / 3), 3)
+    assert m["math_format_rate"] == 0.8 and m["math_format_rate_lo"] < 0.8 < m["math_format_rate_hi"]
+
+
+def test_a_task_is_right_only_when_the_answer_is_all_there_is():
+    tasks = [{"prompt": "Reverse the word: castle", "answer": "eltsac", "kind": "reverse"}] * 3 + \
+            [{"prompt": "Repeat the word a 2 times.", "answer": "a a", "kind": "repeat"}]
+    m, ok = score_tasks(tasks, [" eltsac\n", "The answer is: eltsac", "Eltsac", "a a"])
+    assert ok == [True, False, False, True]
+    assert m["task_exact_match"] == 0.5 and m["task_exact_match_reverse"] == pytest.approx(1 / 3)
+    assert m["task_exact_match_repeat"] == 1.0 and m["task_n"] == 4
 
 
 @pytest.mark.slow

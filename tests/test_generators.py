@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from llm.generators import (MathProblem, math_problem, preference_pair, task, task_preference_pair,
-                            wrong_solution)
+from llm.generators import (TASK_KINDS, MathProblem, arithmetic_question, math_problem, preference_pair, task,
+                            task_preference_pair, wrong_solution)
 
 _STEP = re.compile(r"^(-?\d+) ([-+*/]) (\d+) = (-?\d+)$")
 
@@ -66,6 +66,34 @@ def test_task_answers_are_right():
             assert int(t.answer) == len(t.prompt.split(": ")[1].split())
         elif t.kind == "max":
             assert int(t.answer) == max(int(x) for x in t.prompt.split(": ")[1].split(", "))
+
+
+def test_a_task_of_a_given_kind_is_of_that_kind():
+    rng = random.Random(4)
+    for kind in TASK_KINDS:
+        assert {task(rng, kind).kind for _ in range(20)} == {kind}
+    with pytest.raises(ValueError, match="unknown kind 'revers'"):
+        task(rng, "revers")
+
+
+_SUM = re.compile(r"^(?:What is )?(\d+) ([-+*/]) (\d+)(?:\?| 等于多少？)$")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_arithmetic_questions_state_a_sum_and_its_value(lang):
+    rng = random.Random(8)
+    ops = set()
+    for _ in range(2000):
+        q = arithmetic_question(rng, lang)
+        a, op, b = _SUM.match(q.question).groups()
+        a, b = int(a), int(b)
+        assert q.question.startswith("What is ") == (lang == "en") and q.lang == lang and q.op == op
+        assert q.answer == {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op] >= 0
+        if op == "/":
+            assert a % b == 0
+        ops.add(op)
+    assert ops == set("+-*/")
+    assert arithmetic_question(random.Random(1), lang) == arithmetic_question(random.Random(1), lang)
 
 
 def test_wrong_solutions_are_wrong_and_well_formatted():

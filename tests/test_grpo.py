@@ -19,6 +19,7 @@ from llm.config import GRPOConfig, ModelConfig, RLConfig
 from llm.errors import NonFiniteError, QualityGateError
 from llm.grpo import GRPO
 from llm.loop import Updater
+from llm.metrics import read_metrics
 from llm.model import GPT
 from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
 from llm.rl import MathPrompts, run_rl
@@ -55,7 +56,7 @@ RL_BASE = dict(lr=1e-2, min_lr=1e-2, warmup_steps=0, weight_decay=0.0, beta1=0.9
 
 def grpo_cfg(**kw) -> GRPOConfig:
     base = dict(RL_BASE, epochs=1, minibatch_size=64, prompts_per_step=8, group_size=8, beta=0.04, loss_agg="grpo",
-                curriculum_steps=0, curriculum_levels=[1], max_zero_std_steps=100)
+                curriculum_steps=0, curriculum_levels=[1], max_zero_std_steps=100, step_credit=0.0)
     base.update(kw)
     return GRPOConfig(**base)
 
@@ -105,6 +106,35 @@ def test_zero_variance_groups_give_no_policy_gradient(tmp_path):
     res = run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
     assert res.history[0]["frac_reward_zero_std"] == 1.0 and res.history[0]["loss"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in algo.model.state_dict().items())
+
+
+def test_step_credit_alone_pushes_up_the_credited_tokens(monkeypatch):
+    """Equal outcome rewards (zero group advantage) but +1 credit on each completion's first token:
+    those rows are not skipped, and one update raises the first tokens' log-probabilities."""
+    import llm.grpo as grpo_mod
+    from llm.rollout import response_forward
+
+    def first_token_credit(tokenizer, ro):
+        c = torch.zeros(ro.response_mask.shape)
+        c[:, 0] = 1.0
+        return c
+    monkeypatch.setattr(grpo_mod, "step_credit", first_token_credit)
+    cfg = grpo_cfg(beta=0.0, step_credit=1.0, lr=1e-2, min_lr=1e-2)
+    algo = GRPO(tiny(), None, cfg, prompts_fn=lambda s: (PROMPTS, [{}] * 8),
+                reward_fn=lambda ro, p: (torch.ones(len(ro)), {}), stop_ids=(STOP,), pad_id=PAD, seed=0,
+                tokenizer=object())
+    from llm.rl import step_generator
+    from llm.rollout import rollout
+    ro = rollout(algo.model, [p for p in PROMPTS for _ in range(8)], max_new_tokens=8, temperature=1.0,
+                 stop_ids=(STOP,), pad_id=PAD, generator=step_generator(0, "rollout", 0))
+    with torch.no_grad():
+        before = response_forward(algo.model, ro, 1.0).logprobs[:, 0]
+    algo.step(0, Updater(algo.model, cfg, CPU, stage="grpo"))
+    with torch.no_grad():
+        after = response_forward(algo.model, ro, 1.0).logprobs[:, 0]
+    assert float((after - before).mean()) > 0.05
+    with pytest.raises(ValueError, match="step_credit > 0 needs the tokenizer"):
+        GRPO(tiny(), None, cfg, prompts_fn=None, reward_fn=None, stop_ids=(STOP,), pad_id=PAD, seed=0)
 
 
 class GradRecorder(Updater):
@@ -360,7 +390,7 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     make_workspace(tmp_path, "grpo")
     p = run_stage(tmp_path, "grpo")
     assert p.returncode == 0, p.stderr[-3000:]
-    m = json.loads((tmp_path / "metrics/grpo.json").read_text())
+    m = read_metrics(tmp_path / "metrics/grpo.json")  # with its run file (timings, samples)
     for k in ("reward_start", "reward_end", "final_kl", "math_exact_match", "math_exact_match_lo",
               "math_exact_match_hi", "math_exact_match_start", "rollout_s_total", "scoring_s_total",
               "update_s_total", "generation_fraction", "frac_reward_zero_std_mean"):
@@ -377,7 +407,7 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     assert model.head_names == ("lm",) and meta["stage"] == "grpo" and meta["steps"] == 4
     p2 = run_stage(tmp_path, "grpo")  # finished: resumes at the last step, trains nothing
     assert p2.returncode == 0 and "resumed from" in p2.stdout and "(step 4)" in p2.stdout
-    m2 = json.loads((tmp_path / "metrics/grpo.json").read_text())
+    m2 = read_metrics(tmp_path / "metrics/grpo.json")
     assert m2["resumed_from"] == 4 and m2["math_samples"] and m2["math_samples"] == m["math_samples"]
     timing = {"train_time_s", "eval_time_s", "elapsed_s", "tokens_per_s", "resumed_from"}
     assert {k: v for k, v in m2.items() if k not in timing and not k.endswith("_s_total")} == \

@@ -26,6 +26,37 @@ def test_choose_pair_takes_best_and_worst_and_calls_near_equal_scores_a_tie():
     assert choose_pair([3.0], 0.0) is None                     # one sample is no pair
 
 
+def test_likelihood_tie_break_takes_the_most_likely_of_the_best_and_of_the_worst():
+    from llm.pairs import choose_pairs
+    prompt = {"id": "p", "prompt": [{"role": "user", "content": "q"}], "answer": "4", "source": "s", "kind": "math"}
+    smp = [{"text": t, "score": s, "logp": lp, "rm": 0.0, "temperature": 1.0}
+           for t, s, lp in [("right a", 1.2, -9.0), ("wrong a", 0.2, -3.0), ("right b", 1.2, -2.0),
+                            ("wrong b", 0.2, -1.0), ("wrong c", 0.2, -8.0)]]
+    first, _, _ = choose_pairs([prompt], [smp], 1e-3)
+    likely, _, _ = choose_pairs([prompt], [smp], 1e-3, tie_break="likelihood")
+    assert (first[0]["chosen"], first[0]["rejected"]) == ("right a", "wrong a")
+    assert (likely[0]["chosen"], likely[0]["rejected"]) == ("right b", "wrong b")  # the model's likeliest of each
+
+
+def test_add_likelihoods_is_the_answers_sequence_log_prob(tmp_path):
+    from llm.artifacts import load_model_dir
+    from llm.losses import sequence_logprob
+    from llm.pairs import add_likelihoods
+    from llm.preference import encode_response
+    ws = make_workspace(tmp_path)
+    policy, tok, _ = load_model_dir(ws / "models/sft")
+    prompt_ids = [tok.encode("What is 2 + 2?"), tok.encode("Say hi")]
+    samples = [[{"text": "2 + 2 = 4\n#### 4"}, {"text": "#### 5"}], [{"text": "hi"}]]
+    add_likelihoods(samples, prompt_ids, policy, tok, batch_size=2, device="cpu")
+    for ids, smp in zip(prompt_ids, samples):
+        for x in smp:
+            seq = torch.tensor([encode_response(ids, x["text"], tok)])
+            resp = torch.zeros_like(seq, dtype=torch.bool)
+            resp[0, len(ids):] = True
+            want = float(sequence_logprob(policy.eval(), seq, torch.ones_like(resp), resp)[0])
+            assert x["logp"] == pytest.approx(want, abs=1e-4)
+
+
 @pytest.mark.parametrize("d", [1e-300, 1e-17, 1e-3, 0.2, 1.2, 10.0, 37.0, 50.0, 1e6])
 def test_preference_score_lies_strictly_between_one_half_and_one(d):
     s = preference_score(1.0 + d, 1.0) if d > 1e-15 else preference_score(d, 0.0)

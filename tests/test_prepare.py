@@ -43,6 +43,37 @@ def test_prepare_writes_disjoint_splits(tmp_path):
     assert metrics["by_source"]["pretrain/val"] == {"shakespeare": 2}
 
 
+def test_eval_only_items_are_no_training_prompt(tmp_path):
+    r = _run_prepare(tmp_path, task_train=600, task_test=40, arithmetic_test=100)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "data" / "prepared"
+    trained = {m["content"] for r in _jsonl(out / "sft" / "train.jsonl") for m in r["messages"] if m["role"] == "user"}
+    trained |= {r["question"] for r in _jsonl(out / "rl" / "train.jsonl")}
+    tasks, arithmetic = _jsonl(out / "tasks" / "test.jsonl"), _jsonl(out / "arithmetic" / "test.jsonl")
+    assert not {t["prompt"] for t in tasks} & trained and not {q["question"] for q in arithmetic} & trained
+    assert len({t["prompt"] for t in tasks}) == len(tasks) and len({q["question"] for q in arithmetic}) == 100
+    per_kind = {k: sum(t["kind"] == k for t in tasks) for k in {t["kind"] for t in tasks}}
+    assert per_kind["max"] == per_kind["sort"] == 40
+    # reverse has 60 distinct prompts: the test set is all of those SFT does not train on, and no more
+    reverse_trained = {p for p in trained if p.startswith(("Reverse the word: ", "Spell "))}
+    assert per_kind["reverse"] == 60 - len(reverse_trained) < 40
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    assert metrics["records"]["tasks/test"] == len(tasks) and metrics["records"]["arithmetic/test"] == 100
+
+
+def test_eval_only_items_change_no_training_record(tmp_path):
+    a, b = tmp_path / "with", tmp_path / "without"
+    a.mkdir(), b.mkdir()
+    assert _run_prepare(a, task_test=10, arithmetic_test=30).returncode == 0
+    assert _run_prepare(b, task_test=0, arithmetic_test=0).returncode == 0
+    files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
+    assert len(files) == 11
+    for f in files:
+        same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
+        assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
+    assert (b / "data/prepared/tasks/test.jsonl").read_text() == ""
+
+
 def test_prepare_is_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

@@ -1,48 +1,89 @@
-"""The report stage: offline HTML, tolerance of missing stages, the table's deltas."""
+"""The report card: offline HTML, provenance header, summary table with paired changes, the
+sentences per stage, samples marked right or wrong, plots; checked in headless Chromium too."""
 from __future__ import annotations
 
+import datetime
+import html
+import html.parser
 import json
 import re
+import shutil
+import subprocess
 
 import pytest
 
-from llm.config import ReportConfig
-from llm.report import collect, curves_png, defang, find_urls, read_tsv, render_html, render_markdown, table_rows
+from llm.config import CommonConfig, ReportConfig
+from llm.report import (collect, paired_deltas, provenance, read_tsv, recorded_seconds, stage_summary, stage_times,
+                        summary_rows)
+from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
+from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
 from stages.report import run
 
+CFG = ReportConfig(max_samples=3, confidence=0.95, bootstrap_samples=2000)
+COMMON = CommonConfig(seed=1, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True)
+URLS = "see https://example.com/x and HTTP://cdn.example.org/y.js"
+N = 120  # math items per model
 
-def _eval(em: float, lo: float, hi: float, **extra) -> dict:
-    return {"math_exact_match": em, "math_exact_match_lo": lo, "math_exact_match_hi": hi, "val_bpb": 2.5,
-            "rm_score": 0.1, "toxicity": "unavailable", **extra}
+
+def _eval(em: float, **extra) -> dict:
+    return {"math_exact_match": em, "math_exact_match_lo": em - 0.04, "math_exact_match_hi": em + 0.04,
+            "math_exact_match_en": em, "task_exact_match": 0.5, "val_bpb": 2.5, "rm_score": 0.1,
+            "toxicity": "unavailable", **extra}
+
+
+def _items(right: int, tasks_right: int) -> list[dict]:
+    """N math items, the first `right` correct; 40 tasks, the first `tasks_right` correct."""
+    out = [{"set": "math", "id": f"m{i}", "level": 1 + i % 4, "lang": "en" if i % 3 else "zh", "correct": i < right,
+            "formatted": True} for i in range(N)]
+    out += [{"set": "task", "id": f"t{i}", "kind": "reverse" if i % 2 else "sort", "correct": i < tasks_right}
+            for i in range(40)]
+    return out
 
 
 def _write(path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    if isinstance(obj, list):
+        path.write_text("".join(json.dumps(r) + "\n" for r in obj))
+    else:
+        path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
 
 
 @pytest.fixture
 def metrics(tmp_path):
     m = tmp_path / "metrics"
-    _write(m / "eval/base.json", _eval(0.02, 0.01, 0.05))
-    _write(m / "eval/sft.json", _eval(0.40, 0.35, 0.45, win_rate_vs_sft=0.5, kl_to_sft=0.0))
-    _write(m / "eval/grpo.json", _eval(0.55, 0.50, 0.60, win_rate_vs_sft=0.7, kl_to_sft=0.3))
-    url_text = "see https://example.com/x and HTTP://cdn.example.org/y.js"
-    for name in ("base", "sft", "grpo"):
+    _write(m / "eval/base.json", _eval(0.02, kl_to_sft=277.0, kl_to_sft_lo=260.0, kl_to_sft_hi=290.0))
+    _write(m / "eval/sft.json", _eval(0.40, win_rate_vs_sft=0.5, kl_to_sft=0.0))
+    _write(m / "eval/grpo.json", _eval(0.42, win_rate_vs_sft=0.55, kl_to_sft=-0.000238))
+    # sft gains 48 items over base; grpo and sft answer the same math, grpo loses 20 tasks
+    for name, (right, tasks) in {"base": (2, 0), "sft": (50, 30), "grpo": (50, 10)}.items():
+        _write(m / f"eval/{name}_items.jsonl", _items(right, tasks))
         _write(m / f"eval/{name}_samples.json", {
-            "model": name,
+            "model": name, "timing_s": {"math": 1.0, "total": 12.5},
             "sample_prompts": [{"prompt": "What is 7 + 5?", "response": f"{name}: 12 <b>|</b>"},
-                               {"prompt": "Who is Hamlet?", "response": url_text}],
-            "math_samples": [{"question": "1 + 1?", "answer": "2", "response": "#### 2", "correct": True}]})
-    _write(m / "pretrain.json", {"val_loss": 3.2, "val_bpb": 1.9, "nested": {"a": 1, "b": [1, 2]}, "link": url_text})
-    _write(m / "plots/pretrain.tsv", "step\tloss\tlr\n1\t8.0\t0.001\n2\t7.5\t\n3\t7.0\t0.001\n")
-    _write(m / "plots/pretrain_val.tsv", "step\tval_loss\n0\t8.1\n2\t7.2\n")
+                               {"prompt": "Who is Hamlet?", "response": URLS if name != "grpo" else " "}],
+            "item_samples": [{"set": "math", "group": "en", "prompt": "1 + 1?", "answer": "2",
+                              "response": "#### 2" if name != "base" else "#### 3", "correct": name != "base"},
+                             {"set": "task", "group": "reverse", "prompt": "Reverse the word: castle",
+                              "answer": "eltsac", "response": "niw", "correct": False}]})
+    _write(m / "pretrain.json", {"val_loss": 3.2, "val_bpb": 1.9, "train_time_s": 100.0, "device": "cpu",
+                                 "dtype": "float32", "world_size": 1, "link": URLS,
+                                 "tokenizer_sha256": "be50142a6a51f667f7dc1589456db729e9d8f64f06bb6b4"})
+    _write(m / "clean_sft.json", {"seconds": {"total": 14.0, "near_dedupe": 9.0}, "train": {"kept": 900}})
+    _write(m / "dpo.json", {"train_time_s": 95.0, "stage_time_s": 131.0, "rewards_accuracy": 0.83})
+    _write(m / "plots/pretrain.tsv", "step\tloss\tlr\n" + "".join(f"{i}\t{8 - i / 10}\t0.001\n" for i in range(40)))
+    _write(m / "plots/pretrain_val.tsv", "step\tval_loss\n0\t8.1\n20\t7.2\n")
     _write(m / "plots/grpo.tsv", "step\treward\tkl\n1\t0.1\t0.0\n2\t0.3\t0.02\n")
+    _write(m / "plots/grpo_val.tsv", "step\tmath_exact_match\treward\n0\t0.6\t0.7\n2\t0.62\t0.75\n")
+    (tmp_path / "params.yaml").write_text("# profile: cpu (the default)\ncommon:\n  seed: 1\n")
     return m
 
 
+def _run(metrics):
+    return run(CFG, COMMON, metrics, params=metrics.parent / "params.yaml")
+
+
 def test_html_is_offline(metrics):
-    run(ReportConfig(max_samples=3), metrics)
+    _run(metrics)
     page = (metrics / "report.html").read_text()
     assert find_urls(page) == [] and not re.search(r"(?i)https?:", page)
     assert "<script" not in page.lower() and "<link" not in page.lower() and "@import" not in page
@@ -55,46 +96,154 @@ def test_html_is_offline(metrics):
 def test_report_tolerates_missing_stages(tmp_path):
     empty = tmp_path / "metrics"
     empty.mkdir()
-    data = run(ReportConfig(max_samples=3), empty)
-    assert data["evals"] == {} and data["stages"] == {}
+    data, paired = run(CFG, COMMON, empty, params=tmp_path / "params.yaml")
+    assert data["evals"] == {} and data["stages"] == {} and paired == {}
     md = (empty / "report.md").read_text()
     assert "metrics/eval/ppo.json: missing" in md and "metrics/grpo.json: missing" in md
-    for f in ("report.html", "report_curves.png", "report_eval.png"):
+    assert "profile**: unknown" in md
+    for f in ("report.html", "report_curves.png", "report_eval.png", "paired.json"):
         assert (empty / f).stat().st_size > 0
     assert find_urls((empty / "report.html").read_text()) == []
 
 
-def test_table_has_intervals_and_deltas_against_the_parent(metrics):
+def test_summary_has_one_row_per_model_with_paired_changes(metrics):
     data = collect(metrics)
-    assert "ppo" not in data["evals"] and any("eval/ppo.json" in n for n in data["notes"])
-    models, rows = table_rows(data["evals"])
-    assert models == ["base", "sft", "grpo"]
-    em = next(r for r in rows if r["key"] == "math_exact_match")["cells"]
-    assert em["base"] == {"value": "2.0%", "interval": "[1.0%, 5.0%]", "delta": "", "verdict": ""}
-    assert em["sft"]["delta"] == "+38.0 pp vs base" and em["sft"]["verdict"] == "better"
-    assert em["grpo"]["delta"] == "+15.0 pp vs sft"  # grpo's parent is sft, not base
-    bpb = next(r for r in rows if r["key"] == "val_bpb")["cells"]
-    assert bpb["sft"]["delta"] == "+0 vs base" and bpb["sft"]["verdict"] == ""
-    wr = next(r for r in rows if r["key"] == "win_rate_vs_sft")["cells"]
-    assert wr["base"]["value"] == "n/a" and wr["grpo"]["delta"] == "+20.0 pp vs sft"
-    md = render_markdown(data, {"curves": "report_curves.png"})
-    assert "| math exact match (greedy) | 2.0% [1.0%, 5.0%] |" in md
-    assert "12 &lt;b&gt;\\|&lt;/b&gt;" in md  # model output is not markup; a pipe does not break the table
+    paired = paired_deltas(data["items"], confidence=0.95, n_boot=2000, seed=0)
+    assert set(paired) == {"sft", "grpo"} and paired["grpo"]["parent"] == "sft"  # grpo's parent is sft, not base
+    cols, rows = summary_rows(data["evals"], paired)
+    assert [r["model"] for r in rows] == ["base", "sft", "grpo"]
+    assert [k for k, _ in cols][:2] == ["math_exact_match", "math_exact_match_en"]
+    sft, grpo = rows[1]["cells"], rows[2]["cells"]
+    assert rows[0]["cells"]["math_exact_match"]["change"] == ""  # base has no parent
+    assert sft["math_exact_match"]["verdict"] == "up" and sft["math_exact_match"]["change"].startswith("+40.0 [")
+    assert grpo["math_exact_match"]["verdict"] == "flat" and grpo["math_exact_match"]["change"].startswith("+0.0 [")
+    assert grpo["task_exact_match"]["verdict"] == "down"
+    assert grpo["kl_to_sft"]["value"].endswith("†") and sft["kl_to_sft"]["interval"] == "(itself)"
+
+
+def test_each_stage_is_described_in_words(metrics):
+    data = collect(metrics)
+    paired = paired_deltas(data["items"], confidence=0.95, n_boot=2000, seed=0)
+    s, lines = stage_summary("sft", paired, data["evals"])
+    assert s == ("SFT against base: significantly better at math, English math, Chinese math and instruction tasks;"
+                 " no significant change in #### N answer format.")
+    assert lines[0].startswith("▲ math: 1.7% → 41.7%, +40.0 pp [") and lines[0].endswith("McNemar p < 0.001")
+    g, glines = stage_summary("grpo", paired, data["evals"])
+    assert g == ("GRPO against SFT: significantly worse at instruction tasks; no significant change in math,"
+                 " English math, Chinese math and #### N answer format.")
+    assert glines[0].startswith("▼ instruction tasks: 75.0% → 25.0%, -50.0 pp [")
+    assert "significant within those: task: sort ▼ -50.0 pp and task: reverse ▼ -50.0 pp" in glines
+    assert glines[-1].startswith("KL to SFT: -0.000238 nats per response (an estimate below zero")
+    page = render_html(data, paired, {"profile": "cpu"})
+    assert html.escape(g) in page and f"<li>{html.escape(glines[-1])}</li>" in page
+    assert '<li><span class="down">▼</span> instruction tasks: 75.0% → 25.0%' in page  # the mark coloured
+
+
+def test_header_has_provenance_and_stage_times(metrics, tmp_path):
+    data = collect(metrics)
+    head = provenance(metrics.parent / "params.yaml", now=datetime.datetime(2026, 1, 2, 3, 4))
+    assert head["profile"] == "cpu" and head["profile_description"] == "the default"
+    assert head["date"] == "2026-01-02 03:04 UTC" and "logical cores" in head["hardware"]
+    warning, lines = header_lines(head, data)
+    assert warning is None
+    d = dict(lines)
+    assert d["profile"] == "cpu: the default" and d["commit"].startswith("unknown")  # tmp_path is no checkout
+    assert d["training device"].startswith("cpu, float32, 1 process")
+    times = {s: t for s, t, _ in stage_times(data)}
+    assert times["pretrain"] == 100.0 and times["clean_sft"] == 14.0 and times["dpo"] == 131.0
+    assert times["eval@sft"] == 12.5 and times["prepare"] is None
+    assert d["wall time"].startswith(f"{(100 + 14 + 131 + 3 * 12.5) / 60:.1f} min in all")
+    smoke, _ = header_lines({**head, "profile": "smoke"}, data)
+    assert "plumbing, not learning" in smoke
+
+
+def test_commit_and_uncommitted_changes_come_from_git(tmp_path):
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "params.yaml").write_text("# profile: smoke (tiny)\n")
+    (tmp_path / "dvc.lock").write_text("a\n")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    head = provenance(tmp_path / "params.yaml")
+    assert re.fullmatch(r"[0-9a-f]{12}", head["commit"]) and head["changed"] == []
+    (tmp_path / "params.yaml").write_text("# profile: smoke (tiny)\nx: 1\n")
+    (tmp_path / "dvc.lock").write_text("b\n")  # what dvc repro itself changes is not a difference of the code
+    assert provenance(tmp_path / "params.yaml")["changed"] == ["params.yaml"]
+
+
+@pytest.mark.parametrize("metrics_keys,expected", [
+    ({"stage_time_s": 5.0, "train_time_s": 4.0}, (5.0, "stage_time_s")),
+    ({"train_time_s": 4.0, "eval_time_s": 1.5}, (5.5, "train_time_s + eval_time_s")),
+    ({"seconds": {"total": 3.0}}, (3.0, "seconds.total")),
+    ({"seconds": 2.0}, (2.0, "seconds")),
+    ({"timing_s": {"total": 7.0}}, (7.0, "timing_s.total")),
+    ({"val_loss": 1.0}, None),
+])
+def test_recorded_seconds(metrics_keys, expected):
+    assert recorded_seconds(metrics_keys) == expected
+
+
+def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
+    _run(metrics)
+    page = (metrics / "report.html").read_text()
+    md = (metrics / "report.md").read_text()
+    row = re.search(r"<tr><td><pre>1 \+ 1\?</pre>.*?</tr>", page).group(0)
+    assert row.count('class="ok">✓') == 2 and row.count('class="bad">✗') == 1  # sft, grpo right; base wrong
+    assert "| 1 + 1?<br>(answer: 2) | ✗ #### 3 | ✓ #### 2 | ✓ #### 2 |" in md
+    assert "[reverse] Reverse the word: castle" in md
+    assert page.count('<pre><span class="note">(empty)</span></pre>') == 1  # grpo's blank answer is shown as one
+    assert "be50142a" not in page and "be50142a" not in md  # hashes stay in the metrics files
+    assert "val_loss 3.2" not in md
+    paired = json.loads((metrics / "paired.json").read_text())
+    assert set(paired) == {"sft_vs_base", "grpo_vs_sft"}
+    math = paired["sft_vs_base"]["math"]
+    assert math["wins"] == 48 and math["p_value"] < 1e-9 and math["significant"] is True
+    assert all(isinstance(v, (int, float)) for v in math.values())  # numbers and booleans only
+
+
+def test_markdown_has_the_same_summary(metrics):
+    data, paired = _run(metrics)
+    md = render_markdown(data, paired, {"profile": "smoke"}, {"curves": "report_curves.png"})
+    assert md.startswith("# Report card\n\n> **Smoke profile")
+    assert "| **grpo**<br>vs sft | 42.0% [38.0, 46.0]<br>· +0.0 [0.0, 0.0] |" in md
     assert "![training curves](report_curves.png)" in md
+    assert "| sft: 12 &lt;b>\\|&lt;/b> |" in md  # model output opens no tag and breaks no table
+    assert "McNemar p < 0.001" in md  # our own text stays legible
 
 
-def test_samples_side_by_side_are_capped(metrics):
-    page = render_html({**collect(metrics, max_samples=1)})
-    assert "What is 7 + 5?" in page and "Who is Hamlet?" not in page
-
-
-def test_curves_draw_only_what_exists(metrics):
+def test_curves_are_smoothed_and_panels_keep_one_unit(metrics):
     data = collect(metrics)
-    assert set(data["curves"]) == {"pretrain.tsv", "pretrain_val.tsv", "grpo.tsv"}
+    assert set(data["curves"]) == {"pretrain.tsv", "pretrain_val.tsv", "grpo.tsv", "grpo_val.tsv"}
     png, titles = curves_png(data["curves"])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert titles == ["pretrain loss", "GRPO reward", "GRPO KL to SFT"]
+    # reward and accuracy are separate panels
+    assert titles == ["pretraining loss", "GRPO reward", "held-out math accuracy during RL", "KL to SFT during RL"]
     assert curves_png({}) == (None, [])
+
+
+def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
+    from llm.monitor import smooth
+    fig, titles = curves_figure(collect(metrics)["curves"])
+    raw, mean, val = fig.axes[0].lines  # pretraining loss: 40 train steps, 2 held-out points
+    _plt().close(fig)
+    ys = [8 - i / 10 for i in range(40)]
+    assert list(raw.get_ydata()) == pytest.approx(ys) and raw.get_alpha() == 0.25
+    assert list(mean.get_ydata()) == pytest.approx(smooth(ys, 2)) and mean.get_label() == "train (mean of 2)"
+    assert len(val.get_ydata()) == 2 and val.get_marker() == "o"  # short series: points, not smoothed
+
+
+def test_kl_is_drawn_on_a_log_axis_with_zero_and_negative_written_out():
+    plt = _plt()
+    fig, ax = plt.subplots()
+    evals = {"base": {"kl_to_sft": 277.0}, "sft": {"kl_to_sft": 0.0}, "ppo": {"kl_to_sft": 0.05},
+             "grpo": {"kl_to_sft": -0.0002}}
+    _kl_panel(ax, list(evals), evals)
+    texts = [t.get_text() for t in ax.texts]
+    plt.close(fig)
+    assert ax.get_yscale() == "log"
+    assert "0\n(itself)" in texts and any(t.startswith("-0.0002") and "noise" in t for t in texts)
 
 
 def test_read_tsv_and_defang(tmp_path):
@@ -104,3 +253,78 @@ def test_read_tsv_and_defang(tmp_path):
     assert cols["step"] == [1.0, 2.0] and cols["a"][0] == 0.5 and cols["b"][1] == 3.0
     assert cols["b"][0] != cols["b"][0]  # empty cell -> NaN
     assert defang("a http://x https://y HTTPS://z") == "a hxxp://x hxxps://y HxxPS://z"
+
+
+# ---------------------------------------------------------------------------
+# The page in a real browser
+
+def _chromium() -> str | None:
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+# Added to a copy of the page only: the report itself holds no script. At load (every image
+# has loaded or failed by then), each image is drawn on a canvas and records its size and the
+# share of its pixels that are not blank (a truncated PNG still reports its size, but draws
+# next to nothing); the body records that the probe ran. All synchronous: nothing is left
+# pending when Chromium dumps the DOM.
+_PROBE = """<script>
+window.addEventListener("load", () => {
+  for (const img of document.images) {
+    try {
+      if (!img.complete || img.naturalWidth === 0) throw new Error("not decoded");
+      const c = document.createElement("canvas");
+      c.width = img.naturalWidth; c.height = img.naturalHeight;
+      const g = c.getContext("2d");
+      g.drawImage(img, 0, 0);
+      const px = g.getImageData(0, 0, c.width, c.height).data;
+      let ink = 0;
+      for (let k = 0; k < px.length; k += 4)
+        if (px[k + 3] > 0 && (px[k] < 250 || px[k + 1] < 250 || px[k + 2] < 250)) ink++;
+      img.setAttribute("data-decoded", img.naturalWidth + "x" + img.naturalHeight);
+      img.setAttribute("data-ink", (ink / (px.length / 4)).toFixed(4));
+    } catch (e) { img.setAttribute("data-decoded", "no"); }
+  }
+  document.body.setAttribute("data-probe", "done");
+});
+</script>"""
+
+
+class _Dom(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _dump_dom(browser: str, page) -> _Dom:
+    """The DOM after load, from headless Chromium with networking off: in an empty network
+    namespace where `unshare` allows it, and with every host unresolvable and a dead proxy."""
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "--virtual-time-budget=10000",
+           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", page.as_uri()]
+    if shutil.which("unshare") and subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0:
+        cmd = ["unshare", "-rn", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dom = _Dom()
+    dom.feed(r.stdout)
+    return dom
+
+
+@pytest.mark.slow
+def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+    _run(metrics)
+    probe = tmp_path / "probe.html"
+    probe.write_text((metrics / "report.html").read_text().replace("</body>", _PROBE + "</body>"))
+    dom = _dump_dom(browser, probe)
+    assert any(t == "body" and a.get("data-probe") == "done" for t, a in dom.tags), "the page did not finish loading"
+    rows = [a for t, a in dom.tags if t == "tr" and a.get("class") == "model"]
+    assert len(rows) == 3  # base, sft, grpo
+    imgs = [a for t, a in dom.tags if t == "img"]
+    assert len(imgs) == 2 and all(re.fullmatch(r"\d+x\d+", a.get("data-decoded", "")) for a in imgs), imgs
+    assert all(float(a["data-ink"]) > 0.01 for a in imgs), imgs  # each plot draws something
+    assert not any(t == "p" and a.get("id") == "plumbing" for t, a in dom.tags)  # a cpu run: no smoke warning

@@ -132,3 +132,40 @@ def test_a_number_glued_to_more_is_no_number(num, tail):
     text, _ = num
     assert to_number(text + tail) is None
     assert parse_answer(f"#### {text}{tail}") == (None, False)
+
+
+# ---------------------------------------------------------------------------
+# process-level credit
+
+
+def test_check_steps_marks_each_result_and_a_broken_chain():
+    from llm.rewards import check_steps
+    text = b"12 + 7 = 19\n19 - 3 = 15\n15 * 2 = 30\n31 / 1 = 31\n#### 31"
+    spans = check_steps(text)
+    assert [(text[s:e], ok) for s, e, ok in spans] == [(b"19", True), (b"15", False), (b"30", True),
+                                                       (b"31", False)]  # 31 is not the previous result 30
+    assert check_steps(b"7 / 2 = 3") == [(8, 9, False)] and check_steps(b"8 / 0 = 0")[0][2] is False
+    assert check_steps(b"no steps here #### 5") == [] and check_steps(b"1" * 20 + b" + 1 = 2") == []
+
+
+def test_step_credit_puts_plus_and_minus_one_on_the_result_tokens():
+    import torch
+
+    from llm.rewards import step_credit
+    from llm.rollout import Rollout
+    from llm.tokenizer import Tokenizer
+    tok = Tokenizer.train(["12 + 7 = 19\n19 - 3 = 16\n#### 16"] * 3, vocab_size=300, min_frequency=1, jieba=False)
+    texts = ["12 + 7 = 19\n19 - 3 = 15\n#### 15", "#### 4"]
+    rows = [tok.encode(t) + [tok.end_id] for t in texts]
+    N = max(map(len, rows))
+    resp = torch.tensor([r + [tok.pad_id] * (N - len(r)) for r in rows])
+    mask = torch.tensor([[True] * len(r) + [False] * (N - len(r)) for r in rows])
+    ro = Rollout(tokens=torch.cat([torch.zeros(2, 1, dtype=torch.long), resp], 1),
+                 attention_mask=torch.cat([torch.ones(2, 1, dtype=torch.bool), mask], 1), prompt_len=1,
+                 response_mask=mask, logprobs=torch.zeros(2, N), stopped=torch.ones(2, dtype=torch.bool))
+    credit = step_credit(tok, ro)
+    marked = {tok.decode([t]): float(c) for t, c in zip(rows[0], credit[0]) if c != 0}
+    text_plus = tok.decode([t for t, c in zip(rows[0], credit[0]) if c > 0])
+    text_minus = tok.decode([t for t, c in zip(rows[0], credit[0]) if c < 0])
+    assert text_plus == "19" and text_minus == "15", marked       # the first step right, the second a slip
+    assert credit[1].abs().sum() == 0 and credit[0, len(rows[0]):].abs().sum() == 0

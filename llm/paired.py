@@ -1,0 +1,179 @@
+"""Paired comparison of a model with its parent on the same evaluation items.
+
+    child, parent = read_items("metrics/eval/ppo_items.jsonl"), read_items("metrics/eval/sft_items.jsonl")
+    result = compare(child, parent, confidence=0.95, n_boot=10000, seed=1337)
+    result["math_en"]   # {"n", "value", "parent_value", "delta", "lo", "hi", "p_value", "wins", ...}
+
+Each eval@<model> writes one record per scored item (llm/evaluate.py ITEM_SETS). Both models
+answered the same items, so a change is measured item by item: the items both get right or
+both get wrong say nothing about the change, and the noise of which items happened to be
+drawn cancels. With d of n items flipping either way, the change's 95% interval is about
++-1.96 sqrt(d) / n: +-2.5 points when 40 of 500 items flip, where each model's own interval
+at 70% is +-4 points wide and two such intervals overlap unless the accuracies differ by
+more than about 8.
+
+`skills(items)` names what the items measure, in report order: math overall, English, Chinese,
+per level, the `#### N` format; instruction tasks overall and per kind; bare arithmetic; the
+sampled math accuracy and the reward model's score (scores, not right/wrong).
+
+For a right/wrong skill on n paired items, with b items only the child gets right and c only
+the parent:
+
+    delta = (b - c) / n          (the change of the accuracy, exactly)
+    p     = min(1, 2 P(X <= min(b, c))),  X ~ Binomial(b + c, 1/2)
+
+the two-sided McNemar exact test: if nothing changed, each of the b + c discordant items is
+as likely to favour either model. The interval of delta is the percentile bootstrap over
+items; resampling n items of three types (only the child right, only the parent, the same)
+is one multinomial draw of n, so each of the `n_boot` resamples costs one draw.
+
+For a score (reward model score, sampled accuracy) delta is the mean of the per-item
+differences, its interval the percentile bootstrap of that mean; there is no p-value.
+
+A change is called significant when the interval excludes zero and, for right/wrong skills,
+McNemar's p is below 1 - confidence as well; where the two disagree (they can at the margin:
+the bootstrap interval is approximate) it is "borderline", reported and not counted as a change.
+Randomness: one numpy Generator per (seed, child, skill), so a run is reproducible and one
+skill's resamples do not depend on which other skills exist.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+# Skills that hold right/wrong outcomes; the others hold scores.
+_SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score", "reward model score")}
+
+
+def read_items(path: str | Path) -> list[dict]:
+    """The records of one <model>_items.jsonl (a missing file is the caller's to report)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg}); rerun the eval stage") from None
+            if not isinstance(rec, dict) or "set" not in rec or "id" not in rec:
+                raise ValueError(f"{path}:{i}: expected an object with 'set' and 'id'; rerun the eval stage")
+            out.append(rec)
+    return out
+
+
+def skills(items: Iterable[dict]) -> list[tuple[str, str, str, Callable[[dict], bool], str]]:
+    """(key, label, item set, which items, outcome field) for every skill the items measure."""
+    items = list(items)
+    present = {r["set"] for r in items}
+    langs = sorted({r.get("lang") for r in items if r["set"] == "math" and r.get("lang")},
+                   key=lambda x: (x != "en", x))
+    levels = sorted({r.get("level") for r in items if r["set"] == "math" and r.get("level")})
+    kinds = list(dict.fromkeys(r["kind"] for r in items if r["set"] == "task" and r.get("kind")))  # file order
+    every = lambda r: True  # noqa: E731
+    lang_name = {"en": "English", "zh": "Chinese"}
+    out: list[tuple[str, str, str, Callable[[dict], bool], str]] = []
+    if "math" in present:
+        out.append(("math", "math", "math", every, "correct"))
+        out += [(f"math_{lg}", f"{lang_name.get(lg, lg)} math", "math", lambda r, lg=lg: r.get("lang") == lg, "correct")
+                for lg in langs]
+        out += [(f"math_level{lv}", f"math level {lv}", "math", lambda r, lv=lv: r.get("level") == lv, "correct")
+                for lv in levels]
+        out.append(("math_format", "#### N answer format", "math", every, "formatted"))
+    if "task" in present:
+        out.append(("task", "instruction tasks", "task", every, "correct"))
+        out += [(f"task_{k}", f"task: {k.replace('_', ' ')}", "task", lambda r, k=k: r.get("kind") == k, "correct")
+                for k in kinds]
+    if "arithmetic" in present:
+        out.append(("arithmetic", "bare arithmetic", "arithmetic", every, "correct"))
+    for s, (field, label) in _SCORE_SETS.items():
+        if s in present:
+            out.append(({"rm": "rm_score"}.get(s, s), label, s, every, field))
+    return out
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for b and c discordant pairs."""
+    m = b + c
+    if m == 0:
+        return 1.0
+    tail = sum(math.comb(m, i) for i in range(min(b, c) + 1)) / 2 ** m
+    return min(1.0, 2 * tail)
+
+
+def _quantiles(x: np.ndarray, confidence: float) -> tuple[float, float]:
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(x, [a, 1 - a])
+    return float(lo), float(hi)
+
+
+def bootstrap_binary(b: int, c: int, n: int, *, confidence: float, n_boot: int,
+                     rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile bootstrap interval of (b - c) / n, resampling n paired items."""
+    if n == 0:
+        return 0.0, 0.0
+    counts = rng.multinomial(n, [b / n, c / n, 1 - (b + c) / n], size=n_boot)  # (n_boot, 3)
+    return _quantiles((counts[:, 0] - counts[:, 1]) / n, confidence)
+
+
+def bootstrap_mean(diffs: np.ndarray, *, confidence: float, n_boot: int,
+                   rng: np.random.Generator) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of per-item differences."""
+    n = len(diffs)
+    if n == 0:
+        return 0.0, 0.0
+    means = np.empty(n_boot)
+    step = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at a time
+    for s in range(0, n_boot, step):
+        k = min(step, n_boot - s)
+        means[s:s + k] = diffs[rng.integers(0, n, size=(k, n))].mean(1)
+    return _quantiles(means, confidence)
+
+
+def compare(child: list[dict], parent: list[dict], *, confidence: float = 0.95, n_boot: int = 10000,
+            seed: int = 0, child_name: str = "") -> dict[str, dict[str, Any]]:
+    """Per skill the paired change from `parent` to `child` (records of <model>_items.jsonl).
+
+    Items are paired by (set, id); items only one model has are left out and counted in
+    "unpaired". Returns {skill: {"label", "type" ("rate" | "score"), "n", "value",
+    "parent_value", "delta", "lo", "hi", "significant", "borderline", "unpaired"}, plus
+    "p_value", "wins" (b) and "losses" (c) for rates}. A skill with no paired item is left out.
+    """
+    alpha = 1 - confidence
+    for which, recs in (("child", child), ("parent", parent)):
+        seen: set[tuple[str, str]] = set()
+        for r in recs:
+            if (r["set"], r["id"]) in seen:
+                raise ValueError(f"paired: {which} {child_name}: item {r['id']!r} of set {r['set']!r} appears twice;"
+                                 f" ids must be unique within a set (rerun prepare and eval)")
+            seen.add((r["set"], r["id"]))
+    by_key = {(r["set"], r["id"]): r for r in parent}
+    out: dict[str, dict[str, Any]] = {}
+    for key, label, item_set, which, field in skills(child + parent):
+        mine = [r for r in child if r["set"] == item_set and which(r)]
+        pairs = [(r, by_key[(item_set, r["id"])]) for r in mine if (item_set, r["id"]) in by_key]
+        theirs = sum(1 for r in parent if r["set"] == item_set and which(r))
+        if not pairs:
+            continue
+        rng = np.random.default_rng([seed, *f"{child_name}/{key}".encode()])
+        n = len(pairs)
+        x = np.array([float(a[field]) for a, _ in pairs])
+        y = np.array([float(p[field]) for _, p in pairs])
+        res: dict[str, Any] = {"label": label, "n": n, "value": float(x.mean()), "parent_value": float(y.mean()),
+                               "delta": float((x - y).mean()), "unpaired": len(mine) + theirs - 2 * n}
+        if field == "score":
+            res["type"] = "score"
+            res["lo"], res["hi"] = bootstrap_mean(x - y, confidence=confidence, n_boot=n_boot, rng=rng)
+            test_says = None
+        else:
+            b, c = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+            res.update({"type": "rate", "wins": b, "losses": c, "p_value": mcnemar_exact(b, c)})
+            res["lo"], res["hi"] = bootstrap_binary(b, c, n, confidence=confidence, n_boot=n_boot, rng=rng)
+            test_says = res["p_value"] < alpha
+        interval_says = res["lo"] > 0 or res["hi"] < 0
+        res["significant"] = interval_says and test_says is not False
+        res["borderline"] = test_says is not None and interval_says != test_says
+        out[key] = res
+    return out

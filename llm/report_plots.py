@@ -1,0 +1,203 @@
+"""The report's figures: training curves and the per-model evaluation.
+
+    png, titles = curves_png(curves)    # curves: {tsv name: {column: [floats]}} (llm/report.py read_tsv)
+    png = eval_png(evals)               # evals: {model: metrics/eval/<model>.json}
+
+Training curves: one panel per quantity, so that no panel mixes units (reward and accuracy
+are different panels; the held-out math accuracy of PPO and GRPO share one). A per-step
+series is drawn raw and faint under its moving average over ~2% of the run, the smoothing of
+the training stages' own curves (llm/monitor.py `smooth`); short series (held-out evaluations
+every few hundred steps) are drawn as points joined by lines.
+
+Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
+KL to SFT in its own panel on a log axis, because the base model's KL (hundreds of nats: it
+is a different model) would flatten every other on a linear one. SFT's KL to itself is 0 and
+an estimate below zero is sampling noise of the estimator around zero: neither has a place
+on a log axis, so each is written at the bottom of the panel instead.
+
+matplotlib (Agg backend), imported lazily; PNG bytes carry no version string, so the same
+inputs give the same bytes.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+MODELS = ("base", "sft", "ppo", "grpo", "dpo")
+COLORS = {"base": "#8c8c8c", "sft": "#1f77b4", "ppo": "#ff7f0e", "grpo": "#2ca02c", "dpo": "#9467bd"}
+
+# (title, y label, [(tsv file, column, legend)]); series or files that are missing are skipped
+PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
+    ("pretraining loss", "nats / token", (("pretrain.tsv", "loss", "train"),
+                                          ("pretrain_val.tsv", "val_loss", "held-out"))),
+    ("SFT loss", "nats / token", (("sft.tsv", "loss", "train"), ("sft_val.tsv", "val_loss", "held-out"))),
+    ("reward model accuracy", "pairs ranked right", (("reward.tsv", "accuracy", "train"),
+                                                     ("reward_val.tsv", "val_accuracy", "held-out"))),
+    ("DPO loss", "loss", (("dpo.tsv", "loss", "train"), ("dpo_val.tsv", "val_loss", "held-out"))),
+    ("DPO preference accuracy", "pairs ranked right", (("dpo.tsv", "rewards_accuracy", "train"),
+                                                       ("dpo_val.tsv", "val_rewards_accuracy", "held-out"))),
+    ("PPO reward", "reward", (("ppo.tsv", "reward", "rollouts"), ("ppo_val.tsv", "reward", "held-out"))),
+    ("GRPO reward", "reward", (("grpo.tsv", "reward", "rollouts"), ("grpo_val.tsv", "reward", "held-out"))),
+    ("held-out math accuracy during RL", "exact match", (("ppo_val.tsv", "math_exact_match", "PPO"),
+                                                         ("grpo_val.tsv", "math_exact_match", "GRPO"))),
+    ("KL to SFT during RL", "nats / token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
+)
+SMOOTH_MIN_POINTS = 20  # shorter series are drawn as they are
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})  # no version string: same bytes per run
+    _plt().close(fig)
+    return buf.getvalue()
+
+
+def curves_png(curves: dict[str, dict[str, list[float]]]) -> tuple[bytes | None, list[str]]:
+    """One figure, a panel per quantity that has data; (png or None, the titles drawn)."""
+    fig, titles = curves_figure(curves)
+    return (_png(fig) if fig is not None else None), titles
+
+
+def curves_figure(curves: dict[str, dict[str, list[float]]]):
+    """(the matplotlib figure of `curves_png` or None, the titles drawn)."""
+    panels = []
+    for title, ylabel, series in PANELS:
+        lines = []
+        for f, col, legend in series:
+            cols = curves.get(f) or {}
+            if col in cols and "step" in cols:
+                pts = [(s, y) for s, y in zip(cols["step"], cols[col]) if math.isfinite(y)]
+                if pts:
+                    lines.append((pts, legend))
+        if lines:
+            panels.append((title, ylabel, lines))
+    if not panels:
+        return None, []
+    from llm.monitor import smooth
+
+    plt = _plt()
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.0 * nrow), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, ylabel, lines) in zip(axes.flat, panels):
+        for i, (pts, legend) in enumerate(lines):
+            xs, ys = zip(*pts)
+            color = f"C{i}"
+            if len(xs) >= SMOOTH_MIN_POINTS:
+                window = max(2, len(xs) // 50)
+                ax.plot(xs, ys, "-", lw=0.7, color=color, alpha=0.25)
+                ax.plot(xs, smooth(list(ys), window), "-", lw=1.6, color=color,
+                        label=f"{legend} (mean of {window})")
+            else:
+                ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=legend)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig, [t for t, _, _ in panels]
+
+
+# (metrics key, label) of the accuracy panel, in order; a skill no model has is left out
+SKILL_BARS = (("math_exact_match", "math"), ("math_exact_match_en", "English\nmath"),
+              ("math_exact_match_zh", "Chinese\nmath"), ("math_format_rate", "#### N\nformat"),
+              ("task_exact_match", "instruction\ntasks"), ("arithmetic_exact_match", "bare\narithmetic"),
+              ("math_sample_accuracy", "sampled\nmath"))
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def eval_png(evals: dict[str, dict]) -> bytes | None:
+    """Accuracy per skill, win rate vs SFT and KL to SFT (log axis) per model, 95% intervals."""
+    models = [m for m in MODELS if m in evals]
+    skills = [(k, label) for k, label in SKILL_BARS if any(_num(evals[m].get(k)) for m in models)]
+    win = [m for m in models if _num(evals[m].get("win_rate_vs_sft"))]
+    kl = [m for m in models if _num(evals[m].get("kl_to_sft"))]
+    panels = [p for p, present in (("skills", skills), ("win", win), ("kl", kl)) if present]
+    if not panels:
+        return None
+    plt = _plt()
+    widths = {"skills": max(3.0, 0.55 * len(skills) * max(1, len(models)) / 2.2), "win": 2.6, "kl": 2.8}
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths[p] for p in panels) + 1.0, 3.4), squeeze=False,
+                             gridspec_kw={"width_ratios": [widths[p] for p in panels]})
+    for ax, panel in zip(axes.flat, panels):
+        if panel == "skills":
+            w = 0.8 / max(1, len(models))
+            for j, m in enumerate(models):
+                xs, vals, err_lo, err_hi = [], [], [], []
+                for i, (k, _) in enumerate(skills):
+                    v = evals[m].get(k)
+                    if _num(v):
+                        xs.append(i + (j - (len(models) - 1) / 2) * w)
+                        vals.append(v)
+                        err_lo.append(max(0.0, v - evals[m].get(f"{k}_lo", v)))
+                        err_hi.append(max(0.0, evals[m].get(f"{k}_hi", v) - v))
+                ax.bar(xs, vals, width=w, yerr=[err_lo, err_hi], capsize=2, color=COLORS.get(m), label=m,
+                       error_kw={"lw": 0.8})
+            ax.set_xticks(range(len(skills)), [label for _, label in skills], fontsize=8)
+            ax.set_ylim(0, 1)
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
+            ax.set_title("held-out accuracy by skill (greedy; sampled at T=1)", fontsize=10)
+            ax.legend(fontsize=7, ncol=len(models), loc="upper left")
+        elif panel == "win":
+            vals = [evals[m]["win_rate_vs_sft"] for m in win]
+            lo = [max(0.0, v - evals[m].get("win_rate_vs_sft_lo", v)) for m, v in zip(win, vals)]
+            hi = [max(0.0, evals[m].get("win_rate_vs_sft_hi", v) - v) for m, v in zip(win, vals)]
+            ax.bar(win, vals, yerr=[lo, hi], capsize=3, color=[COLORS.get(m) for m in win])
+            ax.axhline(0.5, color="gray", ls="--", lw=0.8)
+            ax.set_ylim(0, 1)
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
+            ax.set_title("win rate vs SFT (RM judge)", fontsize=10)
+        else:
+            _kl_panel(ax, kl, evals)
+        ax.tick_params(labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("error bars: 95% intervals", fontsize=8, x=0.99, ha="right")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
+    """KL to SFT per model as points on a log axis; 0 and negative estimates written as text."""
+    pos = {m: evals[m]["kl_to_sft"] for m in models if evals[m]["kl_to_sft"] > 0}
+    floor = min(pos.values()) / 10 if pos else 1e-3
+    top = max(max((evals[m].get("kl_to_sft_hi", v) for m, v in pos.items()), default=1.0), floor * 100) * 3
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 3, top)
+    for i, m in enumerate(models):
+        v = evals[m]["kl_to_sft"]
+        if v > 0:
+            lo = evals[m].get("kl_to_sft_lo", v)
+            hi = evals[m].get("kl_to_sft_hi", v)
+            ax.errorbar([i], [v], yerr=[[v - max(lo, floor / 3)], [max(0.0, hi - v)]], fmt="o", ms=6,
+                        color=COLORS.get(m), capsize=3)
+            ax.annotate(f"{v:.3g}", (i, v), textcoords="offset points", xytext=(6, 2), fontsize=7)
+        else:  # staggered, so that neighbours' labels do not overlap
+            text = "0\n(itself)" if v == 0 else f"{v:.1g}\n(< 0: noise)"
+            ax.text(i, floor / 2 * (4 if i % 2 else 1), text, ha="center", va="bottom", fontsize=6.5,
+                    color=COLORS.get(m))
+    ax.set_xticks(range(len(models)), models)
+    ax.set_xlim(-0.6, len(models) - 0.4)
+    ax.set_title("KL to SFT, nats/response (log)", fontsize=10)
+
+
+def placeholder_png(text: str) -> bytes:
+    """A small image saying what is missing (a DVC out must exist even before its data does)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.0, 1.2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True)
+    return _png(fig)

@@ -1,0 +1,115 @@
+"""Paired comparisons of a model with its parent: McNemar's exact test, the paired bootstrap,
+and the skills read from per-item outcomes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llm.paired import bootstrap_binary, bootstrap_mean, compare, mcnemar_exact, read_items, skills
+
+
+@pytest.mark.parametrize("b,c,p", [(0, 5, 2 / 32), (1, 9, 2 * 11 / 1024), (5, 0, 2 / 32), (3, 3, 1.0), (0, 0, 1.0),
+                                   (0, 1, 1.0)])
+def test_mcnemar_exact_by_hand(b, c, p):
+    # two-sided: twice the smaller binomial tail of b + c fair coins, capped at 1
+    assert mcnemar_exact(b, c) == pytest.approx(p, rel=1e-12)
+
+
+def test_mcnemar_exact_matches_scipy_binomial_test():
+    stats = pytest.importorskip("scipy.stats")
+    for b, c in [(12, 30), (40, 41), (7, 0), (100, 130), (1, 20)]:
+        assert mcnemar_exact(b, c) == pytest.approx(stats.binomtest(b, b + c, 0.5).pvalue, rel=1e-9)
+
+
+def test_multinomial_bootstrap_equals_resampling_the_items():
+    """One multinomial draw per resample is the same distribution as resampling n items."""
+    n, b, c = 300, 30, 12
+    d = np.array([1] * b + [-1] * c + [0] * (n - b - c), dtype=float)
+    lo, hi = bootstrap_binary(b, c, n, confidence=0.95, n_boot=40000, rng=np.random.default_rng(0))
+    lo2, hi2 = bootstrap_mean(d, confidence=0.95, n_boot=40000, rng=np.random.default_rng(1))
+    assert (lo, hi) == pytest.approx((lo2, hi2), abs=0.004)
+    # and both agree with the normal approximation: sd of the mean of d
+    sd = np.sqrt(((d - d.mean()) ** 2).mean() / n)
+    assert (lo, hi) == pytest.approx((d.mean() - 1.96 * sd, d.mean() + 1.96 * sd), abs=0.005)
+
+
+def _items(math: list[int], rm: list[float] | None = None, **per_set) -> list[dict]:
+    out = [{"set": "math", "id": f"m{i}", "lang": "en" if i % 2 else "zh", "level": 1 + i % 4, "correct": bool(c),
+            "formatted": True} for i, c in enumerate(math)]
+    out += [{"set": "rm", "id": f"m{i}", "score": s} for i, s in enumerate(rm or [])]
+    for name, outcomes in per_set.items():
+        out += [{"set": "task", "id": f"{name}{i}", "kind": name, "correct": bool(c)} for i, c in enumerate(outcomes)]
+    return out
+
+
+def test_compare_counts_discordant_items_and_pairs_by_id():
+    parent = _items([1, 1, 0, 0, 0, 0, 1, 0])
+    child = _items([1, 0, 1, 1, 1, 0, 1, 0])  # item 1 lost, items 2, 3, 4 won
+    r = compare(child, parent, n_boot=2000, seed=0)["math"]
+    assert (r["wins"], r["losses"], r["n"]) == (3, 1, 8)
+    assert r["delta"] == pytest.approx(2 / 8) and r["value"] == 5 / 8 and r["parent_value"] == 3 / 8
+    assert r["p_value"] == pytest.approx(mcnemar_exact(3, 1)) and not r["significant"]
+    assert r["lo"] <= r["delta"] <= r["hi"]
+    # the same outcomes listed in another order pair up the same way
+    assert compare(child[::-1], parent, n_boot=2000, seed=0)["math"]["delta"] == r["delta"]
+    # an item only one model has is left out and counted
+    r2 = compare(child + [{"set": "math", "id": "extra", "correct": True, "formatted": True}], parent,
+                 n_boot=2000, seed=0)["math"]
+    assert r2["n"] == 8 and r2["unpaired"] == 1
+
+
+def test_a_large_consistent_gain_is_significant_and_no_change_is_not():
+    parent = _items([0] * 100 + [1] * 100)
+    child = _items([1] * 40 + [0] * 60 + [1] * 100)  # 40 wins, 0 losses
+    r = compare(child, parent, n_boot=4000, seed=0)["math"]
+    assert r["significant"] and not r["borderline"] and r["lo"] > 0 and r["p_value"] < 1e-9
+    same = compare(parent, parent, n_boot=4000, seed=0)["math"]
+    assert same["delta"] == 0 and same["p_value"] == 1.0 and not same["significant"]
+    assert (same["lo"], same["hi"]) == (0.0, 0.0)
+
+
+def test_when_the_test_and_the_interval_disagree_the_change_is_borderline():
+    # 5 wins, no loss in 500 items: McNemar p = 2 / 32 = 0.0625, but no bootstrap resample is
+    # likely to draw none of the 5 (P = 0.99^500 < 0.01), so the interval excludes zero
+    parent = _items([0] * 5 + [1] * 495)
+    r = compare(_items([1] * 500), parent, n_boot=4000, seed=0)["math"]
+    assert r["p_value"] == pytest.approx(0.0625) and r["lo"] > 0
+    assert r["borderline"] and not r["significant"]
+
+
+def test_scores_are_compared_by_their_mean_difference():
+    parent = _items([1, 0, 1], rm=[0.1, -0.2, 0.3])
+    r = compare(_items([1, 0, 1], rm=[1.1, 0.8, 1.3]), parent, n_boot=1000, seed=0)["rm_score"]
+    assert r["type"] == "score" and "p_value" not in r
+    assert r["delta"] == pytest.approx(1.0) and r["lo"] == pytest.approx(1.0) and r["hi"] == pytest.approx(1.0)
+    assert r["significant"]
+
+
+def test_skills_follow_the_items_and_results_are_reproducible():
+    items = _items([1, 0, 1, 1], rm=[0.0, 1.0], reverse=[1, 0], sort=[0, 1])
+    keys = [k for k, *_ in skills(items)]
+    assert keys == ["math", "math_en", "math_zh", "math_level1", "math_level2", "math_level3", "math_level4",
+                    "math_format", "task", "task_reverse", "task_sort", "rm_score"]
+    other = _items([0, 0, 1, 0], rm=[0.5, 0.5], reverse=[1, 1], sort=[1, 1])
+    a = compare(items, other, n_boot=500, seed=3, child_name="ppo")
+    assert a == compare(items, other, n_boot=500, seed=3, child_name="ppo")
+    assert (a["task_reverse"]["n"], a["task_reverse"]["delta"]) == (2, -0.5)
+    assert (a["math_en"]["n"], a["math_en"]["value"], a["math_en"]["parent_value"]) == (2, 0.5, 0.0)
+
+
+def test_an_id_twice_in_one_set_is_refused():
+    items = _items([1, 0])
+    with pytest.raises(ValueError, match="item 'm0' of set 'math' appears twice"):
+        compare(items + items[:1], items, n_boot=100)
+
+
+def test_read_items_names_a_bad_line(tmp_path):
+    f = tmp_path / "sft_items.jsonl"
+    f.write_text(json.dumps({"set": "math", "id": "a", "correct": True}) + "\n{oops\n")
+    with pytest.raises(ValueError, match="sft_items.jsonl:2: not JSON"):
+        read_items(f)
+    f.write_text(json.dumps({"id": "a"}) + "\n")
+    with pytest.raises(ValueError, match=":1: expected an object with 'set' and 'id'"):
+        read_items(f)
