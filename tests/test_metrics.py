@@ -109,3 +109,12 @@ def test_headline_takes_each_number_from_its_file_and_invents_none(tmp_path):
         "ppo": {"em": 0.688, "lo": 0.636, "hi": 0.717, "reward": 0.658, "kl": 0.0029},
     }
     assert headline(tmp_path / "nothing-here") == {}
+
+
+def test_the_report_reads_a_stage_s_timings_from_its_run_file(tmp_path):
+    from llm.report import collect, recorded_seconds
+
+    write_metrics(tmp_path / "pretrain.json", {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"})
+    data = collect(tmp_path)
+    assert data["stages"]["pretrain"] == {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"}
+    assert recorded_seconds(data["stages"]["pretrain"]) == (103.2, "train_time_s")
