@@ -401,7 +401,7 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     val = (tmp_path / "metrics/plots/grpo_val.tsv").read_text().splitlines()
     assert [ln.split("\t")[0] for ln in val[1:]] == ["0", "2", "4"]
     assert (tmp_path / "metrics/plots/grpo.png").stat().st_size > 0
-    assert list((tmp_path / "runs/grpo/tb").glob("events.*"))
+    assert list((tmp_path / "runs/grpo/tb").glob("*/events.*"))  # one TensorBoard run per fingerprint
     from llm.artifacts import load_model_dir
     model, _, meta = load_model_dir(tmp_path / "models/grpo")
     assert model.head_names == ("lm",) and meta["stage"] == "grpo" and meta["steps"] == 4
