@@ -18,8 +18,9 @@ llm/grpo.py) are bodies too. Everything else is here, written once:
   current step finishes, a checkpoint is written and the process exits with 128 + signal
   (a second signal aborts at once);
 - evaluation before the first step and every `eval_every` steps (`evaluate(step)`);
-- progress and monitoring (llm/monitor.py): a bar, TensorBoard, per-step TSV curves and a
-  PNG (the stages keep them in the run directory and publish them to metrics/plots once the
+- progress and monitoring (llm/monitor.py): a bar, TensorBoard (under `<tb_dir>/<the
+  fingerprint's first 12 hex digits>`: one run per params and inputs), per-step TSV curves and
+  a PNG (the stages keep them in the run directory and publish them to metrics/plots once the
   run has passed its gates, so a failed run never replaces the curves of the last good one);
 - the optimizer step (`Updater`): the learning-rate schedule (linear warmup, then cosine to
   `min_lr`; `min_lr == lr` keeps it constant), gradient clipping at `grad_clip`, fp16 loss
@@ -37,7 +38,7 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -268,6 +269,11 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
             f" resumed, moved to {dest}")
     barrier(rt)
 
+    if plots is not None and plots.tb_dir is not None:
+        # one TensorBoard run per fingerprint (the params fingerprint in the model's meta.json), so
+        # experiments with other params never write into each other's events
+        plots = replace(plots, tb_dir=Path(plots.tb_dir) / fingerprint[:12])
+        say(f"{stage}: TensorBoard events in {plots.tb_dir}")
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,
                   progress=progress, train_history=hist, val_history=val_hist)
     saved = -1  # step of the last checkpoint written by this session

@@ -41,6 +41,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
+from llm.metrics import join_metrics, run_info_path
 from llm.paired import compare, read_items
 
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
@@ -189,7 +190,9 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
     for st in STAGES:
         d = _read_json(root / f"{st}.json", notes)
         if isinstance(d, dict):
-            stages[st] = d
+            run = run_info_path(root / f"{st}.json")  # its timings and provenance (llm/metrics.py)
+            run_d = _read_json(run, notes) if run.is_file() else None
+            stages[st] = join_metrics(d, run_d) if isinstance(run_d, dict) else d
     for name in TSVS:
         f = root / "plots" / f"{name}.tsv"
         if f.is_file():

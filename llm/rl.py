@@ -51,8 +51,9 @@ from llm.chat import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
 from llm.errors import QualityGateError
 from llm.evaluate import math_eval
-from llm.fileio import atomic_write_json, read_jsonl, sha256_file
+from llm.fileio import read_jsonl, sha256_file
 from llm.loop import LoopResult, Updater, run_loop
+from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
 from llm.rollout import sampled_kl
@@ -412,5 +413,5 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
                    {"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
                     "parent": str(setup.sft), "steps": result.step})
     publish_curves(curves, plots, stage)
-    atomic_write_json(metrics, out)
+    write_metrics(metrics, out)
     return out

@@ -73,9 +73,14 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+# Outputs that DVC does not track: a stage's working directory, kept between runs and git-ignored.
+# A killed run resumes from it, and an experiment that changes it leaves the baseline unchanged.
+UNTRACKED_OUTPUTS = frozenset({"run_dir"})
+
+
 def training_outputs(model: str) -> dict[str, str]:
     """The outputs every training stage has: its run directory, model, metrics and curves."""
-    return {"run_dir": "checkpoints, TensorBoard events and live curves (kept between runs)",
+    return {"run_dir": "checkpoints, TensorBoard events and live curves (kept between runs; not a DVC output)",
             "model": model, "metrics": "the metrics JSON", "plots": "the dvc plots directory"}
 
 

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from llm.clean import REASONS, LazyEmbedder, clean, load_toxicity_scorer, record_problem, summarize
-from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl, write_jsonl
+from llm.fileio import DataError, atomic_dir, read_jsonl, write_jsonl
+from llm.metrics import write_metrics
 
 INPUTS = {"sft": "the conversations: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory",
           "eval_prompts": "held-out math (test.jsonl, val.jsonl) to decontaminate against"}
@@ -108,7 +109,7 @@ def run(common, cfg, device: str, *, sft: Path, tokenizer: Path, eval_prompts: P
         for split in SPLITS:
             write_jsonl(tmp / f"{split}.jsonl", kept[split])
     metrics["seconds"]["total"] = round(time.perf_counter() - t0, 3)
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     return metrics
 
 

@@ -47,6 +47,7 @@ from llm.config import CommonConfig, DPOConfig, fingerprint
 from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
 from llm.errors import QualityGateError
 from llm.fileio import atomic_write_json, sha256_tree
+from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.optim import set_trainable
 from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
@@ -155,7 +156,7 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
     save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
                                                  "parent": str(sft), "steps": result.step})
     publish_curves(curves, plots, STAGE)
-    atomic_write_json(metrics, out)
+    write_metrics(metrics, out)
     return out
 
 

@@ -30,7 +30,8 @@ from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
 from llm.chat import render_prompt
 from llm.config import CommonConfig, PairsConfig
-from llm.fileio import DataError, atomic_dir, atomic_write_json, atomic_write_text, write_jsonl
+from llm.fileio import DataError, atomic_dir, atomic_write_text, write_jsonl
+from llm.metrics import write_metrics
 from llm.reward_model import score_sequences
 from llm.runtime import Runtime, setup_runtime
 from llm.stage import stage_main
@@ -100,7 +101,7 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "val.jsonl", val)
     atomic_write_text(plots / f"{STAGE}.tsv", lib.histogram(pairs))
-    atomic_write_json(metrics, m)
+    write_metrics(metrics, m)
     return m
 
 

@@ -37,9 +37,10 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from llm.fileio import DataError, atomic_dir, atomic_write_json, write_jsonl
+from llm.fileio import DataError, atomic_dir, write_jsonl
 from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, paraphrase_answer, preference_pair, task,
                             task_preference_pair)
+from llm.metrics import write_metrics
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
 OUTPUTS = {"out": "the prepared data directory", "metrics": "the metrics JSON"}
@@ -259,7 +260,7 @@ def write(data: dict[str, dict[str, list[dict]]], stats: dict, out: Path, metric
                     by_src["shakespeare" if src.startswith("shakespeare/") else src] += 1
                 metrics["by_source"][f"{kind}/{split}"] = dict(sorted(by_src.items()))
     metrics["bad_records"] = sum(s["bad"] for s in stats["sources"])
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     return metrics
 
 

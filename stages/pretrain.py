@@ -33,7 +33,8 @@ import numpy as np
 
 from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint
-from llm.fileio import DataError, atomic_write_json, sha256_file
+from llm.fileio import DataError, sha256_file
+from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
@@ -125,7 +126,7 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path,
         **{k: v for k, v in m.items() if k.startswith("mem_")},
     }
     publish_curves(curves, plots, STAGE)
-    atomic_write_json(metrics, out)
+    write_metrics(metrics, out)
     return out
 
 

@@ -25,6 +25,8 @@ from `common.seed`), and writes, into the same directory:
                          base64 data URIs; the stage fails if an http(s) URL slipped in
     report_curves.png    training curves, smoothed over the faint raw ones (DVC image plot)
     report_eval.png      accuracy per skill, win rate and KL to SFT (log axis) per model
+    summary.json         the headline numbers per model (llm/metrics.py headline), a DVC metric
+                         that `dvc exp show` compares across experiments
 
 `report.max_samples` caps the items shown per sample group.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from llm.config import CommonConfig, ReportConfig
 from llm.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from llm.metrics import headline
 
 STAGE = "report"
 INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and plots/ (it writes the report there)"}
@@ -63,6 +66,7 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     atomic_write_text(metrics_dir / "report.md",
                       render_markdown(data, paired, head, {"curves": "report_curves.png", "eval": "report_eval.png"}))
     atomic_write_text(metrics_dir / "report.html", page)
+    atomic_write_json(metrics_dir / "summary.json", headline(metrics_dir))
     return data, paired
 
 

@@ -39,6 +39,7 @@ from llm.chat import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint
 from llm.errors import QualityGateError
 from llm.fileio import atomic_write_json, sha256_tree
+from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.optim import set_trainable
 from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
@@ -122,7 +123,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft), "steps": result.step,
         "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"], "on": f"{data}/val.jsonl"}})
     publish_curves(curves, plots, STAGE)
-    atomic_write_json(metrics, out)
+    write_metrics(metrics, out)
     return out
 
 

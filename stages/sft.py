@@ -26,7 +26,8 @@ import torch
 from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate
 from llm.chat import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
-from llm.fileio import DataError, atomic_write_json, read_jsonl, sha256_tree
+from llm.fileio import DataError, read_jsonl, sha256_tree
+from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
@@ -118,7 +119,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
                                                  "parent": str(base), "steps": result.step})
     publish_curves(curves, plots, STAGE)
-    atomic_write_json(metrics, out)
+    write_metrics(metrics, out)
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from llm.config import TokenizeConfig
 from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl
+from llm.metrics import write_metrics
 from llm.tokenizer import Tokenizer
 
 INPUTS = {"text": "the pretraining text: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory"}
@@ -132,7 +133,7 @@ def run(cfg: TokenizeConfig, text: Path, tokenizer_dir: Path, out: Path, metrics
     metrics = {**{k: v for k, v in meta.items() if k != "separator"}, "workers": workers,
                "bytes_per_token_train": round(meta["train_bytes"] / max(meta["train_tokens"], 1), 4),
                "seconds": round(seconds, 3), "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 3)}
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     return metrics
 
 

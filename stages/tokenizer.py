@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Iterator
 
 from llm.config import TokenizerConfig
-from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl
+from llm.fileio import DataError, atomic_dir, read_jsonl
+from llm.metrics import write_metrics
 from llm.tokenizer import Tokenizer, has_han
 
 INPUTS = {"prepared": "the prepared data directory (the files above are read from it)"}
@@ -113,7 +114,7 @@ def run(cfg: TokenizerConfig, prepared: Path, out: Path, metrics_path: Path, pro
     # Share of the learned tokens (merges; bytes and specials excluded) seen on validation text.
     learned = sum(1 for i in used if 256 <= i < tok.n_base)
     metrics["vocab_coverage"] = round(learned / max(len(tok.merges), 1), 4)
-    atomic_write_json(metrics_path, metrics)
+    write_metrics(metrics_path, metrics)
     return metrics
 
 

@@ -25,6 +25,7 @@ from llm.clean import (
     words,
 )
 from llm.config import CleanSFTConfig
+from llm.metrics import read_metrics
 from tests.conftest import dvc_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,7 +355,7 @@ def test_stage_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "toxicity filter UNAVAILABLE" in run.stderr
     assert "toxicity filter: unavailable" in run.stdout
-    m = json.loads((tmp_path / "metrics/clean_sft.json").read_text())
+    m = read_metrics(tmp_path / "metrics/clean_sft.json")  # with its run file (timings, samples)
     assert m["toxicity_filter"] == "unavailable"
     assert m["train"]["in"] == 8 and m["train"]["kept"] == 6
     assert m["train"]["dropped"]["exact_duplicate"] == 1 and m["train"]["dropped"]["contaminated"] == 1

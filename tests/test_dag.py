@@ -50,11 +50,14 @@ def _outs(stage: dict, all_deps: set[str]) -> list[str]:
 
 
 def _stub_pipeline(dst: Path) -> None:
+    """Replace every stage's command by the stub; a training stage's stub also writes its run
+    directory (`--run-dir`, which DVC does not track), as the real stage writes checkpoints."""
     dvc = yaml.safe_load((dst / "dvc.yaml").read_text())
     bodies = [st["do"] if "foreach" in st else st for st in dvc["stages"].values()]
     all_deps = {d for b in bodies for d in b.get("deps", [])}
     for body in bodies:
-        body["cmd"] = f"python stub.py {' '.join(_outs(body, all_deps))}"
+        run_dir = re.findall(r"--run-dir (\S+)", body["cmd"])
+        body["cmd"] = f"python stub.py {' '.join(_outs(body, all_deps) + [f'dir:{d}' for d in run_dir])}"
     (dst / "dvc.yaml").write_text(yaml.safe_dump(dvc, sort_keys=False))
     (dst / "stub.py").write_text(STUB)
 
@@ -139,3 +142,19 @@ def test_tokenize_change_does_not_rerun_the_tokenizer_or_prepare(stub_repo):
     ran = _change_and_repro(stub_repo, "tokenize", "chunk_docs", 7)
     assert "tokenize" in ran and "pretrain" in ran
     assert not ran & {"prepare", "tokenizer", "clean_sft"}
+
+
+@pytest.mark.slow
+def test_returning_to_the_baseline_after_an_experiment_reruns_nothing(stub_repo):
+    """An experiment writes into run directories (checkpoints) and outputs; back on the committed
+    baseline (`git checkout -- . && dvc checkout -f`) nothing DVC tracks differs from dvc.lock,
+    so `dvc repro` runs no stage (a run directory declared as an output made it retrain)."""
+    work = stub_repo.parent / "baseline"
+    shutil.copytree(stub_repo, work, symlinks=True)
+    dvc = [sys.executable, "-m", "dvc"]
+    assert _ran(_run(dvc + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)) == _downstream("ppo")
+    assert any((work / "runs" / "ppo").iterdir())  # the experiment wrote into the run directory
+    _run(["git", "checkout", "--", "."], work)
+    _run(dvc + ["checkout", "-f"], work)
+    assert _ran(_run(dvc + ["repro"], work)) == set()
+    assert _run(["git", "status", "--porcelain"], work) == ""

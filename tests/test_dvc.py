@@ -110,9 +110,13 @@ def _declared_paths(stage: dict, key: str) -> list[str]:
 def test_every_path_is_written_once_on_the_command_line_and_declared(name, stage):
     """Each stage takes every path it reads or writes as a command-line option (its INPUTS and
     OUTPUTS), so a path is written once, here in dvc.yaml: every input option must be one of the
-    stage's deps (or a directory of them), every output option one of its outs, metrics or plots;
-    and every data dep and out must be reached through some option."""
+    stage's deps (or a directory of them), every output option one of its outs, metrics or plots
+    (but for the run directory, which DVC must not track: the next test); and every data dep and
+    out must be reached through some option, or be the run file of its metrics (llm/metrics.py)."""
     import importlib
+
+    from llm.metrics import run_info_path
+    from llm.stage import UNTRACKED_OUTPUTS
 
     module = importlib.import_module(stage["cmd"].split("-m ")[1].split()[0])
     opts, _ = _path_args(stage["cmd"])
@@ -122,7 +126,61 @@ def test_every_path_is_written_once_on_the_command_line_and_declared(name, stage
     outs = sum((_declared_paths(stage, k) for k in ("outs", "metrics", "plots")), [])
     for key in inputs:
         assert any(_covers(opts[key], d) for d in deps), f"stage {name}: --{key} {opts[key]} is not among its deps"
-    for key in outputs:
+    for key in set(outputs) - UNTRACKED_OUTPUTS:
         assert any(_covers(opts[key], o) for o in outs), f"stage {name}: --{key} {opts[key]} is not among its outs"
+    derived = [str(run_info_path(opts["metrics"]))] if "metrics" in opts else []
     for path in deps + outs:
-        assert any(_covers(p, path) for p in opts.values()), f"stage {name}: {path} is passed by no option"
+        assert any(_covers(p, path) for p in [*opts.values(), *derived]), f"stage {name}: {path} is passed by no option"
+
+
+@pytest.mark.parametrize("name,stage", list(_stage_defs()))
+def test_run_directories_are_no_dvc_output_and_git_ignored(name, stage):
+    """A training stage's run directory (checkpoints, TensorBoard) is kept out of DVC: declared as
+    an output, an experiment that changes it would make the committed baseline look changed
+    (`dvc repro` would retrain it), `dvc repro` would delete a killed run's checkpoints, and a
+    persisted output disables the run-cache. So it is on no outs list, and git ignores it."""
+    import subprocess
+
+    from llm.stage import UNTRACKED_OUTPUTS
+
+    opts, _ = _path_args(stage["cmd"])
+    outs = sum((_declared_paths(stage, k) for k in ("outs", "metrics", "plots")), [])
+    for key in UNTRACKED_OUTPUTS & set(opts):
+        path = opts[key]
+        assert not any(_covers(path, o) for o in outs), f"stage {name}: --{key} {path} is declared as an output"
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT).returncode == 0
+        assert ignored, f"stage {name}: --{key} {path} is not git-ignored (.gitignore)"
+
+
+@pytest.mark.parametrize("name,stage", list(_stage_defs()))
+def test_metrics_files_have_their_run_file_declared(name, stage):
+    """A stage that writes its metrics with llm.metrics.write_metrics (the RL stages through
+    llm.rl.finish_rl_stage) also writes the run file (timings, provenance) beside them: dvc.yaml
+    declares it as an output that is not a metric, so `dvc metrics diff` never lists a timing."""
+    from llm.metrics import run_info_path
+
+    opts, _ = _path_args(stage["cmd"])
+    script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
+    if not any(f"{fn}(" in script.read_text() for fn in ("write_metrics", "finish_rl_stage")):
+        return
+    run = str(run_info_path(opts["metrics"]))
+    assert run in _declared_paths(stage, "outs"), f"stage {name}: {run} is not among its outs"
+    assert run not in _declared_paths(stage, "metrics"), f"stage {name}: {run} must not be a metric"
+
+
+def test_every_stage_but_eval_and_report_can_be_restored_from_the_run_cache_on_another_machine():
+    """DVC restores a stage from its run-cache (params, deps and command run before, here or on
+    a machine whose run records were pulled) only when it has no persisted output, and none
+    uncached but metrics and plots; on another machine every output it restores must also be in
+    DVC's cache, since a remote holds cached objects only (DVC 3 pushes and pulls the run records,
+    not the git-tracked files they name). So the stages up to the models cache every output;
+    eval@<model> and report keep their samples and pages in git for a person to read, and
+    rerun (seconds to minutes) instead."""
+    blocked = set()
+    for name, stage in DVC.items():
+        body = stage.get("do", stage)
+        entries = [e for k in ("outs", "metrics", "plots") for e in body.get(k, [])]
+        if any(isinstance(e, dict) and ((next(iter(e.values())) or {}).get("persist")
+                                        or (next(iter(e.values())) or {}).get("cache") is False) for e in entries):
+            blocked.add(name)
+    assert blocked == {"eval", "report"}, sorted(blocked)

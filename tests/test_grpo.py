@@ -19,6 +19,7 @@ from llm.config import GRPOConfig, ModelConfig, RLConfig
 from llm.errors import NonFiniteError, QualityGateError
 from llm.grpo import GRPO
 from llm.loop import Updater
+from llm.metrics import read_metrics
 from llm.model import GPT
 from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
 from llm.rl import MathPrompts, run_rl
@@ -389,7 +390,7 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     make_workspace(tmp_path, "grpo")
     p = run_stage(tmp_path, "grpo")
     assert p.returncode == 0, p.stderr[-3000:]
-    m = json.loads((tmp_path / "metrics/grpo.json").read_text())
+    m = read_metrics(tmp_path / "metrics/grpo.json")  # with its run file (timings, samples)
     for k in ("reward_start", "reward_end", "final_kl", "math_exact_match", "math_exact_match_lo",
               "math_exact_match_hi", "math_exact_match_start", "rollout_s_total", "scoring_s_total",
               "update_s_total", "generation_fraction", "frac_reward_zero_std_mean"):
@@ -400,13 +401,13 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     val = (tmp_path / "metrics/plots/grpo_val.tsv").read_text().splitlines()
     assert [ln.split("\t")[0] for ln in val[1:]] == ["0", "2", "4"]
     assert (tmp_path / "metrics/plots/grpo.png").stat().st_size > 0
-    assert list((tmp_path / "runs/grpo/tb").glob("events.*"))
+    assert list((tmp_path / "runs/grpo/tb").glob("*/events.*"))  # one TensorBoard run per fingerprint
     from llm.artifacts import load_model_dir
     model, _, meta = load_model_dir(tmp_path / "models/grpo")
     assert model.head_names == ("lm",) and meta["stage"] == "grpo" and meta["steps"] == 4
     p2 = run_stage(tmp_path, "grpo")  # finished: resumes at the last step, trains nothing
     assert p2.returncode == 0 and "resumed from" in p2.stdout and "(step 4)" in p2.stdout
-    m2 = json.loads((tmp_path / "metrics/grpo.json").read_text())
+    m2 = read_metrics(tmp_path / "metrics/grpo.json")
     assert m2["resumed_from"] == 4 and m2["math_samples"] and m2["math_samples"] == m["math_samples"]
     timing = {"train_time_s", "eval_time_s", "elapsed_s", "tokens_per_s", "resumed_from"}
     assert {k: v for k, v in m2.items() if k not in timing and not k.endswith("_s_total")} == \

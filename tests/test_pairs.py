@@ -11,6 +11,7 @@ import torch
 
 from llm.config import CommonConfig, PairsConfig
 from llm.generate import Generation
+from llm.metrics import read_metrics
 from llm.pairs import break_format, choose_pair, preference_score
 from llm.preference import validate_pair
 from llm.rewards import math_reward, parse_answer
@@ -90,7 +91,7 @@ def test_break_format_keeps_the_content_and_breaks_only_the_format():
 # The stage
 
 def _check_outputs(ws, cfg: dict) -> tuple[dict, list[dict], list[dict]]:
-    m = json.loads((ws / "metrics/pairs.json").read_text())
+    m = read_metrics(ws / "metrics/pairs.json")  # with its run file (timings, inputs)
     train = [json.loads(x) for x in (ws / "data/pairs/train.jsonl").read_text().splitlines()]
     val = [json.loads(x) for x in (ws / "data/pairs/val.jsonl").read_text().splitlines()]
     recs = train + val

@@ -6,13 +6,13 @@ and the stage end to end with a reward model and with the verifier.
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from llm.config import PPOConfig
 from llm.losses import gae
+from llm.metrics import read_metrics
 from llm.ppo import PPO, KLAlert, KLController, token_rewards
 from llm.rl import run_rl
 from tests.test_grpo import (CPU, PAD, PROMPTS, RL_BASE, STOP, Killed, _killing, _same_rows, make_workspace, mean,
@@ -172,7 +172,7 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
     p = run_stage(tmp_path, "ppo")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reward from the reward model" in p.stdout
-    m = json.loads((tmp_path / "metrics/ppo.json").read_text())
+    m = read_metrics(tmp_path / "metrics/ppo.json")  # with its run file (timings, samples)
     for k in ("reward_start", "reward_end", "final_kl", "kl_coef_final", "kl_alerts", "math_exact_match",
               "math_exact_match_start", "math_exact_match_delta", "heldout_reward", "heldout_reward_start",
               "heldout_reward_delta", "heldout_kl", "generation_fraction"):

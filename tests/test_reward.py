@@ -22,6 +22,7 @@ from llm.artifacts import load_model_dir, save_model_dir
 from llm.chat import render
 from llm.config import ModelConfig, TrainConfig
 from llm.generators import math_problem, preference_pair, task, task_preference_pair
+from llm.metrics import read_metrics
 from llm.model import GPT
 from llm.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches, pair_metrics
 from llm.reward_model import RewardModel, bradley_terry_loss, reward, reward_loss_fn, score_sequences
@@ -312,7 +313,7 @@ def test_reward_stage_end_to_end(tmp_path, logprob_feature):
     write_params(ws, reward={"logprob_feature": logprob_feature})
     run = run_stage(ws, "reward")
     assert run.returncode == 0, run.stderr
-    m = json.loads((ws / "metrics/reward.json").read_text())
+    m = read_metrics(ws / "metrics/reward.json")  # with its run file (timings, samples)
     for k in ("accuracy", "margin", "reward_chosen_mean", "reward_chosen_std", "reward_rejected_mean",
               "reward_rejected_std", "train_loss", "steps", "train_time_s"):
         assert m[k] is not None, k

@@ -12,6 +12,7 @@ import pytest
 from llm.config import TokenizeConfig, TokenizerConfig
 from llm.fileio import DataError
 from llm.generators import math_problem
+from llm.metrics import read_metrics
 from llm.tokenizer import Tokenizer
 from stages import tokenize as tokenize_stage
 from stages import tokenizer as tokenizer_stage
@@ -54,7 +55,7 @@ def test_tokenizer_then_tokenize(prepared, tmp_path):
     out, metrics_path = tmp_path / "models/tokenizer", tmp_path / "metrics/tokenizer.json"
     m = tokenizer_stage.run(_tok_cfg(), prepared, out, metrics_path, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer.txt", "tokenizer_meta.json"]
-    assert json.loads(metrics_path.read_text()) == m
+    assert read_metrics(metrics_path) == m  # the metrics file joined with its run file
     assert m["vocab_size"] == 400 and not m["early_stop"] and m["warning"] is None
     assert m["bytes_per_token_en"] > 1.5 and m["bytes_per_token_zh"] > 1.5 and m["val_texts_zh"] > 0
     assert 0 < m["vocab_coverage"] <= 1 and m["train_seconds"] > 0

@@ -412,7 +412,7 @@ def test_outputs_tsv_png_tensorboard(tmp_path):
     val = (tmp_path / "plots" / "test_val.tsv").read_text().splitlines()
     assert val[0].split("\t")[:3] == ["step", "val_loss", "val_ppl"] and len(val) == 1 + 2  # steps 0 and 4
     assert (tmp_path / "plots" / "test.png").read_bytes()[:4] == b"\x89PNG"
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb" / "fp").iterdir())  # per fingerprint
     assert all(r["weight"] == 2 * 4 * 16 for r in res.train_history)  # grad_accum x batch x seq_len targets
     m = res.metrics
     assert m["steps"] == 4 and m["tokens_seen"] == 4 * 2 * 4 * 16 and m["nonfinite_skips"] == 0
