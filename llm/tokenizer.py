@@ -78,7 +78,7 @@ import hashlib
 import heapq
 import json
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -407,9 +407,12 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, *, max_pairs: int = 100_000, min_frequency: int = 2,
               required_tokens: Sequence[str] = (), progress: bool = False, jieba: bool = True,
-              specials: Sequence[str] = SPECIAL_TOKENS, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
+              specials: Sequence[str] = SPECIAL_TOKENS, pattern: str = SPLIT_PATTERN,
+              workers: int = 0) -> "Tokenizer":
         """Learn merges from `texts` until the vocabulary (bytes + merges + specials) has
         `vocab_size` ids. See the module docstring for the algorithm and its guarantees.
+        workers: processes for the counting pass (0 = one per usable CPU, 1 = this process
+        only); the merges do not depend on it.
         The result carries `train_stats` (corpus hash and size, timing, early stop, ...)."""
         t_start = time.perf_counter()
         pat = regex.compile(pattern)
@@ -423,33 +426,24 @@ class Tokenizer:
         if n_merges < 0:
             raise ValueError(f"vocab_size={vocab_size} is below 256 byte tokens + {len(specials)} specials")
 
-        # 1. Count unique chunks (one pass, streaming); Han chunks -> jieba words.
-        chunk_counts: Counter[str] = Counter()
-        h = hashlib.sha256()
-        n_texts = n_chars = n_bytes = 0
+        # 1. Count unique chunks (one pass, streaming); Han chunks -> jieba words. Both parts run
+        # in `workers` processes once the corpus is big enough to pay for starting them.
         if progress:
             from tqdm import tqdm
             texts = tqdm(texts, desc="pre-split", unit="text", mininterval=1.0)
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"train: text {i} is {type(text).__name__}, expected str")
-            try:
-                data = text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"train: text {i} is not valid Unicode: lone surrogate"
-                                 f" {text[e.start]!r} at character {e.start}") from None
-            h.update(len(data).to_bytes(8, "little") + data)
-            n_texts, n_chars, n_bytes = n_texts + 1, n_chars + len(text), n_bytes + len(data)
-            for chunks in _pre_split_windows(pat, text):
-                chunk_counts.update(chunks)
-        if not chunk_counts:
-            raise ValueError(f"empty corpus: {n_texts} texts, 0 characters; nothing to train on")
-        n_chunks = len(chunk_counts)
-        han = [c for c in chunk_counts if has_han(c)] if jieba else []
-        for chunk in han:  # in place: a second table would double the peak memory
-            f = chunk_counts.pop(chunk)
-            for w in _jieba_words(chunk):
-                chunk_counts[w] += f
+        h = hashlib.sha256()
+        sizes = [0, 0, 0]  # texts, characters, bytes
+        with _Workers(workers) as procs:
+            chunk_counts = _count_chunks(_text_batches(texts, h, sizes), pattern, procs)
+            if not chunk_counts:
+                raise ValueError(f"empty corpus: {sizes[0]} texts, 0 characters; nothing to train on")
+            n_chunks = len(chunk_counts)
+            han = [c for c in chunk_counts if has_han(c)] if jieba else []
+            for chunk, words in zip(han, _segment(han, procs)):  # in place: a second table would double peak memory
+                f = chunk_counts.pop(chunk)
+                for w in words:
+                    chunk_counts[w] += f
+        n_texts, n_chars, n_bytes = sizes
         n_words, n_jieba = len(chunk_counts), len(han)
         t_count = time.perf_counter() - t_start
 
@@ -682,26 +676,35 @@ class _MergeLearner:
         self.seen.add(self.vocab[-1])
         self.merges.append(pair)
         words, freqs, where = self.words, self.freqs, self.where
-        delta: defaultdict[tuple[int, int], int] = defaultdict(int)
+        delta: dict[tuple[int, int], int] = {}
+        get = delta.get
         for i in where.pop(pair, ()):
-            w, f, j = words[i], freqs[i], 0
-            while True:  # in place, left to right; the left neighbour may be a `new` just made
+            w = words[i]
+            last = len(w) - 1  # a pair starts before the last token
+            j = 0
+            while j < last:  # in place, left to right; the left neighbour may be a `new` just made
                 try:
-                    j = w.index(a, j)
+                    j = w.index(a, j, last)
                 except ValueError:
                     break
-                if j + 1 < len(w) and w[j + 1] == b:
+                if w[j + 1] == b:
+                    f = freqs[i]
                     if j:
                         left = w[j - 1]
-                        delta[left, a] -= f
-                        delta[left, new] += f
-                        where[left, new].add(i)
-                    if j + 2 < len(w):
+                        p = left, a
+                        delta[p] = get(p, 0) - f
+                        p = left, new
+                        delta[p] = get(p, 0) + f
+                        where[p].add(i)
+                    if j + 1 < last:
                         right = w[j + 2]
-                        delta[b, right] -= f
-                        delta[new, right] += f
-                        where[new, right].add(i)
+                        p = b, right
+                        delta[p] = get(p, 0) - f
+                        p = new, right
+                        delta[p] = get(p, 0) + f
+                        where[p].add(i)
                     w[j:j + 2] = (new,)
+                    last -= 1
                 j += 1
         counts, heap = self.counts, self.heap
         counts.pop(pair, None)
@@ -806,6 +809,116 @@ class _MergeLearner:
         if bar is not None:
             bar.close()
         return warning
+
+
+# ---------------------------------------------------------------------------
+# The counting pass of training: texts -> {chunk: count}, then Han chunks -> jieba words; in
+# worker processes once there is enough text to pay for starting them (~0.2 s each, and jieba
+# loads its dictionary in each). Counts are added up in text order, so the table and the
+# merges are the same with any number of workers (tests check this).
+
+_BATCH_CHARS = 1 << 20  # texts go to the counting pass in batches of about this many characters
+PARALLEL_MIN_BATCHES = 4  # the counting pass starts processes at the 4th batch (~4M characters)
+PARALLEL_MIN_HAN = 1 << 17  # jieba runs in processes when the Han chunks hold this many characters
+
+
+class _Workers:
+    """`n` spawned processes (0 = one per usable CPU), started on first use, if ever."""
+
+    def __init__(self, n: int):
+        if n == 0:
+            from llm.threads import usable_cpus
+            n = usable_cpus()
+        self.n, self._pool = n, None
+
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
+    def pool(self):
+        if self._pool is None:
+            import multiprocessing as mp
+            self._pool = mp.get_context("spawn").Pool(self.n)
+        return self._pool
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._pool is not None:
+            if exc_type is None:
+                self._pool.close()
+            else:
+                self._pool.terminate()
+            self._pool.join()
+
+
+def _text_batches(texts: Iterable[str], h, sizes: list[int]) -> Iterator[list[str]]:
+    """Check and hash each text (sha256 `h`), count them into `sizes` = [texts, characters,
+    bytes], and yield them in lists of about _BATCH_CHARS characters."""
+    batch, n = [], 0
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"train: text {i} is {type(text).__name__}, expected str")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"train: text {i} is not valid Unicode: lone surrogate"
+                             f" {text[e.start]!r} at character {e.start}") from None
+        h.update(len(data).to_bytes(8, "little") + data)
+        sizes[0], sizes[1], sizes[2] = sizes[0] + 1, sizes[1] + len(text), sizes[2] + len(data)
+        batch.append(text)
+        n += len(text)
+        if n >= _BATCH_CHARS:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _count_batch(pattern: str, texts: list[str], counts: Counter[str] | None = None) -> Counter[str]:
+    """{pre-split chunk: count} over `texts`, added to `counts` if given (in a worker or here)."""
+    pat, counts = regex.compile(pattern), Counter() if counts is None else counts
+    for text in texts:
+        for chunks in _pre_split_windows(pat, text):
+            counts.update(chunks)
+    return counts
+
+
+def _count_chunks(batches: Iterator[list[str]], pattern: str, workers: _Workers) -> Counter[str]:
+    """Sum _count_batch over the batches, in order. The first batches are held back until there
+    are PARALLEL_MIN_BATCHES of them: a smaller corpus is counted here, without processes."""
+    counts: Counter[str] = Counter()
+    held: list[list[str]] = []
+    ahead: deque = deque()  # batches sent to the workers, oldest first; at most 2 per worker
+    for batch in batches:
+        held.append(batch)
+        if workers.n < 2 or (not workers.started and len(held) < PARALLEL_MIN_BATCHES):
+            continue
+        for b in held:
+            ahead.append(workers.pool().apply_async(_count_batch, (pattern, b)))
+            while len(ahead) > 2 * workers.n:
+                counts.update(ahead.popleft().get())
+        held = []
+    while ahead:
+        counts.update(ahead.popleft().get())
+    for b in held:
+        _count_batch(pattern, b, counts)
+    return counts
+
+
+def _jieba_batch(chunks: list[str]) -> list[list[str]]:
+    return [_jieba_words(c) for c in chunks]
+
+
+def _segment(han: list[str], workers: _Workers) -> Iterator[list[str]]:
+    """The jieba words of each chunk in `han`, in order."""
+    if workers.n < 2 or sum(map(len, han)) < PARALLEL_MIN_HAN:
+        yield from map(_jieba_words, han)
+        return
+    step = max(1, len(han) // (8 * workers.n))
+    for words in workers.pool().imap(_jieba_batch, [han[i:i + step] for i in range(0, len(han), step)]):
+        yield from words
 
 
 # ---------------------------------------------------------------------------

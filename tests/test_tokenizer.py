@@ -2,6 +2,7 @@
 tie-break, specials, save/load, the HF `tokenizers` export (as a reference client)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import unicodedata
@@ -11,6 +12,7 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
 from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows,
@@ -93,6 +95,43 @@ def test_training_is_deterministic():
     a = Tokenizer.train(corpus, 600)
     b = Tokenizer.train(list(reversed(corpus)), 600)  # order of texts must not matter either
     assert a.merges == b.merges and a.sha256() == b.sha256()
+
+
+def _merges_sha(tok: Tokenizer) -> str:
+    return hashlib.sha256(repr(tok.merges).encode()).hexdigest()
+
+
+def test_trained_merges_are_unchanged():
+    # sha256 of the merge lists the trainer gave before its counting pass went parallel: a speed
+    # change must not change what is learned (with pruning, inexact, and with a required token)
+    assert _merges_sha(Tokenizer.train(_corpus(), 700, required_tokens=["####"])) == \
+        "77cf839d6f19162c23d2059a98ee59c65e3c8dcba31822eba0604b70229ae5a6"
+    pruned = Tokenizer.train(_corpus() * 3, 900, max_pairs=300)
+    assert pruned.train_stats["pairs_pruned"] > 0 and not pruned.train_stats["exact"]
+    assert _merges_sha(pruned) == "b8966c2cd8a9a82015fb8e40ff2c87f7ae5414a175e3876282d42ef22c860f1c"
+
+
+@pytest.mark.slow
+def test_counting_in_processes_learns_the_same_merges(monkeypatch):
+    corpus = _corpus() * 4
+    one = Tokenizer.train(corpus, 700, workers=1)
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 2000)  # many batches from a small corpus
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
+    two = Tokenizer.train(corpus, 700, workers=2)
+    assert two.train_stats["corpus_sha256"] == one.train_stats["corpus_sha256"]
+    assert two.merges == one.merges
+    assert two.train_stats["unique_words"] == one.train_stats["unique_words"]
+
+
+def test_the_counting_pass_starts_processes_only_for_a_big_corpus(monkeypatch):
+    started = []
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: started.append(1) or 1 / 0)
+    Tokenizer.train(_corpus(), 400, workers=2)  # far below PARALLEL_MIN_BATCHES batches and PARALLEL_MIN_HAN
+    assert not started
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 100)
+    with pytest.raises(ZeroDivisionError):
+        Tokenizer.train(_corpus(), 400, workers=2)
+    assert started
 
 
 def _train_reference(texts: list[str], n_merges: int, min_frequency: int) -> list[tuple[int, int]]:
