@@ -74,9 +74,11 @@ every text), the special tokens must be SPECIAL_TOKENS, counts and ids are bound
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
+import math
 import time
 from collections import Counter, defaultdict, deque
 from pathlib import Path
@@ -201,12 +203,96 @@ def _jieba_words(chunk: str) -> list[str]:
     head = ""
     if not chunk[0].isalpha():  # the optional [^\r\n\p{L}\p{N}] prefix of the regex
         head, chunk = chunk[0], chunk[1:]
-    words = jieba.lcut(chunk, HMM=True)
+    words = _jieba_cut(chunk) if jieba.__version__ == JIEBA_VERSION else jieba.lcut(chunk, HMM=True)
     if "".join(words) != chunk:  # jieba keeps every character; if not, don't trust it
         words = [chunk]
     if head:
         words[0] = head + words[0]
     return words
+
+
+JIEBA_VERSION = "0.42.1"  # the jieba whose jieba.lcut(text, HMM=True) _jieba_cut reproduces
+
+
+def _jieba_cut(text: str) -> list[str]:
+    """jieba.lcut(text, HMM=True) of jieba 0.42.1, word for word, in half its time.
+
+    jieba cuts each run of Han/ASCII-word characters by the most probable path through the
+    words of its dictionary (get_DAG, then calc from the right), and hands runs of single
+    characters that are not a word to its HMM (finalseg.cut). It builds the word graph in one
+    pass and scores it in a second, slicing and looking up every candidate twice, in a
+    generator per position; here one right-to-left pass does both with the same arithmetic in
+    the same order (so the same floats, the same ties: the longer word wins), and the HMM
+    results are cached. Training spends most of its time on Chinese here. Only used with that
+    jieba version; tests compare it with jieba.lcut on the Chinese of the test corpus and on
+    random text."""
+    import jieba
+
+    dt = jieba.dt
+    dt.check_initialized()
+    han, skip = jieba.re_han_default, jieba.re_skip_default
+    out: list[str] = []
+    for block in han.split(text):
+        if not block:
+            continue
+        if han.match(block):
+            out += _jieba_cut_block(block, dt.FREQ, math.log(dt.total))
+        else:  # not Han or ASCII letters/digits: whitespace runs whole, every other character alone
+            for piece in skip.split(block):
+                if skip.match(piece):
+                    out.append(piece)
+                else:
+                    out.extend(piece)
+    return out
+
+
+def _jieba_cut_block(s: str, freq: dict[str, int], logtotal: float) -> list[str]:
+    """jieba's Tokenizer.__cut_DAG(s) (get_DAG + calc + the HMM on unknown runs), see _jieba_cut."""
+    n, get, log = len(s), freq.get, math.log
+    score, end = [0.0] * (n + 1), [0] * (n + 1)  # best path from each position: log-prob, last index of its word
+    for k in range(n - 1, -1, -1):
+        best = None
+        i, f = k, get(s[k])
+        while f is not None:  # s[k:i+1] is a dictionary word (f > 0) or a prefix of one (f == 0)
+            if f:
+                sc = log(f) - logtotal + score[i + 1]
+                if best is None or sc >= best:  # jieba's max over (score, i): a tie goes to the longer word
+                    best, end[k] = sc, i
+            i += 1
+            if i >= n:
+                break
+            f = get(s[k:i + 1])
+        if best is None:  # no word starts here: the character alone
+            best, end[k] = log(get(s[k]) or 1) - logtotal + score[k + 1], k
+        score[k] = best
+    out: list[str] = []
+    buf = ""  # a run of single characters: whole if it is a word, else cut by the HMM
+
+    def flush() -> None:
+        if len(buf) == 1:
+            out.append(buf)
+        elif buf:
+            out.extend(buf if get(buf) else _jieba_hmm(buf))
+
+    x = 0
+    while x < n:
+        y = end[x] + 1
+        if y - x == 1:
+            buf += s[x]
+        else:
+            flush()
+            buf = ""
+            out.append(s[x:y])
+        x = y
+    flush()
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _jieba_hmm(run: str) -> tuple[str, ...]:
+    """jieba's HMM cut of a run of characters that are not dictionary words."""
+    from jieba import finalseg
+    return tuple(finalseg.cut(run))
 
 
 def has_han(text: str) -> bool:

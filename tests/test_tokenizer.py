@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
-from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows,
+from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
                            is_clean_token)
 
 PAT = regex.compile(SPLIT_PATTERN)
@@ -132,6 +132,37 @@ def test_the_counting_pass_starts_processes_only_for_a_big_corpus(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         Tokenizer.train(_corpus(), 400, workers=2)
     assert started
+
+
+HAN_TEXT = st.text(alphabet="的一是不了人我在有他这中大来上个国到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可"
+                          "苹果多少北京天安门小明有个元角分钟米千克龘齉亍丌兀㐀㐁豈更車ａｂ，。！？ 3.5%abc-#&_\n\t",
+                 max_size=40)
+
+
+@HYP
+@given(HAN_TEXT)
+def test_the_jieba_cut_reproduces_jieba(s):
+    import jieba
+    assert tokenizer_module._jieba_cut(s) == jieba.lcut(s, HMM=True)
+
+
+def test_the_jieba_cut_reproduces_jieba_on_the_chinese_of_the_corpus():
+    import jieba
+    chunks = {c for t in _corpus() for c in PAT.findall(t) if has_han(c)}
+    chunks |= {"".join(PAT.findall(t)) for t in _corpus() if has_han(t)}  # long runs: the HMM and the graph
+    assert len(chunks) > 100
+    for c in chunks:
+        assert tokenizer_module._jieba_cut(c) == jieba.lcut(c, HMM=True), c
+
+
+def test_the_jieba_cut_breaks_ties_like_jieba(monkeypatch):
+    # total 4: "甲乙" as one word scores log(1) - log(4), as two words 2 (log(2) - log(4)): the
+    # same float. jieba keeps the longer word.
+    import jieba
+    jieba.dt.check_initialized()
+    monkeypatch.setattr(jieba.dt, "FREQ", {"甲": 2, "乙": 2, "甲乙": 1})
+    monkeypatch.setattr(jieba.dt, "total", 4)
+    assert jieba.lcut("甲乙", HMM=True) == ["甲乙"] == tokenizer_module._jieba_cut("甲乙")
 
 
 def _train_reference(texts: list[str], n_merges: int, min_frequency: int) -> list[tuple[int, int]]:
