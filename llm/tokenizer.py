@@ -497,8 +497,9 @@ class Tokenizer:
               workers: int = 0) -> "Tokenizer":
         """Learn merges from `texts` until the vocabulary (bytes + merges + specials) has
         `vocab_size` ids. See the module docstring for the algorithm and its guarantees.
-        workers: processes for the counting pass (0 = one per usable CPU, 1 = this process
-        only); the merges do not depend on it.
+        workers: processes for the counting pass on a big corpus (0 = the usable CPUs that other
+        processes leave free, see llm/threads.py; 1 = this process only); the merges do not
+        depend on it.
         The result carries `train_stats` (corpus hash and size, timing, early stop, ...)."""
         t_start = time.perf_counter()
         pat = regex.compile(pattern)
@@ -909,13 +910,20 @@ PARALLEL_MIN_HAN = 1 << 17  # jieba runs in processes when the Han chunks hold t
 
 
 class _Workers:
-    """`n` spawned processes (0 = one per usable CPU), started on first use, if ever."""
+    """`n` spawned processes, started on first use, if ever. n = 0: as many as the `auto` rule
+    of llm/threads.py gives (the usable CPUs that other processes leave free), decided when first
+    asked: on a machine that is already full, more processes only add start-up and a second
+    copy of jieba's dictionary to load."""
 
     def __init__(self, n: int):
-        if n == 0:
-            from llm.threads import usable_cpus
-            n = usable_cpus()
-        self.n, self._pool = n, None
+        self._n, self._pool = n, None
+
+    @property
+    def n(self) -> int:
+        if self._n == 0:
+            from llm.threads import busy_cpus, choose_num_threads, usable_cpus
+            self._n = choose_num_threads(usable_cpus(), busy_cpus())
+        return self._n
 
     @property
     def started(self) -> bool:
@@ -979,7 +987,7 @@ def _count_chunks(batches: Iterator[list[str]], pattern: str, workers: _Workers)
     ahead: deque = deque()  # batches sent to the workers, oldest first; at most 2 per worker
     for batch in batches:
         held.append(batch)
-        if workers.n < 2 or (not workers.started and len(held) < PARALLEL_MIN_BATCHES):
+        if (not workers.started and len(held) < PARALLEL_MIN_BATCHES) or workers.n < 2:
             continue
         for b in held:
             ahead.append(workers.pool().apply_async(_count_batch, (pattern, b)))
@@ -999,7 +1007,7 @@ def _jieba_batch(chunks: list[str]) -> list[list[str]]:
 
 def _segment(han: list[str], workers: _Workers) -> Iterator[list[str]]:
     """The jieba words of each chunk in `han`, in order."""
-    if workers.n < 2 or sum(map(len, han)) < PARALLEL_MIN_HAN:
+    if sum(map(len, han)) < PARALLEL_MIN_HAN or workers.n < 2:
         yield from map(_jieba_words, han)
         return
     step = max(1, len(han) // (8 * workers.n))

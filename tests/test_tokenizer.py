@@ -134,6 +134,20 @@ def test_the_counting_pass_starts_processes_only_for_a_big_corpus(monkeypatch):
     assert started
 
 
+def test_automatic_workers_follow_the_thread_rule_and_look_at_the_load_only_when_it_matters(monkeypatch):
+    import llm.threads
+    looks = []
+    monkeypatch.setattr(llm.threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(llm.threads, "busy_cpus", lambda *a: looks.append(1) or 1.0)  # one CPU taken
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: 1 / 0)
+    Tokenizer.train(_corpus(), 400)  # small: no look at the load at all
+    assert not looks
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 100)
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
+    Tokenizer.train(_corpus(), 400)  # big enough, but 2 CPUs - 1 busy = 1 process: no pool
+    assert looks == [1]
+
+
 HAN_TEXT = st.text(alphabet="的一是不了人我在有他这中大来上个国到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可"
                           "苹果多少北京天安门小明有个元角分钟米千克龘齉亍丌兀㐀㐁豈更車ａｂ，。！？ 3.5%abc-#&_\n\t",
                  max_size=40)
