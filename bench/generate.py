@@ -26,8 +26,9 @@ A decoding step multiplies one row by every weight matrix, so the faster of the 
 
 For each thread count in --threads (0 = every usable CPU) and each batch size, the decoders and
 floors run in rotated order each round (A B C, B C A, ...); reported: tokens/s min/median/max
-and the min/median/max of the per-round ratios. The last line is JSON with every figure and the
-machine's load (bench/common.py).
+and the min/median/max of the per-round ratios. `--clock cpu` times process CPU seconds instead
+of wall seconds (with --threads 1, it leaves out the time the process waited for a CPU on a busy
+machine). The last line is JSON with every figure and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def build(size: tuple[int, int, int, int], seq_len: int):
     return ours, hf
 
 
-def floors(model: GPT, reps: int = 10) -> dict[str, float]:
+def floors(model: GPT, clock=time.perf_counter, reps: int = 10) -> dict[str, float]:
     """Seconds per token of: F.linear per weight matrix (its own layout), torch.mm per (in, out)
     copy, and one torch.sum per matrix (a read), for one row."""
     mats = [p.detach() for p in model.parameters() if p.ndim == 2]
@@ -74,10 +75,10 @@ def floors(model: GPT, reps: int = 10) -> dict[str, float]:
                          ("gemv_in_out", lambda: [torch.mm(xs[w.shape[0]], w) for w in in_out]),
                          ("read", lambda: [w.sum() for w in mats])):
             fn()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(reps):
                 fn()
-            out[name] = (time.perf_counter() - t0) / reps
+            out[name] = (clock() - t0) / reps
     return out
 
 
@@ -89,6 +90,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--size", default="6,6,384,8192", help="n_layer,n_head,n_embd,vocab_size")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time (meaningful with --threads 1: leaves out time spent preempted)")
     args = ap.parse_args()
     load0 = loadavg()
     size = tuple(int(v) for v in args.size.split(","))
@@ -98,15 +101,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = {B: torch.randint(1, V, (B, args.prompt), generator=g) for B in args.batches}
 
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+
     def run(name: str, ids: torch.Tensor) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         if name == "hf":
             with torch.inference_mode():
                 out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                   min_new_tokens=args.new, do_sample=False, use_cache=True)
         else:
             out = generate(ours, ids.tolist(), args.new, temperature=0.0, pad_id=0, fast=name == "fast").tokens
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         assert out.shape == (ids.shape[0], ids.shape[1] + args.new)
         return ids.shape[0] * args.new / dt
 
@@ -114,7 +119,7 @@ def main() -> None:
                                                  prompt=args.prompt, new_tokens=args.new),
               "params": {"ours": ours.n_params(), "hf_gpt2": sum(p.numel() for p in hf.parameters())},
               "weight_mb": round(sum(p.numel() for p in ours.parameters() if p.ndim == 2) * 4 / 1e6, 1),
-              "rounds": args.rounds, "runs": {}}
+              "rounds": args.rounds, "clock": args.clock, "runs": {}}
     print(f"bench: ours {ours.n_params():,} parameters, HF GPT-2 {result['params']['hf_gpt2']:,};"
           f" {args.rounds} rounds; load {load0}", flush=True)
     for n_threads in args.threads:
@@ -130,7 +135,7 @@ def main() -> None:
             for r, order in enumerate(rotations(names, args.rounds)):
                 for name in order:
                     if name == "floors":
-                        for k, v in floors(ours).items():
+                        for k, v in floors(ours, clock).items():
                             fl[k].append(v)
                     else:
                         tps[name].append(run(name, ids))

@@ -19,11 +19,16 @@ condition, and the slowdown busy / idle per round (min/median/max). The target f
 slowdown of at most 1.2x. Also: what auto chose in each condition, and `best_fixed_idle`, the
 faster of 1 and all threads on the idle machine, against which auto's busy step is compared too
 (no thread count can give a step more than the CPUs the competitor leaves it).
+Then, reproducibility: the same model from the same initial weights trained --bitwise-steps
+steps on the same batches with 1, 2, 3 and 4 threads (more threads than CPUs only costs time);
+`bitwise_same_as_1_thread` says which counts end with weights bit-identical to one thread's.
+
 The last line is JSON with every figure and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -57,6 +62,19 @@ def step_seconds(model: GPT, opt, batch: dict, steps: int) -> float:
     return statistics.median(times)
 
 
+def weights_after(mcfg: ModelConfig, cfg, batch: dict, threads: int, steps: int) -> str:
+    """sha256 of the weights after `steps` steps from seed 0 with `threads` torch threads."""
+    torch.set_num_threads(threads)
+    model = GPT(mcfg, seed=0)
+    opt = build_optimizer(model, cfg, "cpu")
+    for _ in range(steps):
+        loss_sum, n = lm_loss(model, batch)
+        (loss_sum / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
 def competitor() -> subprocess.Popen:
     """One CPU-bound process; given 0.5 s to be running before anything is measured."""
     p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -70,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--stage", default="pretrain", help="a training stage whose `model` and `batch_size` to use")
+    ap.add_argument("--bitwise-steps", type=int, default=3, help="steps of the reproducibility check; 0 = skip it")
     args = ap.parse_args()
     load0 = loadavg()
     sec = load_sections(["tokenizer", args.stage], args.params)
@@ -120,6 +139,11 @@ def main() -> None:
               f" slowdown busy/idle {show(res[f'slowdown_{s}'], 'x')}")
     print(f"auto busy / best fixed count idle: {show(res['auto_busy_over_best_fixed_idle'], 'x')};"
           f" busy: all threads / 1 thread {show(res['all_busy_over_1_busy'], 'x')}")
+    if args.bitwise_steps:
+        ref = weights_after(mcfg, cfg, batch, 1, args.bitwise_steps)
+        res["bitwise_same_as_1_thread"] = {t: weights_after(mcfg, cfg, batch, t, args.bitwise_steps) == ref
+                                           for t in (2, 3, 4)}
+        print(f"after {args.bitwise_steps} steps, weights bit-identical to 1 thread's: {res['bitwise_same_as_1_thread']}")
     res["machine"] = machine(load0)
     print(json.dumps(res))
 

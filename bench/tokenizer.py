@@ -37,7 +37,9 @@ Each engine and thread count runs in its own process (rayon fixes its thread cou
 process starts), which loads the corpus once and then times one call per request; the parent
 asks them in rotated order each round (A B C, B C A, ...), one at a time. Reported per engine:
 seconds (train) or MB/s (encode) min/median/max; and per reference, our speed relative to it
-per round (its time / our time; > 1 = ours faster), min/median/max.
+per round (its time / our time; > 1 = ours faster), min/median/max. `--clock cpu` times each
+worker's CPU seconds instead of wall seconds and runs the one-thread workers only: on a busy
+machine it leaves out the time a worker waited for a CPU.
 
 With --big: time and peak resident memory of our training in one process on the first --big-mb
 MB of the English corpus above, streamed file by file, in a child process (VmHWM), against the
@@ -223,7 +225,7 @@ def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None
         if what == "quit":
             return
         out: dict = {}
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if what == "train":
             if engine == "ours":
                 t = Tokenizer.train(docs, VOCAB, workers=threads)
@@ -245,7 +247,7 @@ def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None
                 ids = enc.encode_ordinary_batch(docs, num_threads=threads)
             out["ids"] = ids_digest(ids)
             out["tokens"] = sum(map(len, ids))
-        out["s"] = time.perf_counter() - t0
+        out["s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
         print(json.dumps(out), flush=True)
 
 
@@ -270,15 +272,17 @@ class Worker:
         self.p.wait()
 
 
-def compare(kind: str, workers: dict[str, Worker], rounds: int, mb: float, label: str) -> dict:
-    """Ask every worker `kind` once per round, rotated; summaries and our relative speed."""
+def compare(kind: str, workers: dict[str, Worker], rounds: int, mb: float, label: str, clock: str = "wall") -> dict:
+    """Ask every worker `kind` once per round, rotated; summaries and our relative speed, timed
+    by `clock`: wall seconds, or the worker's CPU seconds (one-thread workers only)."""
     names = list(workers)
+    key = "s" if clock == "wall" else "cpu_s"
     got: dict[str, list[dict]] = {n: [] for n in names}
     for r, order in enumerate(rotations(names, rounds)):
         for n in order:
             got[n].append(workers[n].ask(kind))
-        print(f"[{label}] {kind} round {r + 1}: " + ", ".join(f"{n} {got[n][-1]['s']:.2f} s" for n in names), flush=True)
-    t = {n: [a["s"] for a in got[n]] for n in names}
+        print(f"[{label}] {kind} round {r + 1}: " + ", ".join(f"{n} {got[n][-1][key]:.2f} s" for n in names), flush=True)
+    t = {n: [a[key] for a in got[n]] for n in names}
     out: dict = {}
     if kind == "train":
         out["s"] = {n: summary(v, 3) for n, v in t.items()}
@@ -294,7 +298,7 @@ def compare(kind: str, workers: dict[str, Worker], rounds: int, mb: float, label
     return out
 
 
-def bench_corpus(lang: str, mb: float, rounds: int, n: int) -> dict:
+def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall") -> dict:
     docs, source = corpus(lang, mb)
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     res: dict = {"source": source, "docs": len(docs), "mb": round(nbytes / 1e6, 3)}
@@ -303,16 +307,15 @@ def bench_corpus(lang: str, mb: float, rounds: int, n: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         Tokenizer.train(docs, VOCAB).save(d)  # the merges every encoder uses
         del docs
-        specs = {"ours_1": ("ours", 1), f"ours_{n}": ("ours", n), "hf_1": ("hf", 1), f"hf_{n}": ("hf", n),
-                 "rustbpe_1": ("rustbpe", 1), f"rustbpe_{n}": ("rustbpe", n)}
-        workers = {k: Worker(e, t, lang, mb, d) for k, (e, t) in specs.items()}
+        counts = [1] if clock == "cpu" else [1, n]  # CPU time compares one-thread runs only
+        workers = {f"{e}_{t}": Worker(e, t, lang, mb, d) for e in ("ours", "hf", "rustbpe") for t in counts}
         try:
-            res["train"] = compare("train", workers, rounds, res["mb"], label)
+            res["train"] = compare("train", workers, rounds, res["mb"], label, clock)
             for k in [k for k in workers if k.startswith("rustbpe")]:
                 workers.pop(k).close()
-            workers["tiktoken_1"] = Worker("tiktoken", 1, lang, mb, d)
-            workers[f"tiktoken_{n}"] = Worker("tiktoken", n, lang, mb, d)
-            res["encode"] = compare("encode", workers, rounds, res["mb"], label)
+            for t in counts:
+                workers[f"tiktoken_{t}"] = Worker("tiktoken", t, lang, mb, d)
+            res["encode"] = compare("encode", workers, rounds, res["mb"], label, clock)
         finally:
             for w in workers.values():
                 w.close()
@@ -366,6 +369,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[2.0], help="corpus sizes in MB")
     ap.add_argument("--langs", nargs="+", default=["en", "zh"], choices=["en", "zh"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: each worker's CPU seconds, one-thread runs only (steadier on a busy machine)")
     ap.add_argument("--big", action="store_true", help="also measure peak memory on a ~100 MB corpus (minutes)")
     ap.add_argument("--big-mb", type=int, default=100)
     ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
@@ -387,13 +392,14 @@ def main() -> None:
     import tokenizers
     load0 = loadavg()
     n = usable_cpus()
-    results: dict = {"bench": "tokenizer", "vocab_size": VOCAB, "rounds": args.rounds, "threads_all": n,
+    results: dict = {"bench": "tokenizer", "vocab_size": VOCAB, "rounds": args.rounds, "clock": args.clock,
+                     "threads_all": n,
                      "versions": {"tokenizers": tokenizers.__version__, "tiktoken": tiktoken.__version__,
                                   "rustbpe": _version("rustbpe")}, "corpora": {}}
     print(f"bench: {args.rounds} rounds; 1 and {n} threads; load {load0}", flush=True)
     for mb in args.sizes:
         for lang in args.langs:
-            results["corpora"][f"{lang}_{mb:g}mb"] = bench_corpus(lang, mb, args.rounds, n)
+            results["corpora"][f"{lang}_{mb:g}mb"] = bench_corpus(lang, mb, args.rounds, n, args.clock)
     if args.big:
         results.update(big_run(args.big_mb))
     results["machine"] = machine(load0)
