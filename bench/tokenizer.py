@@ -245,9 +245,10 @@ def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None
                 ids = [e.ids for e in enc.encode_batch(docs, add_special_tokens=False)]
             else:
                 ids = enc.encode_ordinary_batch(docs, num_threads=threads)
+        out["s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        if what == "encode":
             out["ids"] = ids_digest(ids)
             out["tokens"] = sum(map(len, ids))
-        out["s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
         print(json.dumps(out), flush=True)
 
 

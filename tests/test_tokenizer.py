@@ -169,6 +169,17 @@ def test_the_jieba_cut_reproduces_jieba_on_the_chinese_of_the_corpus():
         assert tokenizer_module._jieba_cut(c) == jieba.lcut(c, HMM=True), c
 
 
+ASCII_TEXT = st.one_of(st.text(alphabet=st.characters(max_codepoint=127)),
+                      st.text(alphabet="ab Z'sdmtlvre LLVE09\t\n\r\x0b\x0c\x1c\x1f!?.,-_  ", max_size=60))
+
+
+@HYP
+@given(ASCII_TEXT)
+def test_the_ascii_twin_of_the_pattern_splits_ascii_text_the_same(s):
+    twin = tokenizer_module._ASCII_TWINS[SPLIT_PATTERN]
+    assert twin.findall(s) == PAT.findall(s)
+
+
 def test_the_jieba_cut_breaks_ties_like_jieba(monkeypatch):
     # total 4: "甲乙" as one word scores log(1) - log(4), as two words 2 (log(2) - log(4)): the
     # same float. jieba keeps the longer word.
