@@ -23,6 +23,9 @@ and at batch 1, in the same rounds, what bounds any decoder from above:
 
 A decoding step multiplies one row by every weight matrix, so the faster of the two GEMVs is the
 "GEMV floor" (floor_tok_s); `fast_of_floor` is fast's tokens/s over that floor, per round.
+At every batch size, `breakdown` times FastDecoder's step three ways (see `breakdown()`): the
+real step, its matrix products alone back to back, and the step without its products; where the
+first is more than the sum of the other two, the products ran slower inside decoding than alone.
 
 For each thread count in --threads (0 = every usable CPU) and each batch size, the decoders and
 floors run in rotated order each round (A B C, B C A, ...); reported: tokens/s min/median/max
@@ -82,6 +85,47 @@ def floors(model: GPT, clock=time.perf_counter, reps: int = 10) -> dict[str, flo
     return out
 
 
+def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, float]:
+    """Seconds per decoding step of FastDecoder at batch B after a `prompt`-token prefill, split:
+    `step` the real step; `products` FastDecoder's own matrix products alone, back to back in
+    step order (its (in, out) copies, addmm where it uses addmm); `other` the step with every
+    product replaced by a preallocated result (torch.mm / torch.addmm swapped for the run, then
+    restored), i.e. everything but the products."""
+    import llm.generate as G
+    dec = G.FastDecoder(model)
+    outs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def fake_mm(a, b):
+        return outs.setdefault((a.shape[0], b.shape[1]), torch.zeros(a.shape[0], b.shape[1]))
+
+    def decode(fake: bool) -> float:
+        cache = G.KVCache.for_model(model, B, prompt + steps)
+        tok = torch.ones(B, dtype=torch.long)
+        model.hidden_states(torch.ones(B, prompt, dtype=torch.long), None, kv_cache=cache)
+        mm, addmm = torch.mm, torch.addmm
+        if fake:
+            torch.mm, torch.addmm = fake_mm, (lambda x, a, b: x)
+        try:
+            t0 = clock()
+            for _ in range(steps):
+                tok = dec.step(tok, cache).argmax(-1)
+            return (clock() - t0) / steps
+        finally:
+            torch.mm, torch.addmm = mm, addmm
+
+    def products() -> float:
+        x, h = torch.randn(B, dec.wte.shape[1]), torch.randn(B, dec.H)
+        t0 = clock()
+        for _ in range(steps):
+            for _, wqkv, wo, _, wfc, wp in dec.layers:
+                torch.mm(x, wqkv), torch.addmm(x, x, wo), torch.mm(x, wfc), torch.addmm(x, h, wp)
+            torch.mm(x, dec.lm)
+        return (clock() - t0) / steps
+
+    with torch.inference_mode():
+        return {"step": decode(False), "products": products(), "other": decode(True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -127,8 +171,9 @@ def main() -> None:
         T = torch.get_num_threads()
         for B in args.batches:
             ids = prompts[B]
-            names = ["fast", "plain", "hf"] + (["floors"] if B == 1 else [])
-            tps: dict[str, list[float]] = {n: [] for n in names if n != "floors"}
+            names = ["fast", "plain", "hf", "breakdown"] + (["floors"] if B == 1 else [])
+            parts: dict[str, list[float]] = {"step": [], "products": [], "other": []}
+            tps: dict[str, list[float]] = {n: [] for n in ("fast", "plain", "hf")}
             fl: dict[str, list[float]] = {"gemv_linear": [], "gemv_in_out": [], "read": []}
             for name in ("fast", "plain", "hf"):  # warm-up: first-call costs out of the timings
                 run(name, ids)
@@ -137,6 +182,9 @@ def main() -> None:
                     if name == "floors":
                         for k, v in floors(ours, clock).items():
                             fl[k].append(v)
+                    elif name == "breakdown":
+                        for k, v in breakdown(ours, B, args.prompt, min(args.new, 64), clock).items():
+                            parts[k].append(v)
                     else:
                         tps[name].append(run(name, ids))
                 line = ", ".join(f"{n} {tps[n][-1]:.0f}" for n in tps)
@@ -148,6 +196,9 @@ def main() -> None:
             e["fast_over_hf"] = ratios(tps["fast"], tps["hf"])
             e["plain_over_hf"] = ratios(tps["plain"], tps["hf"])
             e["fast_over_plain"] = ratios(tps["fast"], tps["plain"])
+            e["breakdown_ms_per_step"] = {k: summary([1e3 * x for x in v], 3) for k, v in parts.items()}
+            e["products_share_of_step"] = summary([p / st for p, st in zip(parts["products"], parts["step"])], 3)
+            e["other_share_of_step"] = summary([o / st for o, st in zip(parts["other"], parts["step"])], 3)
             if B == 1:
                 floor = [min(a, b) for a, b in zip(fl["gemv_linear"], fl["gemv_in_out"])]
                 e["floor_tok_s"] = summary([1 / f for f in floor], 1)
@@ -162,7 +213,10 @@ def main() -> None:
             result["runs"][f"threads{T}_batch{B}"] = e
             print(f"threads {T} batch {B}: fast/HF {show(e['fast_over_hf'], 'x')}, plain/HF"
                   f" {show(e['plain_over_hf'], 'x')}, fast/plain {show(e['fast_over_plain'], 'x')}"
-                  + (f"; fast = {show(e['fast_of_floor'])} of the GEMV floor" if B == 1 else ""), flush=True)
+                  + (f"; fast = {show(e['fast_of_floor'])} of the GEMV floor" if B == 1 else "")
+                  + f"; a fast step (ms) {show(e['breakdown_ms_per_step']['step'])}: its products alone"
+                  f" {show(e['breakdown_ms_per_step']['products'])}, all but the products"
+                  f" {show(e['breakdown_ms_per_step']['other'])}", flush=True)
     result["machine"] = machine(load0)
     print(json.dumps(result))
 

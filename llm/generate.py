@@ -144,16 +144,19 @@ class FastDecoder:
             rope = torch.view_as_complex(self.rope[start])                   # (hd/2,)
             mask = None
         cache.n_real += 1
+        # this step's slot and all keys/values so far, for every layer at once: (n_layer, B, nkv, ...)
+        k_new = torch.view_as_complex(cache.k[:, :, :, start].unflatten(-1, (-1, 2))).unbind(0)  # (B, nkv, hd/2)
+        v_new = cache.v[:, :, :, start].unflatten(-1, (-1, 2)).unbind(0)     # (B, nkv, hd/2, 2)
+        k_all, v_all = cache.k[:, :, :, :L].unbind(0), cache.v[:, :, :, :L].unbind(0)  # (B, nkv, L, hd)
         x = F.embedding(tok, self.wte)                                       # (B, C)
         for layer, (w1, wqkv, wo, w2, wfc, wp) in enumerate(self.layers):
             h = F.rms_norm(x, (C,), w1, NORM_EPS)
             qkv = torch.mm(h, wqkv).view(B, nh + 2 * nkv, hd // 2, 2)       # (B, nh + 2 nkv, hd/2, 2)
             qk = torch.view_as_complex(qkv[:, :nh + nkv])                    # (B, nh + nkv, hd/2) complex
-            k_all, v_all = cache._k_layers[layer], cache._v_layers[layer]    # (B, nkv, max_len, hd)
-            torch.mul(qk[:, nh:], rope, out=torch.view_as_complex(k_all[:, :, start].unflatten(-1, (-1, 2))))
-            v_all[:, :, start].copy_(qkv[:, nh + nkv:].flatten(-2))
+            torch.mul(qk[:, nh:], rope, out=k_new[layer])                    # rotated keys, into the cache
+            v_new[layer].copy_(qkv[:, nh + nkv:])
             q = torch.view_as_real(qk[:, :nh] * rope).view(B, nh, 1, hd)     # (B, nh, 1, hd)
-            y = F.scaled_dot_product_attention(q, k_all[:, :, :L], v_all[:, :, :L], attn_mask=mask,
+            y = F.scaled_dot_product_attention(q, k_all[layer], v_all[layer], attn_mask=mask,
                                                enable_gqa=nkv != nh)         # (B, nh, 1, hd)
             x = torch.addmm(x, y.view(B, nh * hd), wo)                       # x + attention output
             g = torch.mm(F.rms_norm(x, (C,), w2, NORM_EPS), wfc)             # (B, 2H): [gate | up]
