@@ -133,12 +133,14 @@ def main() -> None:
     best_idle = [min(a, b) for a, b in zip(t["idle"]["1"], t["idle"]["all"])]
     res["auto_busy_over_best_fixed_idle"] = ratios(t["busy"]["auto"], best_idle)
     res["all_busy_over_1_busy"] = ratios(t["busy"]["all"], t["busy"]["1"])
+    res["all_idle_over_1_idle"] = ratios(t["idle"]["all"], t["idle"]["1"])
     res["meets_target"] = res["slowdown_auto"]["median"] <= 1.2
     for s in settings:
         print(f"{s:>4}: idle {show(res[f's_per_step_idle_{s}'], ' s')}, busy {show(res[f's_per_step_busy_{s}'], ' s')};"
               f" slowdown busy/idle {show(res[f'slowdown_{s}'], 'x')}")
     print(f"auto busy / best fixed count idle: {show(res['auto_busy_over_best_fixed_idle'], 'x')};"
-          f" busy: all threads / 1 thread {show(res['all_busy_over_1_busy'], 'x')}")
+          f" all threads / 1 thread: idle {show(res['all_idle_over_1_idle'], 'x')}, busy"
+          f" {show(res['all_busy_over_1_busy'], 'x')}")
     if args.bitwise_steps:
         ref = weights_after(mcfg, cfg, batch, 1, args.bitwise_steps)
         res["bitwise_same_as_1_thread"] = {t: weights_after(mcfg, cfg, batch, t, args.bitwise_steps) == ref
