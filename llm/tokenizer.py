@@ -202,7 +202,8 @@ def _pre_split_windows(pat: regex.Pattern, text: str, window: int = 1 << 20) -> 
     yield _findall(pat, twin, text, start, n)
 
 
-def _findall(pat: regex.Pattern, twin: re.Pattern | None, text: str, start: int = 0, end: int | None = None) -> list[str]:
+def _findall(pat: regex.Pattern, twin: re.Pattern | None, text: str, start: int = 0,
+             end: int | None = None) -> list[str]:
     """pat.findall(text[start:end]), by pat's ASCII twin (see _ASCII_TWINS) when that part is ASCII."""
     end = len(text) if end is None else end
     if twin is not None and (text.isascii() if start == 0 and end == len(text) else text[start:end].isascii()):
