@@ -10,18 +10,19 @@
     threads = max(1, usable - busy)
 
 Why: torch's intra-op threads meet at a barrier after every parallel op, so one thread that
-the OS has handed to another process holds up all the others. On 2 cores with one other
-CPU-bound process, 2 threads ran a training step 1.6-2.0x slower than 1 thread
-(bench/threads.py measures it again); a count that leaves the busy cores alone does not
+the OS has handed to another process holds up all the others. Next to one other CPU-bound
+process, 2 threads ran the `pretrain` step 2.7x slower than 1 thread on the 2-core reference
+machine (bench/threads.py; bench/README.md); a count that leaves the busy CPUs alone does not
 collapse. The count is decided once, not re-checked between steps, so that a run does not
 change its arithmetic halfway.
 
 Reproducibility: the count depends on the machine and on its load when the stage starts, and a
 different count can change floating-point results (how reductions are split between threads).
 Same machine, same load class -> same count -> the same numbers. On the reference 2-core
-machine, 1, 2, 4 and 8 threads train bit-identical weights for the `cpu` profile's model and 3
-threads do not (bench/README.md); where bitwise reruns matter on other machines, set a fixed
-`common.num_threads`. The chosen count is printed and `train()` records it in its metrics.
+machine, 1, 2 and 4 threads train bit-identical weights for the `pretrain` model and 3 threads
+do not (bench/threads.py); where bitwise reruns matter on other machines, set a fixed
+`common.num_threads`. The chosen count is printed, and the training stages record it in their
+metrics as `num_threads`.
 
 An integer >= 1 is used as given; 0 leaves torch's own default (one thread per core).
 """
