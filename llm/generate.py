@@ -15,7 +15,9 @@ Decoding is bound by Python overhead for small models and by reading the weights
 cache at larger ones (bench/generate.py measures both regimes), so the loop runs under
 inference_mode, computes logits only at the last position, builds no per-step masks when no
 prompt is padded (one query against all cached keys), and samples by inverse CDF with one
-random number per row (see `sample_next`).
+random number per row (see `sample_next`). After the prefill, each step of the default
+architecture on the CPU runs through `FastDecoder` (its weights copied to the layout that
+matrix-vector products read fastest); `fast=False` keeps every step on the model's own path.
 
 Threads: small-batch decoding is many tiny ops; on a CPU shared with other work, one torch
 thread is often faster than two (bench/generate.py --threads 1).
