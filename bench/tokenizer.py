@@ -33,6 +33,9 @@ document), caches cold, the documents as one batch:
   hf        our exported tokenizer.json, encode_batch(docs); RAYON_NUM_THREADS = 1 or N
   tiktoken  tiktoken.Encoding(our pattern, our merges as ranks).encode_ordinary_batch(docs,
             num_threads=1 or N)
+After the encoders, the pre-split alone (our regex pass over the documents, no merges, no
+look-ups) is timed in our one-thread worker: how much of our encoding time no change to the BPE
+code could remove.
 Each engine and thread count runs in its own process (rayon fixes its thread count when a
 process starts), which loads the corpus once and then times one call per request; the parent
 asks them in rotated order each round (A B C, B C A, ...), one at a time. Reported per engine:
@@ -70,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, rotations, show, summary  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
-from llm.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, has_han  # noqa: E402
+from llm.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
 
 VOCAB = 4096
 DOC_ROOT = Path("/usr/share/doc")
@@ -234,6 +237,9 @@ def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None
                 out["vocab"] = hf_train(docs).get_vocab_size()
             else:
                 out["vocab"] = rustbpe_train(docs).vocab_size
+        elif what == "presplit":  # ours only: the regex pass of encode, without the merges and look-ups
+            for d in docs:
+                _findall(ours._pat, ours._ascii_twin, d)
         else:
             if engine == "ours":
                 ours._cache.clear()
@@ -317,10 +323,14 @@ def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall")
             for t in counts:
                 workers[f"tiktoken_{t}"] = Worker("tiktoken", t, lang, mb, d)
             res["encode"] = compare("encode", workers, rounds, res["mb"], label, clock)
+            key = "s" if clock == "wall" else "cpu_s"
+            pre = [workers["ours_1"].ask("presplit")[key] for _ in range(rounds)]
+            res["encode"]["ours_1_presplit_mb_per_s"] = summary([res["mb"] / x for x in pre], 3)
         finally:
             for w in workers.values():
                 w.close()
     res["bytes_per_token"] = round(res["mb"] * 1e6 / res["encode"]["tokens"], 3)
+    print(f"[{label}] our pre-split alone (1 thread): {show(res['encode']['ours_1_presplit_mb_per_s'], ' MB/s')}")
     for kind in ("train", "encode"):
         for k, s in res[kind]["ours_speed_vs"].items():
             print(f"[{label}] {kind}: {k}: {show(s, 'x')}")
