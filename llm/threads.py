@@ -1,6 +1,6 @@
 """How many CPU threads torch uses: `common.num_threads`.
 
-    n = apply_num_threads(common.num_threads)   # once, when a stage starts (llm/trainer.py setup_runtime)
+    n = apply_num_threads(common.num_threads)   # once, when a stage starts (llm/runtime.py setup_runtime)
 
 `auto` (the default) applies one rule, once per process:
 
