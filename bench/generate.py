@@ -1,28 +1,42 @@
-"""Benchmark: cached greedy decoding, ours against Hugging Face transformers, same run.
+"""Benchmark: cached decoding (llm/generate.py) against Hugging Face transformers, with its floors.
 
-    python bench/generate.py [--rounds 3] [--batches 1 64] [--threads 0]
+    python bench/generate.py [--rounds 3] [--batches 1 64] [--threads 1 0] [--new 256]
     python bench/generate.py --size 4,4,128,4096    # the tiny CPU preset instead (layers,heads,width,vocab)
 
-Both models have the same size, randomly initialised: 6 layers, 384 wide, 6 heads, vocab
-8192 (ours: our default RMSNorm/RoPE/SwiGLU architecture; HF: GPT2LMHeadModel, same parameter
-count up to position embeddings). Each run decodes --new 256 tokens greedily after a
---prompt 32 token prompt with the KV cache (HF: `generate(do_sample=False, use_cache=True)`,
-with min_new_tokens so that neither stops early). tokens/s = batch * new tokens / wall time,
-prefill included. Runs alternate HF, ours, ours, HF, ... and each round gives a paired ratio.
+Models, randomly initialised, same size: 6 layers, 384 wide, 6 heads, vocab 8192. Ours has our
+default architecture (RMSNorm, RoPE, SwiGLU 1024, tied embeddings: 13.8M parameters, 55 MB in
+fp32); HF's is GPT2LMHeadModel (the same parameter count up to its position table). Each run
+decodes --new tokens greedily after a --prompt token prompt with the KV cache; tokens/s = batch x
+new tokens / wall time, prefill included. Decoders:
 
-At batch 1 a decode step is a matrix-vector product per weight matrix, so every step streams
-all weights from memory (55 MB in fp32 here, more than the 32 MB L3 cache of the reference
-machine). The benchmark measures that floor in the same round (one F.linear per weight
-matrix of our model on a single token, no attention, no Python model code): no
-implementation can decode faster than `floor_tok_s` at batch 1, which bounds the ratio to HF.
+  fast    generate(model, ...): llm/generate.py's FastDecoder ((in, out) weight copies, addmm,
+          keys rotated straight into the cache)
+  plain   generate(model, ..., fast=False): every step through GPT.hidden_states
+  hf      transformers' generate(do_sample=False, use_cache=True), with min_new_tokens so that
+          neither side stops early
 
-The last line is JSON.
+and at batch 1, in the same rounds, what bounds any decoder from above:
+
+  gemv_linear   one F.linear(x, W) per weight matrix, x one row: the products the plain path runs
+  gemv_in_out   one torch.mm(x, W) per weight matrix stored (in, out): the ones FastDecoder runs
+  read          one pass over every weight matrix (torch.sum): memory traffic alone
+
+A decoding step multiplies one row by every weight matrix, so the faster of the two GEMVs is the
+"GEMV floor" (floor_tok_s); `fast_of_floor` is fast's tokens/s over that floor, per round.
+At every batch size, `breakdown` times FastDecoder's step three ways (see `breakdown()`): the
+real step, its matrix products alone back to back, and the step without its products; where the
+first is more than the sum of the other two, the products ran slower inside decoding than alone.
+
+For each thread count in --threads (0 = every usable CPU) and each batch size, the decoders and
+floors run in rotated order each round (A B C, B C A, ...); reported: tokens/s min/median/max
+and the min/median/max of the per-round ratios. `--clock cpu` times process CPU seconds instead
+of wall seconds (with --threads 1, it leaves out the time the process waited for a CPU on a busy
+machine). The last line is JSON with every figure and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,104 +46,178 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import loadavg, machine, ratios, rotations, show, summary  # noqa: E402
 from llm.config import ModelConfig  # noqa: E402
-from llm.generate import generate  # noqa: E402
+from llm.generate import FastDecoder, generate  # noqa: E402
 from llm.model import GPT  # noqa: E402
+from llm.threads import usable_cpus  # noqa: E402
 
-L, H, C, V = 6, 6, 384, 8192  # --size overrides
 
-
-def build(prompt: int, new: int):
+def build(size: tuple[int, int, int, int], seq_len: int):
     import transformers
     transformers.logging.set_verbosity_error()
-    ours = GPT(ModelConfig(vocab_size=V, seq_len=prompt + new, n_layer=L, n_head=H, n_kv_head=H, n_embd=C)).eval()
+    L, H, C, V = size
+    ours = GPT(ModelConfig(vocab_size=V, seq_len=seq_len, n_layer=L, n_head=H, n_kv_head=H, n_embd=C)).eval()
     torch.manual_seed(0)  # HF initialises from the global RNG
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=V, n_positions=prompt + new, n_embd=C, n_layer=L, n_head=H)).eval()
+        vocab_size=V, n_positions=seq_len, n_embd=C, n_layer=L, n_head=H)).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return ours, hf
 
 
-def weight_floor(model: GPT, reps: int = 20) -> float:
-    """Seconds per token to stream every weight matrix once (batch-1 matrix-vector products)."""
-    mats = [p for p in model.parameters() if p.ndim == 2]
-    xs = {n: torch.randn(1, n) for n in {p.shape[1] for p in mats}}
+def floors(model: GPT, clock=time.perf_counter, reps: int = 10) -> dict[str, float]:
+    """Seconds per token of: F.linear per weight matrix (its own layout), torch.mm per (in, out)
+    copy, and one torch.sum per matrix (a read), for one row."""
+    mats = [p.detach() for p in model.parameters() if p.ndim == 2]
+    in_out = [w.t().contiguous() for w in mats]
+    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in mats}}
+    out = {}
     with torch.inference_mode():
-        for w in mats:
-            F.linear(xs[w.shape[1]], w)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for w in mats:
-                F.linear(xs[w.shape[1]], w)
-    return (time.perf_counter() - t0) / reps
+        for name, fn in (("gemv_linear", lambda: [F.linear(xs[w.shape[1]], w) for w in mats]),
+                         ("gemv_in_out", lambda: [torch.mm(xs[w.shape[0]], w) for w in in_out]),
+                         ("read", lambda: [w.sum() for w in mats])):
+            fn()
+            t0 = clock()
+            for _ in range(reps):
+                fn()
+            out[name] = (clock() - t0) / reps
+    return out
 
 
-def summary(xs: list[float]) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
+def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, float]:
+    """Seconds per decoding step of FastDecoder at batch B after a `prompt`-token prefill, split:
+    `step` the real step; `products` FastDecoder's own matrix products alone, back to back in
+    step order (its (in, out) copies, addmm where it uses addmm); `other` the step with every
+    product replaced by a preallocated result (torch.mm / torch.addmm swapped for the run, then
+    restored), i.e. everything but the products."""
+    import llm.generate as G
+    dec = G.FastDecoder(model)
+    outs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def fake_mm(a, b):
+        return outs.setdefault((a.shape[0], b.shape[1]), torch.zeros(a.shape[0], b.shape[1]))
+
+    def decode(fake: bool) -> float:
+        cache = G.KVCache.for_model(model, B, prompt + steps)
+        tok = torch.ones(B, dtype=torch.long)
+        model.hidden_states(torch.ones(B, prompt, dtype=torch.long), None, kv_cache=cache)
+        mm, addmm = torch.mm, torch.addmm
+        if fake:
+            torch.mm, torch.addmm = fake_mm, (lambda x, a, b: x)
+        try:
+            t0 = clock()
+            for _ in range(steps):
+                tok = dec.step(tok, cache).argmax(-1)
+            return (clock() - t0) / steps
+        finally:
+            torch.mm, torch.addmm = mm, addmm
+
+    def products() -> float:
+        x, h = torch.randn(B, dec.wte.shape[1]), torch.randn(B, dec.H)
+        t0 = clock()
+        for _ in range(steps):
+            for _, wqkv, wo, _, wfc, wp in dec.layers:
+                torch.mm(x, wqkv), torch.addmm(x, x, wo), torch.mm(x, wfc), torch.addmm(x, h, wp)
+            torch.mm(x, dec.lm)
+        return (clock() - t0) / steps
+
+    with torch.inference_mode():
+        return {"step": decode(False), "products": products(), "other": decode(True)}
 
 
 def main() -> None:
-    global L, H, C, V
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 0], help="torch threads; 0 = every usable CPU")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
-    ap.add_argument("--size", default=f"{L},{H},{C},{V}", help="n_layer,n_head,n_embd,vocab_size")
+    ap.add_argument("--size", default="6,6,384,8192", help="n_layer,n_head,n_embd,vocab_size")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time (meaningful with --threads 1: leaves out time spent preempted)")
     args = ap.parse_args()
-    L, H, C, V = (int(v) for v in args.size.split(","))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ours, hf = build(args.prompt, args.new)
-    n_ours = ours.n_params()
-    n_hf = sum(p.numel() for p in hf.parameters())
+    load0 = loadavg()
+    size = tuple(int(v) for v in args.size.split(","))
+    ours, hf = build(size, args.prompt + args.new)
+    assert FastDecoder.supports(ours)
+    V = size[3]
     g = torch.Generator().manual_seed(0)
+    prompts = {B: torch.randint(1, V, (B, args.prompt), generator=g) for B in args.batches}
 
-    def run_ours(ids: torch.Tensor) -> None:
-        out = generate(ours, ids.tolist(), args.new, temperature=0.0, pad_id=0)
-        assert out.tokens.shape == (ids.shape[0], ids.shape[1] + args.new)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
 
-    def run_hf(ids: torch.Tensor) -> None:
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                              min_new_tokens=args.new, do_sample=False, use_cache=True)
+    def run(name: str, ids: torch.Tensor) -> float:
+        t0 = clock()
+        if name == "hf":
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                  min_new_tokens=args.new, do_sample=False, use_cache=True)
+        else:
+            out = generate(ours, ids.tolist(), args.new, temperature=0.0, pad_id=0, fast=name == "fast").tokens
+        dt = clock() - t0
         assert out.shape == (ids.shape[0], ids.shape[1] + args.new)
+        return ids.shape[0] * args.new / dt
 
-    result = {"bench": "generate", "shape": {"n_layer": L, "n_head": H, "n_embd": C, "vocab_size": V,
-                                             "prompt": args.prompt, "new_tokens": args.new},
-              "params": {"ours": n_ours, "hf_gpt2": n_hf}, "threads": torch.get_num_threads(),
-              "rounds": args.rounds, "batches": {}}
-    for B in args.batches:
-        ids = torch.randint(1, V, (B, args.prompt), generator=g)
-        run_ours(ids[:, :8].contiguous()), run_hf(ids[:, :8].contiguous())  # warm-up
-        tps = {"ours": [], "hf": []}
-        floors = []
-        for r in range(args.rounds):
+    result = {"bench": "generate", "shape": dict(zip(("n_layer", "n_head", "n_embd", "vocab_size"), size),
+                                                 prompt=args.prompt, new_tokens=args.new),
+              "params": {"ours": ours.n_params(), "hf_gpt2": sum(p.numel() for p in hf.parameters())},
+              "weight_mb": round(sum(p.numel() for p in ours.parameters() if p.ndim == 2) * 4 / 1e6, 1),
+              "rounds": args.rounds, "clock": args.clock, "runs": {}}
+    print(f"bench: ours {ours.n_params():,} parameters, HF GPT-2 {result['params']['hf_gpt2']:,};"
+          f" {args.rounds} rounds; load {load0}", flush=True)
+    for n_threads in args.threads:
+        torch.set_num_threads(n_threads or usable_cpus())
+        T = torch.get_num_threads()
+        for B in args.batches:
+            ids = prompts[B]
+            names = ["fast", "plain", "hf", "breakdown"] + (["floors"] if B == 1 else [])
+            parts: dict[str, list[float]] = {"step": [], "products": [], "other": []}
+            tps: dict[str, list[float]] = {n: [] for n in ("fast", "plain", "hf")}
+            fl: dict[str, list[float]] = {"gemv_linear": [], "gemv_in_out": [], "read": []}
+            for name in ("fast", "plain", "hf"):  # warm-up: first-call costs out of the timings
+                run(name, ids)
+            for r, order in enumerate(rotations(names, args.rounds)):
+                for name in order:
+                    if name == "floors":
+                        for k, v in floors(ours, clock).items():
+                            fl[k].append(v)
+                    elif name == "breakdown":
+                        for k, v in breakdown(ours, B, args.prompt, min(args.new, 64), clock).items():
+                            parts[k].append(v)
+                    else:
+                        tps[name].append(run(name, ids))
+                line = ", ".join(f"{n} {tps[n][-1]:.0f}" for n in tps)
+                if B == 1:
+                    line += (f"; floors (tok/s): GEMV {1 / fl['gemv_linear'][-1]:.0f} (linear),"
+                             f" {1 / fl['gemv_in_out'][-1]:.0f} (in,out); read {1 / fl['read'][-1]:.0f}")
+                print(f"threads {T} batch {B} round {r + 1}: tok/s {line}", flush=True)
+            e = {f"{n}_tok_s": summary(v, 1) for n, v in tps.items()}
+            e["fast_over_hf"] = ratios(tps["fast"], tps["hf"])
+            e["plain_over_hf"] = ratios(tps["plain"], tps["hf"])
+            e["fast_over_plain"] = ratios(tps["fast"], tps["plain"])
+            e["breakdown_ms_per_step"] = {k: summary([1e3 * x for x in v], 3) for k, v in parts.items()}
+            e["products_share_of_step"] = summary([p / st for p, st in zip(parts["products"], parts["step"])], 3)
+            e["other_share_of_step"] = summary([o / st for o, st in zip(parts["other"], parts["step"])], 3)
             if B == 1:
-                floors.append(1.0 / weight_floor(ours))
-            for name in (("hf", "ours") if r % 2 == 0 else ("ours", "hf")):
-                fn = run_ours if name == "ours" else run_hf
-                t0 = time.perf_counter()
-                fn(ids)
-                tps[name].append(B * args.new / (time.perf_counter() - t0))
-            print(f"batch {B} round {r + 1}/{args.rounds}: ours {tps['ours'][-1]:.0f} tok/s, HF {tps['hf'][-1]:.0f}"
-                  f" tok/s, ratio {tps['ours'][-1] / tps['hf'][-1]:.2f}"
-                  + (f"; weight-streaming floor {floors[-1]:.0f} tok/s" if floors else ""), flush=True)
-        ratio = [a / b for a, b in zip(tps["ours"], tps["hf"])]
-        entry = {"ours_tok_s": summary(tps["ours"]), "hf_tok_s": summary(tps["hf"]), "ratio": summary(ratio)}
-        if floors:
-            entry["floor_tok_s"] = summary(floors)
-            entry["ours_fraction_of_floor"] = summary([a / f for a, f in zip(tps["ours"], floors)])
-        result["batches"][str(B)] = entry
-    print()
-    for B, e in result["batches"].items():
-        r = e["ratio"]
-        print(f"batch {B:>3}: ours {e['ours_tok_s']['median']:.0f} tok/s,"
-              f" HF {e['hf_tok_s']['median']:.0f} tok/s (medians);"
-              f" ratio min/median/max {r['min']:.2f}/{r['median']:.2f}/{r['max']:.2f}x"
-              + (f"; floor {e['floor_tok_s']['median']:.0f} tok/s" if "floor_tok_s" in e else ""))
+                floor = [min(a, b) for a, b in zip(fl["gemv_linear"], fl["gemv_in_out"])]
+                e["floor_tok_s"] = summary([1 / f for f in floor], 1)
+                e["gemv_linear_tok_s"] = summary([1 / f for f in fl["gemv_linear"]], 1)
+                e["gemv_in_out_tok_s"] = summary([1 / f for f in fl["gemv_in_out"]], 1)
+                e["read_tok_s"] = summary([1 / f for f in fl["read"]], 1)
+                e["gemv_linear_gb_s"] = summary([result["weight_mb"] / 1e3 / f for f in fl["gemv_linear"]], 1)
+                e["gemv_in_out_gb_s"] = summary([result["weight_mb"] / 1e3 / f for f in fl["gemv_in_out"]], 1)
+                e["read_gb_s"] = summary([result["weight_mb"] / 1e3 / f for f in fl["read"]], 1)
+                e["fast_of_floor"] = summary([t * f for t, f in zip(tps["fast"], floor)], 3)
+                e["plain_of_floor"] = summary([t * f for t, f in zip(tps["plain"], floor)], 3)
+            result["runs"][f"threads{T}_batch{B}"] = e
+            print(f"threads {T} batch {B}: fast/HF {show(e['fast_over_hf'], 'x')}, plain/HF"
+                  f" {show(e['plain_over_hf'], 'x')}, fast/plain {show(e['fast_over_plain'], 'x')}"
+                  + (f"; fast = {show(e['fast_of_floor'])} of the GEMV floor" if B == 1 else "")
+                  + f"; a fast step (ms) {show(e['breakdown_ms_per_step']['step'])}: its products alone"
+                  f" {show(e['breakdown_ms_per_step']['products'])}, all but the products"
+                  f" {show(e['breakdown_ms_per_step']['other'])}", flush=True)
+    result["machine"] = machine(load0)
     print(json.dumps(result))
 
 

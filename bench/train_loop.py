@@ -5,8 +5,11 @@
 Both sides train the same GPT (same config, same initial weights) with the same AdamW
 (llm.optim.build_optimizer) on batches of the same shape:
 
-  bare   for each step: grad_accum x (forward, cross-entropy, backward) on one fixed batch
-         already on the device, optimizer.step(), zero_grad(); one synchronize at the end.
+  bare   for each step: grad_accum x (forward, loss, backward) on one fixed batch already on
+         the device, optimizer.step(), zero_grad(); one synchronize at the end. The loss is the
+         trainer's own (llm/trainer.py lm_loss: the blocked cross-entropy of llm/losses.py),
+         scaled as the trainer scales it (sum over the step's tokens / their number), so the
+         two sides differ only by the loop around them.
   loop   llm.trainer.train(): sampling windows from a token array (WindowSampler), moving
          them to the device, token-weighted accumulation, grad-norm clipping, the
          non-finite check (one host sync per step), the LR schedule, the per-step TSV row,
@@ -16,12 +19,12 @@ Both sides train the same GPT (same config, same initial weights) with the same 
 Both are timed over `steps` steps after W warm-up steps: the bare one with a clock around
 its loop, the full loop from the `elapsed_s` column of its per-step rows (wall time at the
 end of each step, after the previous row was written), so start-up (resume scan,
-TensorBoard import) and the final checkpoint are outside the window. Sides alternate
-(bare, loop, bare, loop, ...) `--rounds` times. Reported: overhead % = (loop - bare) /
-bare from the medians, and the median of the per-round (paired) overheads; on a shared,
-noisy machine use more rounds. Target: < 5 %.
+TensorBoard import) and the final checkpoint are outside the window. Sides alternate, the
+first side swapped every round (bare loop, loop bare, ...), `--rounds` times. Reported:
+overhead % = (loop - bare) / bare from the medians, and min/median/max of the per-round
+(paired) overheads; on a shared, noisy machine use more rounds. Target: < 5 %.
 
-The last line of output is JSON with every figure.
+The last line of output is JSON with every figure and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
@@ -40,15 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from bench.common import loadavg, machine, summary  # noqa: E402
 from llm.batching import WindowSampler  # noqa: E402
 from llm.config import CommonConfig, ModelConfig, TrainConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.optim import build_optimizer  # noqa: E402
 from llm.monitor import Plots  # noqa: E402
 from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
-from llm.trainer import train  # noqa: E402
+from llm.trainer import lm_loss, train  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -59,15 +62,15 @@ def _sync(device: torch.device) -> None:
 def bare_steps(model: GPT, cfg: TrainConfig, rt: Runtime, batch: dict, warmup: int, steps: int) -> float:
     """Seconds per bare step (fwd + bwd x grad_accum, optimizer.step), after `warmup` steps."""
     opt = build_optimizer(model, cfg, rt.device)
-    x, y = batch["idx"].to(rt.device), batch["targets"].to(rt.device)
+    b = {k: v.to(rt.device) for k, v in batch.items()}
+    n_tokens = cfg.grad_accum * b["targets"].numel()  # the trainer divides the summed loss by this
     model.train()
 
     def step():
         for _ in range(cfg.grad_accum):
             with rt.autocast():
-                logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / cfg.grad_accum
-            loss.backward()
+                loss_sum, _ = lm_loss(model, b)
+            (loss_sum / n_tokens).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -133,10 +136,14 @@ def main() -> None:
     print(f"bench: {base.summary()}", flush=True)
     print(f"bench: {device}, {rt.dtype}, batch {args.batch_size} x {args.seq_len}, grad_accum {args.grad_accum},"
           f" {torch.get_num_threads()} threads; {args.rounds} rounds of {args.steps} steps", flush=True)
+    load0 = loadavg()
     bare, loop = [], []
     for r in range(args.rounds):
-        b = bare_steps(copy.deepcopy(base).to(device), tcfg(W + args.steps), rt, batch, W, args.steps)
-        per = loop_step_seconds(copy.deepcopy(base), tcfg(W + args.steps), rt, tokens, args.seq_len, W)
+        for side in (("bare", "loop") if r % 2 == 0 else ("loop", "bare")):
+            if side == "bare":
+                b = bare_steps(copy.deepcopy(base).to(device), tcfg(W + args.steps), rt, batch, W, args.steps)
+            else:
+                per = loop_step_seconds(copy.deepcopy(base), tcfg(W + args.steps), rt, tokens, args.seq_len, W)
         bare.append(b)
         loop.append(per)
         print(f"round {r + 1}: bare {1000 * b:.1f} ms/step, loop {1000 * per:.1f} ms/step"
@@ -144,7 +151,8 @@ def main() -> None:
     mb, ml = statistics.median(bare), statistics.median(loop)
     tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
     overhead = 100 * (ml - mb) / mb
-    paired = statistics.median(100 * (lp - b) / b for b, lp in zip(bare, loop))
+    paired_all = [100 * (lp - b) / b for b, lp in zip(bare, loop)]
+    paired = statistics.median(paired_all)
     print(f"median: bare {1000 * mb:.1f} ms/step ({tokens_per_step / mb:.0f} tokens/s),"
           f" loop {1000 * ml:.1f} ms/step ({tokens_per_step / ml:.0f} tokens/s): overhead {overhead:+.2f}%"
           f" (median of paired rounds {paired:+.2f}%; target < 5%)")
@@ -156,7 +164,9 @@ def main() -> None:
                       "loop_ms_per_step": [round(1000 * x, 3) for x in loop],
                       "bare_ms_median": round(1000 * mb, 3), "loop_ms_median": round(1000 * ml, 3),
                       "overhead_pct": round(overhead, 2),
-                      "paired_overhead_pct_median": round(paired, 2), "target_pct": 5.0, "meets_target": overhead < 5.0}))
+                      "paired_overhead_pct_median": round(paired, 2), "paired_overhead_pct": summary(paired_all, 2),
+                      "loss": "llm.trainer.lm_loss on both sides",
+                      "target_pct": 5.0, "meets_target": overhead < 5.0, "machine": machine(load0)}))
 
 
 if __name__ == "__main__":

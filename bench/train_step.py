@@ -1,6 +1,6 @@
 """Benchmark: training-step throughput of our GPT against nanoGPT's, same run.
 
-    python bench/train_step.py --nanogpt /path/to/nanoGPT [--rounds 5] [--steps 3] [--threads 0] [--clock wall]
+    python bench/train_step.py --nanogpt /path/to/nanoGPT [--rounds 5] [--steps 3] [--threads 1 0] [--clock wall]
 
 nanoGPT is imported from a local checkout given on the command line (its model.py; never
 copied into this repository), e.g. `git clone https://github.com/karpathy/nanoGPT /tmp/nanogpt`.
@@ -27,7 +27,9 @@ alike. Reported: tokens/s min/median/max over rounds, the per-round paired ratio
 6 N + 12 L H hd T for every model (nanoGPT's own formula; N without the position table).
 The machine is shared: trust the paired ratios, not single absolute times. `--clock cpu`
 times with process CPU time instead of wall time (meaningful with --threads 1: it ignores
-time the process spends preempted by other work). The last line is JSON.
+time the process spends preempted by other work). Each thread count in --threads (default 1,
+then every usable CPU: 0) is a separate set of rounds. The last line is JSON with every figure
+and the machine's load (bench/common.py).
 """
 from __future__ import annotations
 
@@ -45,9 +47,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import loadavg, machine, summary  # noqa: E402
 from llm.config import ModelConfig, TrainConfig  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.optim import build_optimizer  # noqa: E402
+from llm.threads import usable_cpus  # noqa: E402
 from llm.trainer import lm_loss  # noqa: E402
 
 L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
@@ -126,62 +130,67 @@ def matmul_ceiling(clock=time.perf_counter, reps: int = 5) -> float:
     return best
 
 
-def summary(xs: list[float]) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nanogpt", required=True, help="path to a nanoGPT checkout (its model.py is imported)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 0], help="torch threads; 0 = every usable CPU")
     ap.add_argument("--skip", nargs="*", default=[], help="models to leave out, e.g. ours_nanolike")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--optimizer", choices=["own", "same"], default="own",
                     help="own: each model's own AdamW set-up (default); same: torch's default AdamW for all")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    load0 = loadavg()
     models = {k: v for k, v in build(args.nanogpt, args.optimizer).items() if k not in args.skip}
     names = list(models)
+    result = {"bench": "train_step", "shape": {"n_layer": L, "n_head": H, "n_embd": C, "vocab_size": V,
+                                               "batch": B, "seq_len": T},
+              "clock": args.clock, "optimizer": args.optimizer, "rounds": args.rounds,
+              "steps_per_round": args.steps, "runs": {}}
+    for n_threads in args.threads:
+        torch.set_num_threads(n_threads or usable_cpus())
+        result["runs"][f"threads{torch.get_num_threads()}"] = rounds(models, names, args.rounds, args.steps,
+                                                                      args.clock)
+    result["machine"] = machine(load0)
+    print(json.dumps(result))
+
+
+def rounds(models: dict, names: list[str], n_rounds: int, steps: int, clock_name: str) -> dict:
+    """`n_rounds` rounds of `steps` steps of every model, rotated; tokens/s, MFU, ratios."""
     for step, _, _ in models.values():
         step()  # warm-up
     tps: dict[str, list[float]] = {k: [] for k in names}
     ceilings: list[float] = []
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-    for r in range(args.rounds):
+    clock = time.perf_counter if clock_name == "wall" else time.process_time
+    T_ = torch.get_num_threads()
+    for r in range(n_rounds):
         ceilings.append(matmul_ceiling(clock))
         spent = {k: 0.0 for k in names}
-        for s in range(args.steps):
+        for s in range(steps):
             for i in range(len(names)):
                 name = names[(i + s + r) % len(names)]  # rotate who goes first
                 t0 = clock()
                 models[name][0]()
                 spent[name] += clock() - t0
         for name in names:
-            tps[name].append(args.steps * B * T / spent[name])
-        print(f"round {r + 1}/{args.rounds}: ceiling {ceilings[-1] / 1e9:.1f} GFLOP/s; "
+            tps[name].append(steps * B * T / spent[name])
+        print(f"threads {T_} round {r + 1}/{n_rounds}: ceiling {ceilings[-1] / 1e9:.1f} GFLOP/s; "
               + ", ".join(f"{k} {tps[k][-1]:.0f} tok/s" for k in names), flush=True)
-
-    result = {"bench": "train_step", "shape": {"n_layer": L, "n_head": H, "n_embd": C, "vocab_size": V,
-                                               "batch": B, "seq_len": T},
-              "threads": torch.get_num_threads(), "clock": args.clock, "optimizer": args.optimizer,
-              "rounds": args.rounds,
-              "steps_per_round": args.steps,
-              "matmul_ceiling_gflops": {k: v / 1e9 for k, v in summary(ceilings).items()}, "models": {}}
-    print(f"\n{'model':<14} {'params':>10} {'tok/s min/med/max':>22} {'MFU med':>8} {'vs nanoGPT min/med/max':>24}")
+    out = {"threads": T_, "matmul_ceiling_gflops": summary([c / 1e9 for c in ceilings], 1), "models": {}}
+    print(f"\nthreads {T_}\n{'model':<14} {'params':>10} {'tok/s min/med/max':>22} {'MFU med':>8}"
+          f" {'vs nanoGPT min/med/max':>24}")
     for name in names:
         _, fpt, n = models[name]
         mfu = [fpt * t / c for t, c in zip(tps[name], ceilings)]
         ratio = [a / b for a, b in zip(tps[name], tps["nanogpt"])] if "nanogpt" in tps else []
-        s, rs = summary(tps[name]), summary(ratio) if ratio else None
-        result["models"][name] = {"n_params": n, "flops_per_token": fpt, "tokens_per_s": s,
-                                  "mfu": summary(mfu), "ratio_vs_nanogpt": rs}
+        s, rs = summary(tps[name], 1), summary(ratio, 3) if ratio else None
+        out["models"][name] = {"n_params": n, "flops_per_token": fpt, "tokens_per_s": s,
+                               "mfu": summary(mfu, 3), "ratio_vs_nanogpt": rs}
         rtxt = f"{rs['min']:.2f}/{rs['median']:.2f}/{rs['max']:.2f}x" if rs else "-"
         print(f"{name:<14} {n:>10,} {s['min']:>6.0f}/{s['median']:>6.0f}/{s['max']:>6.0f}"
-              f" {statistics.median(mfu):>8.1%} {rtxt:>24}")
-    print(json.dumps(result))
+              f" {statistics.median(mfu):>8.1%} {rtxt:>24}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +86,9 @@ class CommonConfig:
     device: Literal["auto", "cpu", "cuda"] = _f(doc="auto: cuda when available")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
     nproc: int = _f(lo=1, hi=MAX_WORKERS, doc="processes per node; > 1 runs the model stages under torchrun")
-    num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads per process; 0 = torch's default")
+    num_threads: Literal["auto"] | int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads per process: auto = the"
+                                            " usable CPUs that other processes leave free (llm/threads.py);"
+                                            " 0 = torch's default")
     cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
     # Several machines (torchrun's c10d rendezvous; docs/scale.md). The defaults here serve
     # library code and tests; params.yaml lists every key.
@@ -696,6 +699,8 @@ def read_yaml_with_lines(path: str | Path, problems: list[str]) -> _Loc | None:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is list:
@@ -753,6 +758,14 @@ def _convert(tp: Any, loc: _Loc, key: str, meta: typing.Mapping[str, Any], where
         items = [_convert(inner, item, f"{key}[{i}]", meta, where, problems, defaults) for i, item in enumerate(v)]
         return None if any(x is None for x in items) else items
     expected = _expected(tp, meta)
+    if origin in (typing.Union, types.UnionType):  # e.g. Literal["auto"] | int: the first alternative that fits
+        for alt in typing.get_args(tp):
+            mine: list[str] = []
+            got = _convert(alt, loc, key, meta, where, mine, defaults)
+            if not mine:
+                return got
+        problems.append(f"{at}: expected {expected}, got {_show(v)}")
+        return None
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(v, (bool, dict, list)) or v not in choices:

@@ -15,7 +15,9 @@ Decoding is bound by Python overhead for small models and by reading the weights
 cache at larger ones (bench/generate.py measures both regimes), so the loop runs under
 inference_mode, computes logits only at the last position, builds no per-step masks when no
 prompt is padded (one query against all cached keys), and samples by inverse CDF with one
-random number per row (see `sample_next`).
+random number per row (see `sample_next`). After the prefill, each step of the default
+architecture on the CPU runs through `FastDecoder` (its weights copied to the layout that
+matrix-vector products read fastest); `fast=False` keeps every step on the model's own path.
 
 Threads: small-batch decoding is many tiny ops; on a CPU shared with other work, one torch
 thread is often faster than two (bench/generate.py --threads 1).
@@ -31,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from llm.model import GPT
+from llm.model import GPT, NORM_EPS, mlp_hidden
 
 
 class KVCache:
@@ -90,6 +92,80 @@ class KVCache:
         kl.narrow(2, s, e - s).copy_(k)
         vl.narrow(2, s, e - s).copy_(v)
         return kl.narrow(2, 0, e), vl.narrow(2, 0, e)
+
+
+class FastDecoder:
+    """One decoding step (one new token per row) of the default architecture on the CPU: the
+    same math as GPT.hidden_states with a KVCache, in fewer and faster operations. What the
+    batch-1 profile pointed at (bench/generate.py measures each against the plain path):
+
+      - weight layout: each weight matrix is copied once per `generate` call as (in, out),
+        contiguous, so the product with a row is x @ W over rows in memory order; with the
+        model's nn.Linear (out, in) layout torch's x @ W^T ran the same products 1.6x slower
+        at batch 1 (at batch 64 the layout makes no difference);
+      - residual adds inside the products (addmm), q/k/v in one product and gate/up in one;
+      - RoPE writes the rotated keys straight into the preallocated cache (no copy after it),
+        and the step's views of the cache are taken once for all layers.
+    The price: a second copy of the weight matrices while `generate` runs. The same numbers up
+    to float rounding; tests/test_generate.py checks the logits against the model's own cached
+    path at every step. `supports(model)` says which models qualify (rmsnorm, rope, swiglu, no
+    biases, an LM head, fp32 on the CPU); the rest decode through GPT.hidden_states, and so does
+    everything with generate(..., fast=False).
+    """
+
+    def __init__(self, model: GPT):
+        c = model.config
+        self.nh, self.nkv, self.hd, self.H = c.n_head, c.n_kv_head, c.head_dim, mlp_hidden(c)
+
+        def t(lin: torch.nn.Linear) -> torch.Tensor:  # (out, in) -> (in, out), contiguous
+            return lin.weight.detach().t().contiguous()
+
+        self.wte = model.wte.weight.detach()                                 # (V, C)
+        self.layers = [(b.norm_1.weight, t(b.attn.qkv), t(b.attn.proj), b.norm_2.weight, t(b.mlp.fc), t(b.mlp.proj))
+                       for b in model.blocks]
+        self.norm_f, self.lm = model.norm_f.weight, t(model.lm_head)         # (C,), (C, V)
+        self.rope = model.rope_freqs                                         # (seq_len, hd/2, 2): cos, sin
+
+    @staticmethod
+    def supports(model: GPT) -> bool:
+        c, p = model.config, model.wte.weight
+        return (c.norm == "rmsnorm" and c.pos == "rope" and c.mlp == "swiglu" and not c.bias
+                and model.lm_head is not None and p.device.type == "cpu" and p.dtype == torch.float32)
+
+    def step(self, tok: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tok (B,) long, the newest token of each row -> logits (B, V) float32 for the next one;
+        appends the token's keys and values to `cache` (as model.hidden_states(tok[:, None], None,
+        kv_cache=cache) would)."""
+        nh, nkv, hd, H = self.nh, self.nkv, self.hd, self.H
+        B, C = tok.shape[0], self.wte.shape[1]
+        start = cache.reserve(1)
+        L = start + 1
+        cache.mask[:, start] = True
+        if cache.padded:  # each row at its own position; keys of padding masked out
+            rope = torch.view_as_complex(self.rope[cache.n_real])[:, None]   # (B, 1, hd/2)
+            mask = cache.mask[:, None, None, :L]                             # (B, 1, 1, L)
+        else:
+            rope = torch.view_as_complex(self.rope[start])                   # (hd/2,)
+            mask = None
+        cache.n_real += 1
+        # this step's slot and all keys/values so far, for every layer at once: (n_layer, B, nkv, ...)
+        k_new = torch.view_as_complex(cache.k[:, :, :, start].unflatten(-1, (-1, 2))).unbind(0)  # (B, nkv, hd/2)
+        v_new = cache.v[:, :, :, start].unflatten(-1, (-1, 2)).unbind(0)     # (B, nkv, hd/2, 2)
+        k_all, v_all = cache.k[:, :, :, :L].unbind(0), cache.v[:, :, :, :L].unbind(0)  # (B, nkv, L, hd)
+        x = F.embedding(tok, self.wte)                                       # (B, C)
+        for layer, (w1, wqkv, wo, w2, wfc, wp) in enumerate(self.layers):
+            h = F.rms_norm(x, (C,), w1, NORM_EPS)
+            qkv = torch.mm(h, wqkv).view(B, nh + 2 * nkv, hd // 2, 2)       # (B, nh + 2 nkv, hd/2, 2)
+            qk = torch.view_as_complex(qkv[:, :nh + nkv])                    # (B, nh + nkv, hd/2) complex
+            torch.mul(qk[:, nh:], rope, out=k_new[layer])                    # rotated keys, into the cache
+            v_new[layer].copy_(qkv[:, nh + nkv:])
+            q = torch.view_as_real(qk[:, :nh] * rope).view(B, nh, 1, hd)     # (B, nh, 1, hd)
+            y = F.scaled_dot_product_attention(q, k_all[layer], v_all[layer], attn_mask=mask,
+                                               enable_gqa=nkv != nh)         # (B, nh, 1, hd)
+            x = torch.addmm(x, y.view(B, nh * hd), wo)                       # x + attention output
+            g = torch.mm(F.rms_norm(x, (C,), w2, NORM_EPS), wfc)             # (B, 2H): [gate | up]
+            x = torch.addmm(x, F.silu(g[:, :H]).mul_(g[:, H:]), wp)          # x + MLP output
+        return torch.mm(F.rms_norm(x, (C,), self.norm_f, NORM_EPS), self.lm)  # (B, V)
 
 
 @dataclass
@@ -214,7 +290,7 @@ def sampling_problem(*, temperature: float | None = None, top_k: int | None = No
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), pad_id: int,
              generator: torch.Generator | None = None, row_offset: int = 0, total_rows: int | None = None,
-             stream: Callable[[torch.Tensor], bool | None] | None = None) -> Generation:
+             stream: Callable[[torch.Tensor], bool | None] | None = None, fast: bool = True) -> Generation:
     """Continue each prompt by up to max_new_tokens tokens. See the module docstring.
 
     row_offset, total_rows: the prompts are rows row_offset.. of a batch of total_rows
@@ -225,7 +301,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     stream, if given, is called after every step with the (B,) tokens just emitted (pad_id for
     rows already done); if it returns True, generation ends after that step (a server uses
     this for stop strings and for clients that went away). Sampling (temperature > 0) needs a seeded `generator` on the model's
-    device: library code never draws from the global RNG.
+    device: library code never draws from the global RNG. fast=False decodes through
+    model.hidden_states even where FastDecoder supports the model (the plain path, to compare).
     """
     cfg = model.config
     B = len(prompts)
@@ -274,6 +351,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     with torch.inference_mode():
         try:
             cache = KVCache.for_model(model, B, P + N)
+            decoder = FastDecoder(model) if fast and FastDecoder.supports(model) else None
             done = torch.zeros(B, dtype=torch.bool, device=device)
             hidden = model.hidden_states(tokens, prompt_mask if padded else None, kv_cache=cache)  # (B, P, C)
             logits = model.logits(hidden[:, -1])        # (B, V): left padding puts every last token at P-1
@@ -294,8 +372,11 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
                     break
                 # done rows are fed their pad as a "real" token: their outputs are discarded, and
                 # an unpadded cache keeps the mask-free fast path
-                hidden = model.hidden_states(tok[:, None], None, kv_cache=cache)  # (B, 1, C)
-                logits = model.logits(hidden[:, -1])    # (B, V)
+                if decoder is not None:
+                    logits = decoder.step(tok, cache)   # (B, V)
+                else:
+                    hidden = model.hidden_states(tok[:, None], None, kv_cache=cache)  # (B, 1, C)
+                    logits = model.logits(hidden[:, -1])  # (B, V)
         finally:
             model.train(was_training)
         out = torch.stack(toks, 1)                       # (B, n)

@@ -27,6 +27,7 @@ from torch import nn
 
 from llm import kernels
 from llm.config import CommonConfig, ConfigError
+from llm.threads import apply_num_threads
 
 
 @dataclass
@@ -87,8 +88,7 @@ def resolve_dtype(common: CommonConfig, device: torch.device) -> torch.dtype:
 
 def setup_runtime(common: CommonConfig) -> Runtime:
     """Threads, kernels, device, dtype; under torchrun (WORLD_SIZE > 1) also the process group."""
-    if common.num_threads:
-        torch.set_num_threads(common.num_threads)
+    apply_num_threads(common.num_threads)
     kernels.set_enabled(common.cpu_kernels)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))

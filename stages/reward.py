@@ -107,6 +107,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "train_accuracy": _last(result, "accuracy"),
         "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
+        "num_threads": m["num_threads"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     }
     if held["accuracy"] < cfg.min_accuracy:

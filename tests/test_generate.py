@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 from llm.config import ModelConfig
-from llm.generate import Generation, KVCache, filter_logits, generate, sample_next, sampling_problem
+from llm.generate import FastDecoder, Generation, KVCache, filter_logits, generate, sample_next, sampling_problem
 from llm.model import GPT
 
 V, PAD = 53, 0
@@ -60,6 +60,43 @@ def test_cached_decoding_gives_the_logits_of_full_recomputation_at_every_step(im
             mask = torch.cat([mask, torch.ones_like(nxt, dtype=torch.bool)], 1)
             step_logits = m(nxt, kv_cache=cache)[:, -1]
     assert cache.length == P + 12
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=4), dict(norm_affine=False)])
+@pytest.mark.parametrize("lengths", [(6, 6), (2, 9)])
+def test_the_fast_decoding_step_gives_the_logits_of_the_model_cached_path(kw, lengths):
+    m = model(**kw)
+    assert FastDecoder.supports(m)
+    ps = prompts(lengths)
+    P = max(lengths)
+    idx = torch.tensor([[PAD] * (P - len(p)) + p for p in ps])
+    mask = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in ps]) if min(lengths) < P else None
+    plain, fast = KVCache.for_model(m, 2, max_len=P + 10), KVCache.for_model(m, 2, max_len=P + 10)
+    with torch.inference_mode():
+        nxt = m(idx, mask, kv_cache=plain)[:, -1].argmax(-1)
+        m(idx, mask, kv_cache=fast)
+        dec = FastDecoder(m)
+        for _ in range(10):
+            want = m(nxt[:, None], kv_cache=plain)[:, -1]
+            got = dec.step(nxt, fast)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            nxt = want.argmax(-1)
+    for f in ("k", "v", "mask", "n_real"):
+        torch.testing.assert_close(getattr(fast, f), getattr(plain, f), atol=1e-5, rtol=1e-5)
+    assert fast.length == plain.length == P + 10
+
+
+def test_models_the_fast_step_does_not_cover_decode_through_the_model():
+    for kw in (dict(pos="learned"), dict(mlp="gelu"), dict(norm="layernorm"), dict(bias=True)):
+        m = model(**kw)
+        assert not FastDecoder.supports(m)
+        out = generate(m, prompts([4]), 6, temperature=0.0, pad_id=PAD)
+        assert out.tokens.shape == (1, 10)
+    m = model()
+    fast = generate(m, prompts([3, 7]), 12, temperature=0.0, pad_id=PAD)
+    plain = generate(m, prompts([3, 7]), 12, temperature=0.0, pad_id=PAD, fast=False)
+    assert torch.equal(fast.tokens, plain.tokens)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_prefill_with_a_cache_matches_one_pass():

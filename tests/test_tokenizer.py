@@ -2,6 +2,7 @@
 tie-break, specials, save/load, the HF `tokenizers` export (as a reference client)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import unicodedata
@@ -11,9 +12,10 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
-from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows,
+from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
                            is_clean_token)
 
 PAT = regex.compile(SPLIT_PATTERN)
@@ -93,6 +95,99 @@ def test_training_is_deterministic():
     a = Tokenizer.train(corpus, 600)
     b = Tokenizer.train(list(reversed(corpus)), 600)  # order of texts must not matter either
     assert a.merges == b.merges and a.sha256() == b.sha256()
+
+
+def _merges_sha(tok: Tokenizer) -> str:
+    return hashlib.sha256(repr(tok.merges).encode()).hexdigest()
+
+
+def test_trained_merges_are_unchanged():
+    # sha256 of the merge lists the trainer gave before its counting pass went parallel: a speed
+    # change must not change what is learned (with pruning, inexact, and with a required token)
+    assert _merges_sha(Tokenizer.train(_corpus(), 700, required_tokens=["####"])) == \
+        "77cf839d6f19162c23d2059a98ee59c65e3c8dcba31822eba0604b70229ae5a6"
+    pruned = Tokenizer.train(_corpus() * 3, 900, max_pairs=300)
+    assert pruned.train_stats["pairs_pruned"] > 0 and not pruned.train_stats["exact"]
+    assert _merges_sha(pruned) == "b8966c2cd8a9a82015fb8e40ff2c87f7ae5414a175e3876282d42ef22c860f1c"
+
+
+@pytest.mark.slow
+def test_counting_in_processes_learns_the_same_merges(monkeypatch):
+    corpus = _corpus() * 4
+    one = Tokenizer.train(corpus, 700, workers=1)
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 2000)  # many batches from a small corpus
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
+    two = Tokenizer.train(corpus, 700, workers=2)
+    assert two.train_stats["corpus_sha256"] == one.train_stats["corpus_sha256"]
+    assert two.merges == one.merges
+    assert two.train_stats["unique_words"] == one.train_stats["unique_words"]
+
+
+def test_the_counting_pass_starts_processes_only_for_a_big_corpus(monkeypatch):
+    started = []
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: started.append(1) or 1 / 0)
+    Tokenizer.train(_corpus(), 400, workers=2)  # far below PARALLEL_MIN_BATCHES batches and PARALLEL_MIN_HAN
+    assert not started
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 100)
+    with pytest.raises(ZeroDivisionError):
+        Tokenizer.train(_corpus(), 400, workers=2)
+    assert started
+
+
+def test_automatic_workers_follow_the_thread_rule_and_look_at_the_load_only_when_it_matters(monkeypatch):
+    import llm.threads
+    looks = []
+    monkeypatch.setattr(llm.threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(llm.threads, "busy_cpus", lambda *a: looks.append(1) or 1.0)  # one CPU taken
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: 1 / 0)
+    Tokenizer.train(_corpus(), 400)  # small: no look at the load at all
+    assert not looks
+    monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 100)
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
+    Tokenizer.train(_corpus(), 400)  # big enough, but 2 CPUs - 1 busy = 1 process: no pool
+    assert looks == [1]
+
+
+HAN_TEXT = st.text(alphabet="的一是不了人我在有他这中大来上个国到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可"
+                          "苹果多少北京天安门小明有个元角分钟米千克龘齉亍丌兀㐀㐁豈更車ａｂ，。！？ 3.5%abc-#&_\n\t",
+                 max_size=40)
+
+
+@HYP
+@given(HAN_TEXT)
+def test_the_jieba_cut_reproduces_jieba(s):
+    import jieba
+    assert tokenizer_module._jieba_cut(s) == jieba.lcut(s, HMM=True)
+
+
+def test_the_jieba_cut_reproduces_jieba_on_the_chinese_of_the_corpus():
+    import jieba
+    chunks = {c for t in _corpus() for c in PAT.findall(t) if has_han(c)}
+    chunks |= {"".join(PAT.findall(t)) for t in _corpus() if has_han(t)}  # long runs: the HMM and the graph
+    assert len(chunks) > 100
+    for c in chunks:
+        assert tokenizer_module._jieba_cut(c) == jieba.lcut(c, HMM=True), c
+
+
+ASCII_TEXT = st.one_of(st.text(alphabet=st.characters(max_codepoint=127)),
+                      st.text(alphabet="ab Z'sdmtlvre LLVE09\t\n\r\x0b\x0c\x1c\x1f!?.,-_  ", max_size=60))
+
+
+@HYP
+@given(ASCII_TEXT)
+def test_the_ascii_twin_of_the_pattern_splits_ascii_text_the_same(s):
+    twin = tokenizer_module._ASCII_TWINS[SPLIT_PATTERN]
+    assert twin.findall(s) == PAT.findall(s)
+
+
+def test_the_jieba_cut_breaks_ties_like_jieba(monkeypatch):
+    # total 4: "甲乙" as one word scores log(1) - log(4), as two words 2 (log(2) - log(4)): the
+    # same float. jieba keeps the longer word.
+    import jieba
+    jieba.dt.check_initialized()
+    monkeypatch.setattr(jieba.dt, "FREQ", {"甲": 2, "乙": 2, "甲乙": 1})
+    monkeypatch.setattr(jieba.dt, "total", 4)
+    assert jieba.lcut("甲乙", HMM=True) == ["甲乙"] == tokenizer_module._jieba_cut("甲乙")
 
 
 def _train_reference(texts: list[str], n_merges: int, min_frequency: int) -> list[tuple[int, int]]:
