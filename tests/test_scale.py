@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from llm.config import CommonConfig, ConfigError
+from llm.metrics import read_metrics
 from tests.conftest import ROOT, dvc_command, free_port
 from tests.test_eval_stage import world  # noqa: F401  (a fixture: the eval stage's tiny models and data)
 
@@ -429,7 +430,7 @@ def test_two_machines_of_one_process_give_the_losses_of_two_processes_on_one(tmp
     assert len(a) == len(b) == 20
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-5) and x["tokens_seen"] == y["tokens_seen"]
-    assert json.loads((two / "metrics/pretrain.json").read_text())["world_size"] == 2
+    assert read_metrics(two / "metrics/pretrain.json")["world_size"] == 2
 
 
 def test_the_rendezvous_may_name_its_host_by_an_environment_variable(monkeypatch):

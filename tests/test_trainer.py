@@ -22,6 +22,7 @@ from llm.config import CommonConfig, ConfigError, ModelConfig, TrainConfig
 from llm.model import GPT
 from llm.optim import build_optimizer, lr_at, param_groups, set_trainable
 from llm.errors import NonFiniteError
+from llm.metrics import read_metrics
 from llm.monitor import Plots
 from llm.runtime import Runtime, enable_activation_checkpointing, resolve_device, resolve_dtype
 from llm.trainer import accumulate_gradients, lm_loss, train
@@ -635,7 +636,7 @@ def test_pretrain_stage_under_torchrun_writes_every_output(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "2 processes on this machine: torchrun" in out and "2 process(es)" in out
-    m = json.loads((tmp_path / "metrics" / "pretrain.json").read_text())
+    m = read_metrics(tmp_path / "metrics" / "pretrain.json")  # the metrics and the run file
     for k in ("train_loss", "val_loss", "val_ppl", "val_bpb", "unigram_bpb", "tokens_seen", "tokens_per_s", "mfu",
               "nonfinite_skips", "n_params"):
         assert k in m, k
