@@ -900,14 +900,7 @@ def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | No
 
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate the whole params file. Raises ConfigError listing every problem."""
-    problems: list[str] = []
-    tree = read_yaml_with_lines(path, problems)
-    if tree is None:
-        raise ConfigError(problems)
-    params = _parse(tree, str(path), problems, None)
-    if problems:
-        raise ConfigError(problems)
-    return params
+    return _load(path, None)
 
 
 def params_from_dict(data: dict[str, Any], where: str = "<dict>") -> Params:
@@ -965,6 +958,11 @@ def load_sections(names: list[str], path: str | Path = "params.yaml") -> dict[st
     A stage calls this with ["common", "<its section>"], so a typo in another stage's
     section never blocks it, while its own section is checked in full.
     """
+    return _load(path, names)
+
+
+def _load(path: str | Path, names: list[str] | None):
+    """_parse of the file at `path` (every section when names is None); ConfigError listing every problem."""
     problems: list[str] = []
     tree = read_yaml_with_lines(path, problems)
     if tree is None:

@@ -335,6 +335,22 @@ def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:
     return out
 
 
+class _Results:
+    """What one evaluation accumulates: metrics, extras, per-item outcomes, per-part timings."""
+
+    def __init__(self):
+        self.metrics: dict[str, Any] = {}
+        self.extras: dict[str, Any] = {}
+        self.items: list[dict] = []
+        self.timing: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        t = time.perf_counter()
+        yield
+        self.timing[part] = round(time.perf_counter() - t, 3)
+
+
 def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
                    tasks: Sequence[dict] = (), arithmetic: Sequence[dict] = (),
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
@@ -359,40 +375,57 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
     shares every batch loop out over the ranks, and every rank returns what one process would
     (llm.runtime.sharded_map).
     """
-    timing: dict[str, float] = {}
-    metrics: dict[str, Any] = {}
-    extras: dict[str, Any] = {}
-
-    def part_seed(part: str) -> int:
-        return derive_seed(seed, "eval", part)
-
-    @contextlib.contextmanager
-    def timed(part: str):
-        t = time.perf_counter()
-        yield
-        timing[part] = round(time.perf_counter() - t, 3)
-
+    res = _Results()
     if val_batches:
-        with timed("ppl"):
-            metrics.update(lm_eval(model, val_batches, bytes_per_token, rt=rt))
+        with res.timed("ppl"):
+            res.metrics.update(lm_eval(model, val_batches, bytes_per_token, rt=rt))
+    answers = _greedy_sets(res, model, tokenizer, cfg, problems, tasks, arithmetic, n_samples_kept, rt)
+    if cfg.pass_k_problems:
+        _sampled_math(res, model, tokenizer, cfg, problems, derive_seed(seed, "eval", "pass_k"), rt)
+    if rm is not None and cfg.rm_prompts:
+        _rm_scores(res, model, ref, rm, tokenizer, cfg, problems, answers, seed, n_samples_kept, rt)
+    kl_texts = _kl_to_ref(res, model, ref, tokenizer, cfg, problems, seed, rt) if ref is not None and cfg.kl_prompts \
+        else []
 
+    with res.timed("samples"):
+        sample_answers = answer_questions(model, tokenizer, list(cfg.sample_prompts), max_new_tokens=cfg.max_new_tokens,
+                                          batch_size=cfg.batch_size, rt=rt) if cfg.sample_prompts else []
+    res.extras["sample_prompts"] = [{"prompt": p, "response": a} for p, a in zip(cfg.sample_prompts, sample_answers)]
+
+    if toxicity is None:
+        res.metrics["toxicity"] = "unavailable"
+    else:
+        with res.timed("toxicity"):
+            tox = toxicity(answers + sample_answers + kl_texts)
+        res.metrics.update({"toxicity_rate": sum(t > toxicity_threshold for t in tox) / max(len(tox), 1),
+                            "toxicity_mean": _mean(tox), "toxicity_n": len(tox)})
+    res.extras["timing_s"] = {**res.timing, "total": round(sum(res.timing.values()), 3)}
+    res.extras["items"] = res.items
+    return res.metrics, res.extras
+
+
+def _greedy_sets(res: _Results, model, tokenizer, cfg: EvalConfig, problems, tasks, arithmetic,
+                 n_samples_kept: int, rt) -> list[str]:
+    """Greedy answers to the held-out math, the instruction tasks and the bare arithmetic, scored;
+    returns the math answers (the RM and toxicity parts reuse them)."""
+    metrics, items = res.metrics, res.items
     math_set = list(problems[:cfg.math_problems])
-    with timed("math"):
+    with res.timed("math"):
         answers, n_tokens = generate_answers(model, tokenizer, [p["question"] for p in math_set],
                                              max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
     scored = score_math(math_set, answers, cfg.confidence, n_samples_kept)
-    extras["math_samples"] = scored.pop("samples")
+    res.extras["math_samples"] = scored.pop("samples")
     metrics.update(scored)
     metrics["math_response_tokens_mean"] = _mean(n_tokens)
-    items: list[dict] = [
-        {"set": "math", "id": p.get("id", str(i)), "level": int(p.get("level", 0)), "lang": p.get("lang", ""),
-         "correct": is_correct(a, p["answer"]), "formatted": parse_answer(a)[1]}
-        for i, (p, a) in enumerate(zip(math_set, answers))]
+    math_items = [{"set": "math", "id": p.get("id", str(i)), "level": int(p.get("level", 0)), "lang": p.get("lang", ""),
+                   "correct": is_correct(a, p["answer"]), "formatted": parse_answer(a)[1]}
+                  for i, (p, a) in enumerate(zip(math_set, answers))]
+    items += math_items
     shown = [("math", p.get("lang", ""), p["question"], p["answer"], a, r["correct"])
-             for p, a, r in zip(math_set, answers, items)]
+             for p, a, r in zip(math_set, answers, math_items)]
 
     if tasks:
-        with timed("tasks"):
+        with res.timed("tasks"):
             task_answers = answer_questions(model, tokenizer, [t["prompt"] for t in tasks],
                                             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
         scored_tasks, task_ok = score_tasks(tasks, task_answers, cfg.confidence)
@@ -401,7 +434,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                   for i, (t, c) in enumerate(zip(tasks, task_ok))]
         shown += [("task", t["kind"], t["prompt"], t["answer"], a, c) for t, a, c in zip(tasks, task_answers, task_ok)]
     if arithmetic:
-        with timed("arithmetic"):
+        with res.timed("arithmetic"):
             arith_answers = answer_questions(model, tokenizer, [q["question"] for q in arithmetic],
                                              max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
         arith_ok = [is_correct(a, q["answer"]) for q, a in zip(arithmetic, arith_answers)]
@@ -410,92 +443,85 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
                    "correct": c} for i, (q, c) in enumerate(zip(arithmetic, arith_ok))]
         shown += [("arithmetic", "", q["question"], q["answer"], a, c)
                   for q, a, c in zip(arithmetic, arith_answers, arith_ok)]
-    extras["item_samples"] = _first_of_each_group(shown, n_samples_kept)
+    res.extras["item_samples"] = _first_of_each_group(shown, n_samples_kept)
+    return answers
 
-    if cfg.pass_k_problems:
-        with timed("pass_k"):
-            pk = math_pass_at_k(model, tokenizer, problems[:cfg.pass_k_problems], k=cfg.pass_k,
-                                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                batch_size=cfg.batch_size, seed=part_seed("pass_k"), confidence=cfg.confidence,
-                                rt=rt)
-        k = cfg.pass_k
-        metrics.update({"math_pass_at_k": pk[f"math_pass_at_{k}"], "math_pass_at_k_lo": pk[f"math_pass_at_{k}_lo"],
+
+def _sampled_math(res: _Results, model, tokenizer, cfg: EvalConfig, problems, seed: int, rt) -> None:
+    """pass@k and the accuracy of single samples at cfg.temperature on the first cfg.pass_k_problems."""
+    with res.timed("pass_k"):
+        pk = math_pass_at_k(model, tokenizer, problems[:cfg.pass_k_problems], k=cfg.pass_k,
+                            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            batch_size=cfg.batch_size, seed=seed, confidence=cfg.confidence, rt=rt)
+    k = cfg.pass_k
+    res.metrics.update({"math_pass_at_k": pk[f"math_pass_at_{k}"], "math_pass_at_k_lo": pk[f"math_pass_at_{k}_lo"],
                         "math_pass_at_k_hi": pk[f"math_pass_at_{k}_hi"], "math_pass_k": k,
                         "math_pass_k_problems": min(cfg.pass_k_problems, len(problems)),
                         **{key: pk[key] for key in ("math_sample_accuracy", "math_sample_accuracy_lo",
                                                     "math_sample_accuracy_hi")}})
-        items += [{"set": "math_sampled", "id": p.get("id", str(i)), "score": c / k}
+    res.items += [{"set": "math_sampled", "id": p.get("id", str(i)), "score": c / k}
                   for i, (p, c) in enumerate(zip(problems, pk["correct_counts"]))]
 
-    if rm is not None and cfg.rm_prompts:
-        rm_set = list(problems[:cfg.rm_prompts])
-        qs = [p["question"] for p in rm_set]
-        with timed("rm"):
-            mine = answers[:len(rm_set)]
-            if len(mine) < len(rm_set):
-                mine += answer_questions(model, tokenizer, qs[len(mine):], max_new_tokens=cfg.max_new_tokens,
-                                         batch_size=cfg.batch_size, rt=rt)
-            scores = rm_scores(rm, tokenizer, qs, mine, batch_size=cfg.batch_size, rt=rt)
-            lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
-            metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
+
+def _rm_scores(res: _Results, model, ref, rm, tokenizer, cfg: EvalConfig, problems, answers: list[str], seed: int,
+               n_samples_kept: int, rt) -> None:
+    """The reward model's mean score of the greedy answers to the first cfg.rm_prompts problems
+    and, with a reference, the win rate against the reference's answers."""
+    rm_set = list(problems[:cfg.rm_prompts])
+    qs = [p["question"] for p in rm_set]
+    with res.timed("rm"):
+        mine = answers[:len(rm_set)]
+        if len(mine) < len(rm_set):
+            mine += answer_questions(model, tokenizer, qs[len(mine):], max_new_tokens=cfg.max_new_tokens,
+                                     batch_size=cfg.batch_size, rt=rt)
+        scores = rm_scores(rm, tokenizer, qs, mine, batch_size=cfg.batch_size, rt=rt)
+        lo, hi = bootstrap_interval(scores, cfg.confidence, seed=derive_seed(seed, "eval", "rm_boot"))
+        res.metrics.update({"rm_score": _mean(scores), "rm_score_lo": lo, "rm_score_hi": hi,
                             "rm_prompts": len(rm_set)})
-            items += [{"set": "rm", "id": p.get("id", str(i)), "score": round(sc, 6)}
+        res.items += [{"set": "rm", "id": p.get("id", str(i)), "score": round(sc, 6)}
                       for i, (p, sc) in enumerate(zip(rm_set, scores))]
-            if ref is not None:
-                if ref is model:
-                    theirs, ref_scores = mine, scores
-                else:
-                    theirs = answer_questions(ref, tokenizer, qs, max_new_tokens=cfg.max_new_tokens,
-                                              batch_size=cfg.batch_size, rt=rt)
-                    ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size, rt=rt)
-                wr = win_rate(scores, ref_scores, [a == b for a, b in zip(mine, theirs)], cfg.confidence)
-                if ref is model:  # 0.5 by definition, not an estimate: no interval around it
-                    wr["win_rate_lo"] = wr["win_rate_hi"] = 0.5
-                metrics.update({"rm_score_sft": _mean(ref_scores), "win_rate_vs_sft": wr["win_rate"],
-                                "win_rate_vs_sft_lo": wr["win_rate_lo"], "win_rate_vs_sft_hi": wr["win_rate_hi"],
-                                "win_rate_wins": wr["wins"], "win_rate_ties": wr["ties"],
-                                "win_rate_losses": wr["losses"]})
-                extras["rm_samples"] = [{"question": q, "response": a, "score": s, "sft_response": b, "sft_score": t}
-                                        for q, a, s, b, t in list(zip(qs, mine, scores, theirs, ref_scores))[:n_samples_kept]]
-
-    kl_texts: list[str] = []
-    if ref is not None and cfg.kl_prompts:
-        if ref is model:  # the same weights: every log-ratio is exactly 0
-            metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0})
+        if ref is None:
+            return
+        if ref is model:
+            theirs, ref_scores = mine, scores
         else:
-            questions = [p["question"] for p in problems[:cfg.kl_prompts]]
+            theirs = answer_questions(ref, tokenizer, qs, max_new_tokens=cfg.max_new_tokens,
+                                      batch_size=cfg.batch_size, rt=rt)
+            ref_scores = rm_scores(rm, tokenizer, qs, theirs, batch_size=cfg.batch_size, rt=rt)
+        wr = win_rate(scores, ref_scores, [a == b for a, b in zip(mine, theirs)], cfg.confidence)
+        if ref is model:  # 0.5 by definition, not an estimate: no interval around it
+            wr["win_rate_lo"] = wr["win_rate_hi"] = 0.5
+        res.metrics.update({"rm_score_sft": _mean(ref_scores), "win_rate_vs_sft": wr["win_rate"],
+                            "win_rate_vs_sft_lo": wr["win_rate_lo"], "win_rate_vs_sft_hi": wr["win_rate_hi"],
+                            "win_rate_wins": wr["wins"], "win_rate_ties": wr["ties"],
+                            "win_rate_losses": wr["losses"]})
+        res.extras["rm_samples"] = [{"question": q, "response": a, "score": s, "sft_response": b, "sft_score": t}
+                                    for q, a, s, b, t in list(zip(qs, mine, scores, theirs, ref_scores))[:n_samples_kept]]
 
-            def decode(ro, ix: list[int]) -> list[tuple[int, str]]:
-                return [(i, tokenizer.decode(ids)) for i, ids in zip(ix, ro.response_ids())]
 
-            with timed("kl"):
-                kl = sampled_kl(model, ref, [user_prompt(q, tokenizer) for q in questions],
-                                max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                                stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                                seed=part_seed("kl"), batch_size=cfg.batch_size, visit=decode, rt=rt)
-            texts = [""] * len(questions)
-            for i, text in (x for batch in kl.visits for x in batch):
-                texts[i] = text
-            lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=derive_seed(seed, "eval", "kl_boot"))
-            metrics.update({"kl_to_sft": kl.per_sequence, "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
-                            "kl_to_sft_per_token": kl.per_token,
-                            "kl_response_tokens_mean": kl.tokens / max(len(questions), 1)})
-            kl_texts = texts
-        metrics["kl_prompts"] = min(cfg.kl_prompts, len(problems))
+def _kl_to_ref(res: _Results, model, ref, tokenizer, cfg: EvalConfig, problems, seed: int, rt) -> list[str]:
+    """KL to the reference on responses sampled at temperature 1 (per sequence, with its interval,
+    and per token); returns the sampled texts (the toxicity part scores them)."""
+    if ref is model:  # the same weights: every log-ratio is exactly 0
+        res.metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0,
+                            "kl_prompts": min(cfg.kl_prompts, len(problems))})
+        return []
+    questions = [p["question"] for p in problems[:cfg.kl_prompts]]
 
-    with timed("samples"):
-        sample_answers = answer_questions(model, tokenizer, list(cfg.sample_prompts), max_new_tokens=cfg.max_new_tokens,
-                                          batch_size=cfg.batch_size, rt=rt) if cfg.sample_prompts else []
-    extras["sample_prompts"] = [{"prompt": p, "response": a} for p, a in zip(cfg.sample_prompts, sample_answers)]
+    def decode(ro, ix: list[int]) -> list[tuple[int, str]]:
+        return [(i, tokenizer.decode(ids)) for i, ids in zip(ix, ro.response_ids())]
 
-    if toxicity is None:
-        metrics["toxicity"] = "unavailable"
-    else:
-        texts = answers + sample_answers + kl_texts
-        with timed("toxicity"):
-            tox = toxicity(texts)
-        metrics.update({"toxicity_rate": sum(t > toxicity_threshold for t in tox) / max(len(tox), 1),
-                        "toxicity_mean": _mean(tox), "toxicity_n": len(tox)})
-    extras["timing_s"] = {**timing, "total": round(sum(timing.values()), 3)}
-    extras["items"] = items
-    return metrics, extras
+    with res.timed("kl"):
+        kl = sampled_kl(model, ref, [user_prompt(q, tokenizer) for q in questions],
+                        max_new_tokens=cfg.max_new_tokens, temperature=1.0,
+                        stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
+                        seed=derive_seed(seed, "eval", "kl"), batch_size=cfg.batch_size, visit=decode, rt=rt)
+    texts = [""] * len(questions)
+    for i, text in (x for batch in kl.visits for x in batch):
+        texts[i] = text
+    lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=derive_seed(seed, "eval", "kl_boot"))
+    res.metrics.update({"kl_to_sft": kl.per_sequence, "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
+                        "kl_to_sft_per_token": kl.per_token,
+                        "kl_response_tokens_mean": kl.tokens / max(len(questions), 1),
+                        "kl_prompts": min(cfg.kl_prompts, len(problems))})
+    return texts

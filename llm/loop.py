@@ -226,6 +226,11 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
     cfg.eval_every steps and after the last one. plots: where the curves go (llm/monitor.py).
     log_every: progress bar and TensorBoard every this many steps (the TSV gets every step).
     step_context: a context around each step (the RL stages run theirs under autocast).
+
+    One function on purpose, longer than most here: resume, the periodic and on-signal
+    checkpoints and the step loop share the same few counters (step, times, histories), which
+    the nested `checkpoint` and `run_eval` update in place; in one piece, what a checkpoint
+    holds and what a resume restores read side by side.
     """
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
