@@ -6,7 +6,7 @@
     python -m llm.profile memory gpu-406m   # memory per GPU of every stage, and whether it fits the card
     python -m llm.profile rehearse gpu-13m  # the whole DAG at the profile's model shapes, on the CPU
 
-`env/profiles/cpu.yaml` is a complete params file (the default, 2 CPU cores, <= 30 min).
+`env/profiles/cpu.yaml` is a complete params file (the default: 2 CPU cores, about half an hour).
 Every other profile starts with `extends: cpu` and lists only the keys it changes, so a
 reader sees at a glance what makes `smoke` small or `gpu-77m` big:
 
