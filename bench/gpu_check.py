@@ -245,6 +245,8 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
     rows = []
     for name in ("ppo", "grpo"):
         c = dict(params[name])
+        if name == "grpo":
+            c["step_credit"] = 0.0  # random tokens hold no arithmetic steps to credit (and there is no tokenizer)
         cfg = (PPOConfig if name == "ppo" else GRPOConfig)(**c)
         n_prompts = cfg.rollout_prompts if name == "ppo" else cfg.prompts_per_step
 

@@ -29,7 +29,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

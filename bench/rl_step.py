@@ -90,7 +90,7 @@ def main() -> int:
     g_policy, p_policy = copy.deepcopy(policy), copy.deepcopy(policy)
     p_policy.add_head("value", seed=1)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    grpo = GRPO(g_policy, ref, gcfg, reward_fn=reward, stop_ids=stop, pad_id=tok.pad_id, seed=seed,
+    grpo = GRPO(g_policy, ref, gcfg, reward_fn=reward, stop_ids=stop, pad_id=tok.pad_id, seed=seed, tokenizer=tok,
                 prompts_fn=lambda s: g_pool.sample(gcfg.prompts_per_step, gcfg.curriculum_levels,
                                                    step_generator(seed, "prompts", s)))
     ppo = PPO(p_policy, ref, pcfg, reward_fn=reward, stop_ids=stop, pad_id=tok.pad_id, seed=seed,
