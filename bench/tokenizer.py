@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, rotations, show, summary  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
-from llm.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
+from llm.tokenizer import CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
 
 VOCAB = 4096
 DOC_ROOT = Path("/usr/share/doc")
@@ -191,7 +191,7 @@ def hf_train(docs: list[str]):
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  special_tokens=CONTROL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer)
     return tok
 
@@ -199,7 +199,7 @@ def hf_train(docs: list[str]):
 def rustbpe_train(docs: list[str]):
     import rustbpe
     tok = rustbpe.Tokenizer()
-    tok.train_from_iterator(docs, VOCAB - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
+    tok.train_from_iterator(docs, VOCAB - len(CONTROL_TOKENS), pattern=SPLIT_PATTERN)
     return tok
 
 

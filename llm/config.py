@@ -188,7 +188,7 @@ class TokenizerConfig:
     max_train_chars: int = _f(lo=0, hi=10 ** 15, doc="train on at most this many characters; 0 = all")
 
     def check(self, key: str) -> list[str]:
-        n_special = 6  # llm.tokenizer.SPECIAL_TOKENS; kept in step by tests/test_config.py
+        n_special = 6  # llm.tokenizer.CONTROL_TOKENS; kept in step by tests/test_config.py
         floor = 256 + n_special + len(self.required_tokens)
         if self.vocab_size < floor:
             return [f"{key}.vocab_size: must be at least 256 bytes + {n_special} special tokens"

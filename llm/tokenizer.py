@@ -2,7 +2,7 @@
 
 Text -> UTF-8 bytes -> token ids. Ids 0..255 are the raw bytes, so every string is
 encodable and nothing is ever "unknown". Ids 256.. are merges, learned in order: merge
-k joins two existing tokens into id 256 + k. The special tokens (SPECIAL_TOKENS) take
+k joins two existing tokens into id 256 + k. The special tokens (CONTROL_TOKENS) take
 the last ids of the vocabulary, so `vocab_size = 256 + len(merges) + len(specials)`.
 
     tok = Tokenizer.train(texts, vocab_size=4096, max_pairs=100_000, min_frequency=2)
@@ -77,7 +77,7 @@ merged token shown in a comment) and `tokenizer_meta.json` (sizes, corpus hash,
 compression, training statistics). `llm/` never imports `tokenizers`; only tests and
 bench/ use it, as a reference client. Loading trusts nothing in them: the pattern must be
 one of KNOWN_PATTERNS (a regular expression from a file could take exponential time on
-every text), the special tokens must be SPECIAL_TOKENS, counts and ids are bounded
+every text), the special tokens must be CONTROL_TOKENS, counts and ids are bounded
 (MAX_VOCAB) and so are the file sizes, and each problem names the file and line.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ from typing import Iterable, Iterator, Sequence
 
 import regex
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CONTROL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 # GPT-4's pattern (tiktoken cl100k_base) with \p{N}{1,3} -> \p{N}: one digit per chunk.
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}"""
@@ -371,7 +371,7 @@ class Tokenizer:
     cache_size = 1 << 18  # chunk -> ids cache entries before the cache is cleared
     parallel_min_chars = 1 << 20  # encode_batch(workers > 1) only spawns processes above this
 
-    def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[str] = SPECIAL_TOKENS,
+    def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[str] = CONTROL_TOKENS,
                  pattern: str = SPLIT_PATTERN):
         if pattern not in KNOWN_PATTERNS:
             raise ValueError(f"pre-split pattern {pattern[:80]!r}{'...' if len(pattern) > 80 else ''} is not one this"
@@ -522,7 +522,7 @@ class Tokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, *, max_pairs: int = 100_000, min_frequency: int = 2,
               required_tokens: Sequence[str] = (), progress: bool = False, jieba: bool = True,
-              specials: Sequence[str] = SPECIAL_TOKENS, pattern: str = SPLIT_PATTERN,
+              specials: Sequence[str] = CONTROL_TOKENS, pattern: str = SPLIT_PATTERN,
               workers: int = 0) -> "Tokenizer":
         """Learn merges from `texts` until the vocabulary (bytes + merges + specials) has
         `vocab_size` ids. See the module docstring for the algorithm and its guarantees.
@@ -660,14 +660,14 @@ class Tokenizer:
                 raise ValueError(f"{where}:2: pre-split pattern {shown} is not one this project writes"
                                  f" (llm.tokenizer.KNOWN_PATTERNS): an arbitrary regular expression can take"
                                  f" exponential time on every text. Re-train with `python -m stages.tokenizer`")
-            n_special = count(2, "specials", len(SPECIAL_TOKENS))
+            n_special = count(2, "specials", len(CONTROL_TOKENS))
             specials = []
             for k in range(n_special):
                 if 3 + k >= len(lines) or "\t" not in lines[3 + k]:
                     raise ValueError(f"{where}:{4 + k}: expected '<id><TAB><special token>'")
                 specials.append(lines[3 + k].split("\t", 1)[1])
-            if specials != SPECIAL_TOKENS:
-                raise ValueError(f"{where}:3: special tokens {specials[:8]} are not this project's {SPECIAL_TOKENS}"
+            if specials != CONTROL_TOKENS:
+                raise ValueError(f"{where}:3: special tokens {specials[:8]} are not this project's {CONTROL_TOKENS}"
                                  f" (chat formatting and generation depend on them); re-train the tokenizer")
             at = 3 + n_special
             n_merges = count(at, "merges", MAX_VOCAB - 256 - n_special)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
-from llm.tokenizer import (SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
+from llm.tokenizer import (CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
                            is_clean_token)
 
 PAT = regex.compile(SPLIT_PATTERN)
@@ -75,7 +75,7 @@ def test_hand_worked_merges():
     #   1. (a, a) -> 256 "aa":   aa a b d aa a b a c
     #   2. now (256, a) and (a, b) both occur twice; tie-break: smallest first id -> (a, b) = 257 "ab"
     #   3. aa ab d aa ab a c: (256, 257) occurs twice -> 258 "aaab"; then every pair is single.
-    tok = Tokenizer.train(["aaabdaaabac"], 256 + 3 + len(SPECIAL_TOKENS), min_frequency=2)
+    tok = Tokenizer.train(["aaabdaaabac"], 256 + 3 + len(CONTROL_TOKENS), min_frequency=2)
     assert tok.merges == [(97, 97), (97, 98), (256, 257)]
     assert [tok.token_bytes(i) for i in (256, 257, 258)] == [b"aa", b"ab", b"aaab"]
     assert tok.encode("aaabdaaabac") == [258, 100, 258, 97, 99]
@@ -86,7 +86,7 @@ def test_tie_break_is_smallest_pair_regardless_of_order():
     # Every pair occurs once: (a,b)=(97,98) < (x,y)=(120,121) < (space,x)... in id order.
     expected = [(97, 98), (120, 121)]
     for texts in (["ab", "xy"], ["xy", "ab"]):
-        t = Tokenizer.train(texts, 256 + 2 + len(SPECIAL_TOKENS), min_frequency=1)
+        t = Tokenizer.train(texts, 256 + 2 + len(CONTROL_TOKENS), min_frequency=1)
         assert t.merges == expected
 
 
@@ -230,7 +230,7 @@ def _train_reference(texts: list[str], n_merges: int, min_frequency: int) -> lis
 def test_incremental_training_equals_full_recount():
     corpus = [ENGLISH] * 3 + _corpus()[-60:]  # English, Chinese (jieba off here) and digits
     n = 160
-    ours = Tokenizer.train(corpus, 256 + n + len(SPECIAL_TOKENS), min_frequency=2, jieba=False)
+    ours = Tokenizer.train(corpus, 256 + n + len(CONTROL_TOKENS), min_frequency=2, jieba=False)
     assert ours.merges == _train_reference(corpus, n, 2)
     assert ours.train_stats["skipped_partial_char_merges"] > 0  # the rule was exercised
 
@@ -252,7 +252,7 @@ def test_jieba_shapes_chinese_merges():
     # jieba: 我 / 爱 / 北京 / 天安门. With jieba no token crosses those words; without it,
     # BPE happily makes the whole sentence one token.
     corpus = ["我爱北京天安门"] * 50
-    n = 256 + len(SPECIAL_TOKENS) + 40
+    n = 256 + len(CONTROL_TOKENS) + 40
     with_jieba = Tokenizer.train(corpus, n, min_frequency=2)
     without = Tokenizer.train(corpus, n, min_frequency=2, jieba=False)
     assert [with_jieba.decode([i]) for i in with_jieba.encode("我爱北京天安门")] == ["我", "爱", "北京", "天安门"]
@@ -300,13 +300,13 @@ def test_too_small_corpus_stops_early_with_warning():
     t = Tokenizer.train(["abab cdcd"], 4096, min_frequency=2)
     st_ = t.train_stats
     assert st_["early_stop"] and "corpus too small" in st_["warning"] and "4096" in st_["warning"]
-    assert t.vocab_size == 256 + len(t.merges) + len(SPECIAL_TOKENS) < 4096
+    assert t.vocab_size == 256 + len(t.merges) + len(CONTROL_TOKENS) < 4096
     assert t.special["<|end|>"] == t.vocab_size - 1  # specials still take the last ids
 
 
 def test_vocab_size_below_bytes_plus_specials():
     with pytest.raises(ValueError, match="below 256"):
-        Tokenizer.train(["hello"], 256 + len(SPECIAL_TOKENS) - 1)
+        Tokenizer.train(["hello"], 256 + len(CONTROL_TOKENS) - 1)
     cfg = TokenizerConfig(vocab_size=261, max_pairs=10, min_frequency=2, required_tokens=["####"], max_train_chars=0)
     assert cfg.check("tokenizer") and "tokenizer.vocab_size" in cfg.check("tokenizer")[0]
 
@@ -331,8 +331,8 @@ def test_lone_surrogate_is_a_clear_error(tok):
 # -- special tokens -------------------------------------------------------------------
 
 def test_specials_take_the_last_ids(tok):
-    assert list(tok.special) == SPECIAL_TOKENS
-    assert [tok.special[s] for s in SPECIAL_TOKENS] == list(range(tok.vocab_size - 6, tok.vocab_size))
+    assert list(tok.special) == CONTROL_TOKENS
+    assert [tok.special[s] for s in CONTROL_TOKENS] == list(range(tok.vocab_size - 6, tok.vocab_size))
     assert (tok.eot_id, tok.pad_id, tok.end_id) == (tok.vocab_size - 6, tok.vocab_size - 5, tok.vocab_size - 1)
 
 
