@@ -165,20 +165,9 @@ def _question_zh(rng: random.Random, a: int, ops: list[str], operands: list[int]
 # ---------------------------------------------------------------------------
 # Instruction tasks with exact answers
 
-# 120 common nouns. The pool's size is a lever: with 30 words, SFT met every (word, count) of
-# the repeat task in training and answered unseen ones with other pool words ("Repeat the word
-# candle 2 times." -> "candle shadow"); a wider pool leaves fewer pairs to memorise, so the
-# cheaper rule to learn is to copy from the prompt.
-_WORDS = """castle garden river planet window silver forest candle bridge mirror winter orange pencil
-rocket island meadow thunder harbor lantern velvet crystal falcon ginger marble puzzle shadow timber
-violet walnut anchor apple basket blanket bottle button cabin camera carpet cactus cherry circle
-cloud copper cotton desert dragon drum eagle engine feather finger flower garlic glove guitar hammer
-helmet honey jacket jungle kettle kitten ladder lemon letter lizard magnet market melon monkey
-needle ocean onion oyster paddle parrot pepper pillow pocket potato rabbit ribbon saddle salmon
-signal spider spoon square statue summer sunset table tiger tomato tower tunnel turtle valley
-wagon wallet wheel whistle wizard zebra acorn badge barrel beacon canyon chapel cradle fountain
-bucket pirate mitten cookie donkey goblet hollow insect
-""".split()
+_WORDS = ["castle", "garden", "river", "planet", "window", "silver", "forest", "candle", "bridge", "mirror",
+          "winter", "orange", "pencil", "rocket", "island", "meadow", "thunder", "harbor", "lantern", "velvet",
+          "crystal", "falcon", "ginger", "marble", "puzzle", "shadow", "timber", "violet", "walnut", "anchor"]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ import subprocess
 
 import yaml
 
-from llm.generators import _WORDS
 from tests.conftest import ROOT, dvc_command
 
 
@@ -45,7 +44,7 @@ def test_prepare_writes_disjoint_splits(tmp_path):
 
 
 def test_eval_only_items_are_no_training_prompt(tmp_path):
-    r = _run_prepare(tmp_path, task_train=3000, task_test=40, arithmetic_test=100)
+    r = _run_prepare(tmp_path, task_train=600, task_test=40, arithmetic_test=100)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "data" / "prepared"
     trained = {m["content"] for r in _jsonl(out / "sft" / "train.jsonl") for m in r["messages"] if m["role"] == "user"}
@@ -55,10 +54,9 @@ def test_eval_only_items_are_no_training_prompt(tmp_path):
     assert len({t["prompt"] for t in tasks}) == len(tasks) and len({q["question"] for q in arithmetic}) == 100
     per_kind = {k: sum(t["kind"] == k for t in tasks) for k in {t["kind"] for t in tasks}}
     assert per_kind["max"] == per_kind["sort"] == 40
-    # reverse has two phrasings per pool word; 3000 tasks use up most of them, so the test set is
-    # all of those SFT does not train on, and no more
+    # reverse has 60 distinct prompts: the test set is all of those SFT does not train on, and no more
     reverse_trained = {p for p in trained if p.startswith(("Reverse the word: ", "Spell "))}
-    assert per_kind["reverse"] == 2 * len(_WORDS) - len(reverse_trained) < 40
+    assert per_kind["reverse"] == 60 - len(reverse_trained) < 40
     metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
     assert metrics["records"]["tasks/test"] == len(tasks) and metrics["records"]["arithmetic/test"] == 100
 
