@@ -23,9 +23,11 @@ and at batch 1, in the same rounds, what bounds any decoder from above:
 
 A decoding step multiplies one row by every weight matrix, so the faster of the two GEMVs is the
 "GEMV floor" (floor_tok_s); `fast_of_floor` is fast's tokens/s over that floor, per round.
-At every batch size, `breakdown` times FastDecoder's step three ways (see `breakdown()`): the
-real step, its matrix products alone back to back, and the step without its products; where the
-first is more than the sum of the other two, the products ran slower inside decoding than alone.
+At every batch size, `breakdown` times FastDecoder's step four ways (see `breakdown()`): the
+real step, its matrix products alone back to back, the same products timed one by one inside real
+steps, and the step without its products. If the products inside steps take as long as alone, a
+real step minus its products is the rest of the model as it runs there; the step without its
+products can be faster than that, since nothing streams the weights through the caches then.
 
 For each thread count in --threads (0 = every usable CPU) and each batch size, the decoders and
 floors run in rotated order each round (A B C, B C A, ...); reported: tokens/s min/median/max
@@ -88,9 +90,10 @@ def floors(model: GPT, clock=time.perf_counter, reps: int = 10) -> dict[str, flo
 def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, float]:
     """Seconds per decoding step of FastDecoder at batch B after a `prompt`-token prefill, split:
     `step` the real step; `products` FastDecoder's own matrix products alone, back to back in
-    step order (its (in, out) copies, addmm where it uses addmm); `other` the step with every
-    product replaced by a preallocated result (torch.mm / torch.addmm swapped for the run, then
-    restored), i.e. everything but the products."""
+    step order (its (in, out) copies, addmm where it uses addmm); `products_in_step` the same
+    products inside real steps, each timed by a wrapper around torch.mm / torch.addmm; `other`
+    the step with every product replaced by a preallocated result (torch.mm / torch.addmm swapped
+    for the run, then restored), i.e. everything but the products."""
     import llm.generate as G
     dec = G.FastDecoder(model)
     outs: dict[tuple[int, int], torch.Tensor] = {}
@@ -98,13 +101,25 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
     def fake_mm(a, b):
         return outs.setdefault((a.shape[0], b.shape[1]), torch.zeros(a.shape[0], b.shape[1]))
 
-    def decode(fake: bool) -> float:
+    inside = [0.0]
+
+    def timed(fn):
+        def run(*a):
+            t0 = clock()
+            out = fn(*a)
+            inside[0] += clock() - t0
+            return out
+        return run
+
+    def decode(fake: bool, time_products: bool = False) -> float:
         cache = G.KVCache.for_model(model, B, prompt + steps)
         tok = torch.ones(B, dtype=torch.long)
         model.hidden_states(torch.ones(B, prompt, dtype=torch.long), None, kv_cache=cache)
         mm, addmm = torch.mm, torch.addmm
         if fake:
             torch.mm, torch.addmm = fake_mm, (lambda x, a, b: x)
+        elif time_products:
+            torch.mm, torch.addmm = timed(mm), timed(addmm)
         try:
             t0 = clock()
             for _ in range(steps):
@@ -123,7 +138,9 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
         return (clock() - t0) / steps
 
     with torch.inference_mode():
-        return {"step": decode(False), "products": products(), "other": decode(True)}
+        step, alone = decode(False), products()
+        decode(False, time_products=True)
+        return {"step": step, "products": alone, "products_in_step": inside[0] / steps, "other": decode(True)}
 
 
 def main() -> None:
@@ -172,7 +189,7 @@ def main() -> None:
         for B in args.batches:
             ids = prompts[B]
             names = ["fast", "plain", "hf", "breakdown"] + (["floors"] if B == 1 else [])
-            parts: dict[str, list[float]] = {"step": [], "products": [], "other": []}
+            parts: dict[str, list[float]] = {"step": [], "products": [], "products_in_step": [], "other": []}
             tps: dict[str, list[float]] = {n: [] for n in ("fast", "plain", "hf")}
             fl: dict[str, list[float]] = {"gemv_linear": [], "gemv_in_out": [], "read": []}
             for name in ("fast", "plain", "hf"):  # warm-up: first-call costs out of the timings
@@ -215,7 +232,8 @@ def main() -> None:
                   f" {show(e['plain_over_hf'], 'x')}, fast/plain {show(e['fast_over_plain'], 'x')}"
                   + (f"; fast = {show(e['fast_of_floor'])} of the GEMV floor" if B == 1 else "")
                   + f"; a fast step (ms) {show(e['breakdown_ms_per_step']['step'])}: its products alone"
-                  f" {show(e['breakdown_ms_per_step']['products'])}, all but the products"
+                  f" {show(e['breakdown_ms_per_step']['products'])} (inside steps"
+                  f" {show(e['breakdown_ms_per_step']['products_in_step'])}), all but the products"
                   f" {show(e['breakdown_ms_per_step']['other'])}", flush=True)
     result["machine"] = machine(load0)
     print(json.dumps(result))

@@ -56,12 +56,13 @@ def test_the_ids_digest_sees_where_documents_end():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_decode_split_times_three_ways_and_gives_torch_its_products_back():
+def test_the_decode_split_times_four_ways_and_gives_torch_its_products_back():
     from llm.config import ModelConfig
     from llm.model import GPT
     bench = load_script(ROOT / "bench/generate.py", "bench_generate")
     mm, addmm = torch.mm, torch.addmm
     model = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)).eval()
     parts = bench.breakdown(model, 2, prompt=4, steps=3, clock=__import__("time").perf_counter)
-    assert set(parts) == {"step", "products", "other"} and all(v > 0 for v in parts.values())
+    assert set(parts) == {"step", "products", "products_in_step", "other"} and all(v > 0 for v in parts.values())
+    assert parts["products_in_step"] < parts["step"]  # a part of the step it was timed in
     assert torch.mm is mm and torch.addmm is addmm
