@@ -283,10 +283,10 @@ def failure_line(stage: str, failures: dict[int, Any], world: int) -> str:
         return 5
 
     rank, f = min(failures.items(), key=lambda rf: (kind(rf[1]), data(rf[1]).get("time", rf[1].timestamp), rf[0]))
-    if f.exitcode < 0:
-        why = f"killed by {f.signal_name()} (exit code {f.exitcode})"
-    elif data(f):
+    if data(f):  # its own message, even if the launcher's SIGTERM then caught it shutting down
         why = f.message.removeprefix(f"{stage}: ")
+    elif f.exitcode < 0:
+        why = f"killed by {f.signal_name()} (exit code {f.exitcode})"
     else:
         why = f"exit code {f.exitcode} (no message; see its output above)"
     others = sorted(r for r in failures if r != rank)

@@ -216,7 +216,7 @@ class Trap:
 def test_detoxify_checkpoint_loads_offline_without_unpickling(tmp_path):
     import torch
 
-    path = _tiny_detoxify_checkpoint(tmp_path, bias=5.0)
+    _tiny_detoxify_checkpoint(tmp_path, bias=5.0)
     score = load_toxicity_scorer(tmp_path)                      # the directory form finds the .ckpt
     s = score(["hello there", "you are great"] * 20)
     assert len(s) == 40 and all(abs(x - 1 / (1 + np.exp(-5.0))) < 1e-4 for x in s)   # the "toxic" column
