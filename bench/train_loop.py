@@ -5,8 +5,9 @@
 Both sides train the same GPT (same config, same initial weights) with the same AdamW
 (llm.optim.build_optimizer) on batches of the same shape:
 
-  bare   for each step: grad_accum x (forward, loss, backward) on one fixed batch already on
-         the device, optimizer.step(), zero_grad(); one synchronize at the end. The loss is the
+  bare   for each step: grad_accum x (forward, loss, backward) on batches sampled before the
+         clock starts (a new one for every micro-batch, as the loop gets) and already on the
+         device, optimizer.step(), zero_grad(); one synchronize at the end. The loss is the
          trainer's own (llm/trainer.py lm_loss: the blocked cross-entropy of llm/losses.py),
          scaled as the trainer scales it (sum over the step's tokens / their number), so the
          two sides differ only by the loop around them.
@@ -59,15 +60,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_steps(model: GPT, cfg: TrainConfig, rt: Runtime, batch: dict, warmup: int, steps: int) -> float:
-    """Seconds per bare step (fwd + bwd x grad_accum, optimizer.step), after `warmup` steps."""
+def bare_steps(model: GPT, cfg: TrainConfig, rt: Runtime, batches: list[dict], warmup: int, steps: int) -> float:
+    """Seconds per bare step (fwd + bwd x grad_accum, optimizer.step), after `warmup` steps;
+    `batches` holds (warmup + steps) x grad_accum micro-batches, used in turn. (One batch used
+    again and again made the bare side 6-7% slower here than fresh ones: a bench artefact.)"""
     opt = build_optimizer(model, cfg, rt.device)
-    b = {k: v.to(rt.device) for k, v in batch.items()}
-    n_tokens = cfg.grad_accum * b["targets"].numel()  # the trainer divides the summed loss by this
+    micro = iter([{k: v.to(rt.device) for k, v in b.items()} for b in batches])
+    n_tokens = cfg.grad_accum * batches[0]["targets"].numel()  # the trainer divides the summed loss by this
     model.train()
 
     def step():
         for _ in range(cfg.grad_accum):
+            b = next(micro)
             with rt.autocast():
                 loss_sum, _ = lm_loss(model, b)
             (loss_sum / n_tokens).backward()
@@ -132,7 +136,8 @@ def main() -> None:
     def tcfg(max_steps: int) -> TrainConfig:
         return TrainConfig(max_steps=max_steps, eval_every=10**9, checkpoint_every=10**9, **common_cfg)
 
-    batch = WindowSampler(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=1).next_batch()
+    sampler = WindowSampler(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=1)
+    batches = [sampler.next_batch() for _ in range((W + args.steps) * args.grad_accum)]
     print(f"bench: {base.summary()}", flush=True)
     print(f"bench: {device}, {rt.dtype}, batch {args.batch_size} x {args.seq_len}, grad_accum {args.grad_accum},"
           f" {torch.get_num_threads()} threads; {args.rounds} rounds of {args.steps} steps", flush=True)
@@ -141,7 +146,7 @@ def main() -> None:
     for r in range(args.rounds):
         for side in (("bare", "loop") if r % 2 == 0 else ("loop", "bare")):
             if side == "bare":
-                b = bare_steps(copy.deepcopy(base).to(device), tcfg(W + args.steps), rt, batch, W, args.steps)
+                b = bare_steps(copy.deepcopy(base).to(device), tcfg(W + args.steps), rt, batches, W, args.steps)
             else:
                 per = loop_step_seconds(copy.deepcopy(base), tcfg(W + args.steps), rt, tokens, args.seq_len, W)
         bare.append(b)
