@@ -111,14 +111,15 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
             return out
         return run
 
-    def decode(fake: bool, time_products: bool = False) -> float:
+    def decode(mm_mode: str = "real") -> float:
+        """mm_mode: the products "real", "timed" (each one timed into `inside`) or "fake" (preallocated)."""
         cache = G.KVCache.for_model(model, B, prompt + steps)
         tok = torch.ones(B, dtype=torch.long)
         model.hidden_states(torch.ones(B, prompt, dtype=torch.long), None, kv_cache=cache)
         mm, addmm = torch.mm, torch.addmm
-        if fake:
+        if mm_mode == "fake":
             torch.mm, torch.addmm = fake_mm, (lambda x, a, b: x)
-        elif time_products:
+        elif mm_mode == "timed":
             torch.mm, torch.addmm = timed(mm), timed(addmm)
         try:
             t0 = clock()
@@ -138,9 +139,9 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
         return (clock() - t0) / steps
 
     with torch.inference_mode():
-        step, alone = decode(False), products()
-        decode(False, time_products=True)
-        return {"step": step, "products": alone, "products_in_step": inside[0] / steps, "other": decode(True)}
+        step, alone = decode(), products()
+        decode("timed")
+        return {"step": step, "products": alone, "products_in_step": inside[0] / steps, "other": decode("fake")}
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ def _sync(device: torch.device) -> None:
 def bare_steps(model: GPT, cfg: TrainConfig, rt: Runtime, batches: list[dict], warmup: int, steps: int) -> float:
     """Seconds per bare step (fwd + bwd x grad_accum, optimizer.step), after `warmup` steps;
     `batches` holds (warmup + steps) x grad_accum micro-batches, used in turn. (One batch used
-    again and again made the bare side 6-7% slower here than fresh ones: a bench artefact.)"""
+    again and again made the bare side 6-12% slower here than fresh ones: a bench artefact.)"""
     opt = build_optimizer(model, cfg, rt.device)
     micro = iter([{k: v.to(rt.device) for k, v in b.items()} for b in batches])
     n_tokens = cfg.grad_accum * batches[0]["targets"].numel()  # the trainer divides the summed loss by this

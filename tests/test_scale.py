@@ -522,4 +522,5 @@ def test_the_failure_reported_is_the_cause_not_its_consequences():
     late = f(-15, "s: rank 1 could not read x", t=1.0, stage_error=True)
     line = failure_line("s", {0: f(1, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:1", t=1.1), 1: late}, 2)
     assert line == "s: rank 1 of 2 failed: rank 1 could not read x; rank(s) 0 stopped with it"
-    assert "rank 1 of 2 failed: RuntimeError: a bug" in failure_line("s", {0: f(1, peer, t=3.0), 1: f(-15, "RuntimeError: a bug", t=2.0)}, 2)
+    late_bug = f(-15, "RuntimeError: a bug", t=2.0)
+    assert "rank 1 of 2 failed: RuntimeError: a bug" in failure_line("s", {0: f(1, peer, t=3.0), 1: late_bug}, 2)
