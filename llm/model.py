@@ -403,10 +403,15 @@ class GPT(nn.Module):
         return self.lm_head(hidden).float()
 
     def forward(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None, kv_cache: Any = None,
-                return_hidden: bool = False):
-        """idx (B, T) long -> logits (B, T, V) float32 [, hidden (B, T, C)]."""
+                return_hidden: bool = False, logits_at: torch.Tensor | None = None):
+        """idx (B, T) long -> logits (B, T, V) float32 [, hidden (B, T, C)].
+
+        logits_at: bool (B, T); the logits only where it is True, as (N, V) in row-major order.
+        A loss that reads a few positions (SFT's assistant tokens) then skips the vocabulary
+        product, the largest matrix, at all the others.
+        """
         hidden = self.hidden_states(idx, attention_mask, kv_cache)
-        logits = self.logits(hidden)
+        logits = self.logits(hidden if logits_at is None else hidden[logits_at])
         return (logits, hidden) if return_hidden else logits
 
     def value(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,21 @@ def lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
+def supervised_lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_loss` with the logits computed only at the supervised positions (targets != -100).
+
+    The same loss up to float rounding; for batches where most targets are masked (SFT's
+    prompts and padding), it skips most of the vocabulary product and its backward. Selecting
+    the positions waits for the device once per micro-batch, so pretraining, which masks
+    nothing, keeps `lm_loss`.
+    """
+    targets = batch["targets"]  # (B, T)
+    keep = targets != IGNORE_INDEX
+    logits = model(batch["idx"], attention_mask=batch.get("attention_mask"), logits_at=keep)  # (N, V)
+    loss_sum = cross_entropy_sum(logits.float(), targets[keep], overwrite_logits=True)
+    return loss_sum, keep.sum()
+
+
 def batch_weight(batch: Batch) -> float:
     """How many loss units a batch holds, known before any forward pass.
 

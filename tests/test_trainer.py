@@ -25,7 +25,7 @@ from llm.errors import NonFiniteError
 from llm.metrics import read_metrics
 from llm.monitor import Plots
 from llm.runtime import Runtime, enable_activation_checkpointing, resolve_device, resolve_dtype
-from llm.trainer import accumulate_gradients, lm_loss, train
+from llm.trainer import accumulate_gradients, lm_loss, supervised_lm_loss, train
 from tests.conftest import dvc_command, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,13 +48,36 @@ def tcfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+class MaskEveryThird:
+    """A batch source whose targets after tokens divisible by 3 are masked (as SFT masks its
+    prompts): the same positions whatever the process count or micro-batch split."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def next_batch(self):
+        return mask_every_third(self.src.next_batch())
+
+    def state_dict(self):
+        return self.src.state_dict()
+
+    def load_state_dict(self, state):
+        self.src.load_state_dict(state)
+
+
+def mask_every_third(batch):
+    return {**batch, "targets": batch["targets"].masked_fill(batch["idx"] % 3 == 0, -100)}
+
+
 def run(run_dir, cfg=None, *, model=None, loss_fn=lm_loss, fingerprint="fp", rt=CPU, tsv=None, png=None, tb_dir=None,
-        **kw):
+        masked=False, **kw):
     cfg = cfg or tcfg()
     model = model if model is not None else tiny_model()
     src = WindowSampler(TOKENS, seq_len=16, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, seed=1,
                         rank=rt.rank, world_size=rt.world_size)
     val = fixed_windows(TOKENS, seq_len=16, batch_size=4, n_batches=cfg.eval_batches)
+    if masked:
+        src, val = MaskEveryThird(src), [mask_every_third(b) for b in val]
     res = train(model, cfg, rt, stage="test", seed=7, batches=src, loss_fn=loss_fn, val_batches=val,
                 run_dir=run_dir, fingerprint=fingerprint, plots=Plots(tsv=tsv, png=png, tb_dir=tb_dir), progress=False,
                 **kw)
@@ -185,6 +208,32 @@ def test_k_micro_batches_give_the_gradients_of_one_batch():
         s, w = lm_loss(m, b)
         (s / w / len(parts)).backward()
     assert max((a - p.grad).abs().max().item() for a, p in zip(g1, m.parameters())) > 1e-4
+
+
+def test_supervised_lm_loss_is_lm_loss_at_the_supervised_positions():
+    m = tiny_model(dropout=0.0)
+    b = WindowSampler(TOKENS, seq_len=16, batch_size=4, seed=2).next_batch()
+    b["targets"][0, :11] = -100  # a prompt
+    b["targets"][1, :] = -100    # nothing supervised
+    b["attention_mask"] = torch.ones_like(b["idx"], dtype=torch.bool)
+    b["attention_mask"][2, 13:] = False  # right padding, its targets masked
+    b["targets"][2, 13:] = -100
+    out = []
+    for fn in (lm_loss, supervised_lm_loss):
+        m.zero_grad(set_to_none=True)
+        loss, w = fn(m, b)
+        loss.backward()
+        out.append((loss.detach(), int(w), [p.grad.clone() for p in m.parameters()]))
+    (la, wa, ga), (lb, wb, gb) = out
+    assert wa == wb == int((b["targets"] != -100).sum()) == 5 + 0 + 13 + 16
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=0.0)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    # the logits it computes are the full forward's rows at those positions, in row-major order
+    keep = b["targets"] != -100
+    with torch.no_grad():
+        full = m(b["idx"], attention_mask=b["attention_mask"])
+        torch.testing.assert_close(m(b["idx"], attention_mask=b["attention_mask"], logits_at=keep), full[keep])
 
 
 def test_all_masked_batch_is_finite_with_zero_gradient():
@@ -436,7 +485,7 @@ def _child(argv: list[str]) -> None:
             if Path(filename).parent.name.startswith(f".ckpt-{opt['kill_in_save']:08d}"):
                 os.kill(os.getpid(), signal.SIGKILL)
         ck.save_file = save_file
-    loss_fn = lm_loss
+    loss_fn = supervised_lm_loss if opt.get("supervised") else lm_loss
     if opt.get("kill_at_attempt") is not None:
         loss_fn = Inject(opt["kill_at_attempt"], lambda m, b, loss: os.kill(os.getpid(), signal.SIGKILL))
     rt = CPU
@@ -455,7 +504,7 @@ def _child(argv: list[str]) -> None:
     model = tiny_model(dropout=opt.get("dropout", 0.1))
     if opt.get("trainable"):
         set_trainable(model, opt["trainable"])
-    res, model = run(opt["run_dir"], cfg, model=model, loss_fn=loss_fn, rt=rt)
+    res, model = run(opt["run_dir"], cfg, model=model, loss_fn=loss_fn, rt=rt, masked=bool(opt.get("supervised")))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rt.distributed))
     if rt.is_main:  # (a collective under FSDP: every rank gathers, rank 0 writes)
@@ -581,6 +630,13 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
 @pytest.mark.slow
 def test_fsdp_two_gloo_processes_match_one_process(tmp_path):
     _distributed_matches_single(tmp_path, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_logits_at_supervised_positions_two_processes_match_one(tmp_path, strategy):
+    """SFT's loss passes the positions through the DDP and FSDP2 wrappers' forward."""
+    _distributed_matches_single(tmp_path, strategy, supervised=True)
 
 
 @pytest.mark.slow
