@@ -223,7 +223,8 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
     rm = st.size(st.rm_heads)
     out: dict[str, StageMemory] = {}
 
-    # pretrain and sft: one model, lm_loss over batch_size x seq_len tokens
+    # pretrain and sft: one model, lm_loss over batch_size x seq_len tokens (SFT takes the logits
+    # only where targets are supervised; the bound is for a batch that supervises every token)
     for name in ("pretrain", "sft"):
         c = params[name]
         shard = st.shard(c)
