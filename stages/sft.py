@@ -90,8 +90,9 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
               f" {gpt.summary()}", flush=True)
 
     curves = run_dir / "plots"
-    # the LM head only at the assistant tokens (1.1-1.4x a step here); a compiled model keeps
-    # the full head, since selecting positions gives a shape the graph cannot know in advance
+    # the LM head only at the assistant tokens: the cpu profile's forward and backward 1.26x
+    # faster (docs/log.md). A compiled model keeps the full head: selecting positions gives a
+    # shape the graph cannot know in advance
     loss_fn = lm_loss if cfg.compile else supervised_lm_loss
     result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, loss_fn=loss_fn, val_batches=val_batches,
                    run_dir=run_dir, fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv",
