@@ -73,9 +73,9 @@ def supervised_lm_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, to
     """`lm_loss` with the logits computed only at the supervised positions (targets != -100).
 
     The same loss up to float rounding; for batches where most targets are masked (SFT's
-    prompts and padding), it skips most of the vocabulary product and its backward. Selecting
-    the positions waits for the device once per micro-batch, so pretraining, which masks
-    nothing, keeps `lm_loss`.
+    prompts and padding), it skips most of the vocabulary product and its backward. Indexing
+    with a boolean mask makes the host wait for the device (twice a micro-batch: hidden states
+    and targets), so pretraining, which masks nothing, keeps `lm_loss`.
     """
     targets = batch["targets"]  # (B, T)
     keep = targets != IGNORE_INDEX
