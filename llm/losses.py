@@ -162,12 +162,16 @@ def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
 
 def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                    value_clip: float) -> tuple[Tensor, Tensor]:
-    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), masked mean; and the clipped fraction."""
-    v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), masked mean; and the clipped fraction:
+    the share of tokens where the clamp bit and raised the loss (TRL's `l2 > l1`, without its ties).
+    Where the clamp does not bite, old + (V - old) can differ from V in the last bit, and `l2 > l1`
+    alone would count such a token as clipped or not by how the float sums fell."""
+    delta = values - old_values
+    v_clipped = old_values + torch.clamp(delta, -value_clip, value_clip)
     l1, l2 = (values - returns) ** 2, (v_clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(l1, l2), mask)
     with torch.no_grad():
-        vf_clipfrac = masked_mean((l2 > l1).float(), mask)
+        vf_clipfrac = masked_mean(((l2 > l1) & (delta.abs() > value_clip)).float(), mask)
     return loss, vf_clipfrac
 
 

@@ -9,12 +9,15 @@
 Under torchrun (WORLD_SIZE > 1) `setup_runtime` initialises the process group: gloo on the CPU,
 NCCL on CUDA. `common.device: auto` takes cuda:<LOCAL_RANK> when CUDA is available, else the
 CPU; `common.dtype: auto` is fp32 on the CPU and bf16 (fp16 where the card has no bf16) on
-CUDA. `common.cpu_kernels` switches llm/kernels.py on or off for the process.
+CUDA. `common.cpu_kernels` switches llm/kernels.py on or off for the process, and
+`common.cpu_capability` fixes which vectorized kernels PyTorch runs on an x86 CPU
+(`apply_cpu_capability`).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import socket
 import uuid
 from dataclasses import dataclass
@@ -86,8 +89,69 @@ def resolve_dtype(common: CommonConfig, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[want]
 
 
+# What each `common.cpu_capability` level needs from the processor (Linux /proc/cpuinfo flags).
+CAPABILITY_FLAGS = {"default": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpu_flags() -> set[str] | None:
+    """The processor's feature flags, or None where /proc/cpuinfo cannot tell (not Linux)."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def apply_cpu_capability(setting: str) -> str:
+    """Make PyTorch run the vectorized CPU kernels of `common.cpu_capability`; return the level in use.
+
+    PyTorch picks its elementwise and reduction kernels for the processor it finds: AVX-512
+    where the CPU has it, else AVX2. The two round differently in the last bits, so two x86
+    machines "of one kind" whose processors differ in generation train different weights from
+    the same params, and the difference grows with every step (docs/experiments.md). "avx2"
+    gives every x86-64 processor of the last decade the same kernels: smoke pretraining on an
+    AVX-512 machine set to AVX2 and on a machine without AVX-512 reached the same validation
+    loss to the last digit printed. "" leaves PyTorch's choice (the fastest kernels).
+
+    PyTorch reads the level once, from the environment variable ATEN_CPU_CAPABILITY, at a
+    process's first vectorized operation; this sets it before that and checks that it took.
+    On a processor that is not x86 (an Arm laptop) the setting does not apply, and is said so.
+    """
+    if not setting:
+        return torch.backends.cpu.get_cpu_capability()
+    if setting not in CAPABILITY_FLAGS:
+        raise ConfigError([f"common.cpu_capability: {setting!r}; expected '', "
+                           + ", ".join(repr(k) for k in CAPABILITY_FLAGS)])
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        got = torch.backends.cpu.get_cpu_capability()
+        print(f"cpu kernels: common.cpu_capability: {setting} applies to x86 processors only; this {machine}"
+              f" processor runs PyTorch's {got} kernels, whose rounding differs from an x86 machine's", flush=True)
+        return got
+    flags = _cpu_flags()
+    missing = [f for f in CAPABILITY_FLAGS[setting] if flags is not None and f not in flags]
+    if missing:
+        raise ConfigError([f"common.cpu_capability: {setting}, but this processor lacks {', '.join(missing)}"
+                           f" ({CPUINFO}); set common.cpu_capability: avx2 (or '' for PyTorch's choice)"])
+    preset = os.environ.get("ATEN_CPU_CAPABILITY")
+    if preset is not None and preset.lower() != setting:
+        raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets ATEN_CPU_CAPABILITY={preset};"
+                           f" unset one of the two, or make them agree"])
+    os.environ["ATEN_CPU_CAPABILITY"] = setting  # child processes (torchrun's workers) inherit it
+    got = torch.backends.cpu.get_cpu_capability()
+    if got.lower() != setting:
+        raise ConfigError([f"common.cpu_capability: {setting}, but PyTorch already runs its {got} kernels in this"
+                           f" process (an operation ran before the stage could set the level); start the process"
+                           f" with ATEN_CPU_CAPABILITY={setting} in its environment"])
+    return got
+
+
 def setup_runtime(common: CommonConfig) -> Runtime:
-    """Threads, kernels, device, dtype; under torchrun (WORLD_SIZE > 1) also the process group."""
+    """Kernels, threads, device, dtype; under torchrun (WORLD_SIZE > 1) also the process group."""
+    apply_cpu_capability(common.cpu_capability)  # first: PyTorch fixes the level at its first operation
     apply_num_threads(common.num_threads)
     kernels.set_enabled(common.cpu_kernels)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -3,9 +3,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 from pathlib import Path
 
 import pytest
+
+# The cpu profile pins PyTorch's x86 kernels to AVX2 (`common.cpu_capability`, llm/runtime.py), and
+# a stage run inside this process refuses to start if torch has already picked another level (on a
+# processor with AVX-512 it would have): so the whole test session runs the AVX2 kernels, as the
+# stages' own processes do. Set before anything imports torch.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 # Hub look-ups wait 25-80 s before failing when there is no network; tests never need them.
 for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "DVC_NO_ANALYTICS"):

@@ -59,6 +59,16 @@ def test_value_loss_clipping():
     assert v.grad.item() == 0
 
 
+def test_value_clip_fraction_counts_no_rounding_ties():
+    # |v - old| = 0.019 is far inside the clip, yet old + (v - old) != v in float32 and lands a
+    # hair further from the return: `l2 > l1` alone would call this token clipped
+    old, v, ret = (torch.tensor([[x]]) for x in (0.007501894608139992, -0.011231518350541592, -0.026114098727703094))
+    assert old + (v - old) != v and ((old + (v - old) - ret) ** 2 > (v - ret) ** 2)
+    loss, frac = ppo_value_loss(v, old, ret, torch.ones(1, 1, dtype=torch.bool), value_clip=0.2)
+    assert frac.item() == 0.0
+    assert loss.item() == pytest.approx(0.5 * (v - ret).item() ** 2)
+
+
 def test_k3_is_nonnegative_and_zero_when_policies_match():
     torch.manual_seed(0)
     a, b = torch.randn(100).log_softmax(0), torch.randn(100).log_softmax(0)

@@ -29,8 +29,8 @@ from tests.test_eval_stage import world  # noqa: F401  (a fixture: the eval stag
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RL_TOL = 2e-5  # absolute and relative, on every logged number and every final weight of a few RL steps
-# shares of tokens where one side of a comparison beats the other: a token where both sides agree to
-# the last bit (the value clip not active: old + (v - old) vs v) flips with the order of float sums
+# shares of tokens where one side of a comparison beats the other: a token at the edge of a clip
+# range falls on either side with the order of float sums
 FLIP_TOL = {"clip_ratio": 0.02, "vf_clipfrac": 0.02}
 
 

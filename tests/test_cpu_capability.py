@@ -1,0 +1,96 @@
+"""`common.cpu_capability`: which vectorized CPU kernels PyTorch runs (llm/runtime.py).
+
+PyTorch fixes the level at a process's first vectorized operation, so most checks run in a
+fresh interpreter."""
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm import runtime
+from llm.config import CommonConfig, ConfigError, load_params_text
+
+ROOT = Path(__file__).resolve().parents[1]
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+needs_x86 = pytest.mark.skipif(not X86, reason="the kernel levels are x86's")
+
+
+def python(code: str, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | env
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=120)
+
+
+@needs_x86
+def test_stage_setup_sets_the_level_before_any_operation():
+    # every stage module imported first, as `python -m stages.<name>` does: none may run an operation
+    r = python("import importlib, pkgutil, os, torch, stages\n"
+               "for m in pkgutil.iter_modules(stages.__path__): importlib.import_module('stages.' + m.name)\n"
+               "from llm.config import CommonConfig\n"
+               "from llm.runtime import setup_runtime\n"
+               "setup_runtime(CommonConfig(seed=0, device='cpu', dtype='auto', nproc=1, num_threads=1,"
+               " cpu_kernels=True, cpu_capability='default'))\n"
+               "print(torch.backends.cpu.get_cpu_capability(), os.environ['ATEN_CPU_CAPABILITY'])")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["DEFAULT", "default"]
+
+
+@needs_x86
+def test_a_level_fixed_earlier_is_an_error_not_ignored():
+    if python("import torch; print(torch.backends.cpu.get_cpu_capability())").stdout.strip() == "DEFAULT":
+        pytest.skip("this CPU's own level is DEFAULT: nothing to contradict")
+    r = python("import torch; torch.randn(64).exp()\n"
+               "from llm.runtime import apply_cpu_capability; apply_cpu_capability('default')")
+    assert r.returncode != 0
+    assert "common.cpu_capability: default, but PyTorch already runs its" in r.stderr
+    assert "ATEN_CPU_CAPABILITY=default" in r.stderr
+
+
+@needs_x86
+def test_the_environment_and_the_param_must_agree():
+    r = python("from llm.runtime import apply_cpu_capability; apply_cpu_capability('default')",
+               ATEN_CPU_CAPABILITY="avx2")
+    assert r.returncode != 0 and "the environment sets ATEN_CPU_CAPABILITY=avx2" in r.stderr
+    r = python("from llm.runtime import apply_cpu_capability; print(apply_cpu_capability('default'))",
+               ATEN_CPU_CAPABILITY="DEFAULT")
+    assert r.returncode == 0 and r.stdout.strip() == "DEFAULT", r.stderr
+
+
+@needs_x86
+def test_a_level_the_processor_lacks_names_the_missing_flags(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n")
+    monkeypatch.setattr(runtime, "CPUINFO", cpuinfo)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    with pytest.raises(ConfigError, match="common.cpu_capability: avx512, but this processor lacks avx512f,"
+                                          " avx512bw, avx512vl, avx512dq"):
+        runtime.apply_cpu_capability("avx512")
+    cpuinfo.write_text("flags\t\t: fpu sse sse2 avx\n")
+    with pytest.raises(ConfigError, match="lacks avx2, fma"):
+        runtime.apply_cpu_capability("avx2")
+    assert "ATEN_CPU_CAPABILITY" not in os.environ  # refused before anything was set
+
+
+def test_not_x86_says_so_and_changes_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "arm64")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert runtime.apply_cpu_capability("avx2") == torch.backends.cpu.get_cpu_capability()
+    assert "applies to x86 processors only; this arm64 processor" in capsys.readouterr().out
+    assert "ATEN_CPU_CAPABILITY" not in os.environ
+
+
+def test_empty_leaves_pytorchs_choice(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert runtime.apply_cpu_capability("") == torch.backends.cpu.get_cpu_capability()
+    assert "ATEN_CPU_CAPABILITY" not in os.environ
+    assert CommonConfig(seed=0, device="cpu", dtype="auto", nproc=1, num_threads=1, cpu_kernels=True).cpu_capability == ""
+
+
+def test_params_refuse_an_unknown_level():
+    text = (ROOT / "params.yaml").read_text().replace("cpu_capability: avx2", "cpu_capability: avx3")
+    assert "cpu_capability: avx3" in text
+    with pytest.raises(ConfigError, match="cpu_capability"):
+        load_params_text(text, "params.yaml")
