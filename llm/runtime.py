@@ -94,6 +94,10 @@ CAPABILITY_FLAGS = {"default": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f"
 CPUINFO = Path("/proc/cpuinfo")
 
 
+# what platform.machine() says on an x86 processor (lower case), where the kernel levels apply
+X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
 def _cpu_flags() -> set[str] | None:
     """The processor's feature flags, or None where /proc/cpuinfo cannot tell (not Linux)."""
     try:
@@ -126,7 +130,7 @@ def apply_cpu_capability(setting: str) -> str:
         raise ConfigError([f"common.cpu_capability: {setting!r}; expected '', "
                            + ", ".join(repr(k) for k in CAPABILITY_FLAGS)])
     machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+    if machine not in X86_MACHINES:
         got = torch.backends.cpu.get_cpu_capability()
         print(f"cpu kernels: common.cpu_capability: {setting} applies to x86 processors only; this {machine}"
               f" processor runs PyTorch's {got} kernels, whose rounding differs from an x86 machine's", flush=True)

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-# The cpu profile pins PyTorch's x86 kernels to AVX2 (`common.cpu_capability`, llm/runtime.py), and
-# a stage run inside this process refuses to start if torch has already picked another level (on a
-# processor with AVX-512 it would have): so the whole test session runs the AVX2 kernels, as the
-# stages' own processes do. Set before anything imports torch.
+# The whole test session runs the AVX2 kernels the cpu profile asks for (`common.cpu_capability`):
+# a stage run in this process refuses a level that an earlier test's operation already fixed.
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 

@@ -15,7 +15,7 @@ from llm import runtime
 from llm.config import CommonConfig, ConfigError, load_params_text
 
 ROOT = Path(__file__).resolve().parents[1]
-X86 = platform.machine().lower() in ("x86_64", "amd64")
+X86 = platform.machine().lower() in runtime.X86_MACHINES
 needs_x86 = pytest.mark.skipif(not X86, reason="the kernel levels are x86's")
 
 
