@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from llm.runtime import X86_MACHINES  # imports torch, but runs no operation
+
 # The whole test session runs the AVX2 kernels the cpu profile asks for (`common.cpu_capability`):
 # a stage run in this process refuses a level that an earlier test's operation already fixed.
-if platform.machine().lower() in ("x86_64", "amd64"):
+# PyTorch reads the level at its first operation, so this must come before any test runs one.
+if platform.machine().lower() in X86_MACHINES:
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 # Hub look-ups wait 25-80 s before failing when there is no network; tests never need them.
