@@ -43,10 +43,13 @@ def enabled() -> bool:
 
 
 def active(x: Tensor) -> bool:
-    """True where a kernel here should replace the plain code: switched on, on the CPU, autograd on.
+    """True where a kernel here should replace the plain code: switched on, on the CPU, autograd on,
+    and not inside torch.compile.
 
-    CUDA (fused kernels, torch.compile) and inference keep the plain tensor code."""
-    return _enabled and x.device.type == "cpu" and torch.is_grad_enabled()
+    CUDA (fused kernels), torch.compile (which fuses the plain code itself; an autograd.Function
+    writing into `out=` views breaks its graph) and inference keep the plain tensor code."""
+    return (_enabled and x.device.type == "cpu" and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 class RMSNorm(torch.autograd.Function):

@@ -131,3 +131,22 @@ def test_a_training_step_gives_the_same_gradients_with_the_kernels_on_and_off():
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)  # the loss runs in fp32
+
+
+def test_torch_compile_traces_the_plain_path_in_one_graph():
+    """Under torch.compile the kernels step aside: dynamo traces the plain code, which inductor
+    fuses itself, in one graph (an autograd.Function writing into `out=` views broke it in two
+    per block before)."""
+    import torch._dynamo
+
+    cfg = ModelConfig(vocab_size=V, seq_len=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    model = GPT(cfg, seed=0)
+    idx = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert kernels.enabled() and kernels.active(torch.zeros(1))  # outside compile: the kernels
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(model)(idx)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
