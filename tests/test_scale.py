@@ -25,6 +25,7 @@ from llm.config import CommonConfig, ConfigError
 from llm.metrics import read_metrics
 from tests.conftest import ROOT, dvc_command, free_port
 from tests.test_eval_stage import world  # noqa: F401  (a fixture: the eval stage's tiny models and data)
+from tests.test_trainer import reference_runs  # noqa: F401  (a fixture: the trainer tests' uninterrupted runs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +39,7 @@ def _env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _ranks(child: str, opt: dict, world: int, machines: int = 1) -> list[tuple[int, str]]:
+def _ranks(child: str, opt: dict | list[dict], world: int, machines: int = 1) -> list[tuple[int, str]]:
     """Run tests.test_scale.<child>(opt) as `world` gloo ranks (torchrun's environment, as if on
     `machines` machines); (rc, output) per rank."""
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests import test_scale;"
@@ -69,8 +70,19 @@ RL_PROMPTS = [torch.randint(4, 16, (3 + i % 3,), generator=_g).tolist() for i in
 
 
 def rl_child(arg: str) -> None:
-    """One RL run of a tiny model on the synthetic reward of tests/test_grpo.py; rank 0 writes
-    the history (timings left out) and the final weights under opt["out"]."""
+    """RL runs of a tiny model on the synthetic reward of tests/test_grpo.py, one options object
+    or a list of them run in turn (one interpreter, one process group: starting Python with
+    torch costs more than a run); rank 0 writes each run's history (timings left out) and final
+    weights under its opt["out"]."""
+    opts = json.loads(arg)
+    torch.set_num_threads(1)
+    rt = _runtime(int(os.environ.get("WORLD_SIZE", "1")))
+    for opt in opts if isinstance(opts, list) else [opts]:
+        _rl_child_one(opt, rt)
+    rt.close()
+
+
+def _rl_child_one(opt: dict, rt) -> None:
     from safetensors.torch import save_file
 
     from llm.grpo import GRPO
@@ -79,9 +91,6 @@ def rl_child(arg: str) -> None:
     from tests.test_grpo import PAD, STOP, TIME_KEYS, grpo_cfg, target_fraction, tiny
     from tests.test_ppo import ppo_cfg
 
-    opt = json.loads(arg)
-    torch.set_num_threads(1)
-    rt = _runtime(int(os.environ.get("WORLD_SIZE", "1")))
     common = dict(reward_fn=target_fraction, stop_ids=(STOP,), pad_id=PAD, seed=0, rt=rt)
     if opt["algo"] == "grpo":
         cfg = grpo_cfg(**opt["cfg"])
@@ -98,18 +107,21 @@ def rl_child(arg: str) -> None:
         Path(opt["out"] + ".json").write_text(json.dumps({"history": rows, "resumed_from": res.resumed_from}))
         save_file({k: v.contiguous() for k, v in algo.model.state_dict().items() if k != "lm_head.weight"},  # tied
                   opt["out"] + ".safetensors")
-    rt.close()
+
+
+def _rl_result(out: str) -> dict:
+    from safetensors.torch import load_file
+    got = json.loads(Path(out + ".json").read_text())
+    got["weights"] = load_file(out + ".safetensors")
+    return got
 
 
 def _rl_run(tmp_path: Path, name: str, algo: str, cfg: dict, world: int, run_dir: str | None = None) -> dict:
-    from safetensors.torch import load_file
     out = str(tmp_path / name)
     res = _ranks("rl_child", {"algo": algo, "cfg": cfg, "run_dir": str(tmp_path / (run_dir or name)), "out": out},
                  world)
     assert [rc for rc, _ in res] == [0] * world, res
-    got = json.loads(Path(out + ".json").read_text())
-    got["weights"] = load_file(out + ".safetensors")
-    return got
+    return _rl_result(out)
 
 
 def _assert_close_runs(a: dict, b: dict, tol: float = RL_TOL) -> float:
@@ -148,12 +160,34 @@ RL_CASES = {
 }
 
 
+# the uninterrupted run the checkpointed one is compared with
+RL_REF = {"grpo-4-steps": ("grpo", {**RL_CASES["grpo"][1], "max_steps": 4})}
+
+
+@pytest.fixture(scope="session")
+def rl_runs(tmp_path_factory):
+    """`rl_runs(case, world)`: the result of RL_CASES[case] (or RL_REF's) on `world` processes.
+    Every case of one world runs in one launch, on first use."""
+    root = tmp_path_factory.mktemp("rl_runs")
+    done: set[int] = set()
+
+    def get(case: str, world: int) -> dict:
+        if world not in done:
+            cases = {**RL_CASES, **RL_REF} if world == 1 else RL_CASES
+            runs = [{"algo": algo, "cfg": cfg, "run_dir": str(root / f"{c}-{world}"), "out": str(root / f"{c}-{world}")}
+                    for c, (algo, cfg) in cases.items()]
+            res = _ranks("rl_child", runs, world)
+            assert [rc for rc, _ in res] == [0] * world, res
+            done.add(world)
+        return _rl_result(str(root / f"{case}-{world}"))
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(RL_CASES))
-def test_two_processes_follow_the_one_process_rl_trajectory(tmp_path, case):
+def test_two_processes_follow_the_one_process_rl_trajectory(rl_runs, case):
     algo, cfg = RL_CASES[case]
-    one = _rl_run(tmp_path, "one", algo, cfg, world=1)
-    two = _rl_run(tmp_path, "two", algo, cfg, world=2)
+    one, two = rl_runs(case, 1), rl_runs(case, 2)
     worst = _assert_close_runs(one, two)
     print(f"{case}: largest difference 1 vs 2 processes {worst:.1e} (tolerance {RL_TOL})")
     from tests.test_grpo import tiny
@@ -163,9 +197,9 @@ def test_two_processes_follow_the_one_process_rl_trajectory(tmp_path, case):
 
 
 @pytest.mark.slow
-def test_an_rl_run_checkpointed_on_two_processes_resumes_on_one(tmp_path):
+def test_an_rl_run_checkpointed_on_two_processes_resumes_on_one(tmp_path, rl_runs):
     algo, cfg = RL_CASES["grpo"]
-    ref = _rl_run(tmp_path, "ref", algo, {**cfg, "max_steps": 4}, world=1)
+    ref = rl_runs("grpo-4-steps", 1)
     _rl_run(tmp_path, "first", algo, {**cfg, "max_steps": 2}, world=2, run_dir="run")  # checkpoint at step 2
     rest = _rl_run(tmp_path, "rest", algo, {**cfg, "max_steps": 4}, world=1, run_dir="run")
     assert rest["resumed_from"] == 2
@@ -176,15 +210,13 @@ def test_an_rl_run_checkpointed_on_two_processes_resumes_on_one(tmp_path):
 # Supervised runs resumed on another number of processes (tests/test_trainer.py's runs)
 
 @pytest.mark.slow
-def test_a_supervised_run_resumes_on_another_number_of_processes_from_the_same_sample(tmp_path):
+def test_a_supervised_run_resumes_on_another_number_of_processes_from_the_same_sample(tmp_path, reference_runs):
     """Checkpointed on 2 processes, resumed on 1; checkpointed on 1, resumed on 2: the loss curve
     and the weights of the uninterrupted one-process run (dropout on: its masks follow the sample)."""
-    from tests.test_trainer import DDP_TOL, _assert_same, _child_run, _launch2, _result
+    from tests.test_trainer import CASES, DDP_TOL, _assert_same, _child_run, _launch2, _result
 
-    base = {"dropout": 0.1}
-    rc, out = _child_run({**base, "run_dir": str(tmp_path / "ref"), "out": str(tmp_path / "ref")})
-    assert rc == 0, out
-    ref = _result(str(tmp_path / "ref"))
+    base = CASES["dropout"]
+    ref = reference_runs("dropout")
 
     stop = _launch2({**base, "distributed": "ddp", "run_dir": str(tmp_path / "a"), "out": str(tmp_path / "x"),
                      "term_at_attempt": 4})

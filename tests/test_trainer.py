@@ -473,9 +473,26 @@ def test_outputs_tsv_png_tensorboard(tmp_path):
 # Subprocess runs: SIGKILL and distributed
 
 def _child(argv: list[str]) -> None:
-    """Entry point of the subprocess runs. argv: a JSON object of options."""
-    opt = json.loads(argv[0])
+    """Entry point of the subprocess runs. argv: a JSON object of options, or a list of them run
+    one after the other in this one interpreter (starting Python with torch costs a few seconds
+    here, more than a run of the tiny model; every run seeds each step, so what ran before it
+    in the process changes nothing)."""
+    opts = json.loads(argv[0])
+    opts = opts if isinstance(opts, list) else [opts]
     torch.set_num_threads(1)
+    rt = CPU
+    if any(opt.get("distributed") for opt in opts):
+        assert all(opt.get("distributed") for opt in opts), "a list of runs is all distributed or all one-process"
+        from llm.runtime import setup_runtime
+        rt = setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=2, num_threads=1, cpu_kernels=True))
+    for opt in opts:
+        _child_one(opt, rt)
+    if rt.distributed:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def _child_one(opt: dict, rt: Runtime) -> None:
     if opt.get("kill_in_save"):  # SIGKILL while checkpoint N is half written
         import llm.checkpoint as ck
         real = ck.save_file
@@ -488,10 +505,6 @@ def _child(argv: list[str]) -> None:
     loss_fn = supervised_lm_loss if opt.get("supervised") else lm_loss
     if opt.get("kill_at_attempt") is not None:
         loss_fn = Inject(opt["kill_at_attempt"], lambda m, b, loss: os.kill(os.getpid(), signal.SIGKILL))
-    rt = CPU
-    if opt.get("distributed"):
-        from llm.runtime import setup_runtime
-        rt = setup_runtime(CommonConfig(seed=0, device="cpu", dtype="auto", nproc=2, num_threads=1, cpu_kernels=True))
     if opt.get("term_at_attempt") is not None and rt.rank == 0:  # only rank 0 gets the signal
         sent: list = []
 
@@ -512,12 +525,9 @@ def _child(argv: list[str]) -> None:
         sd = {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"}
         save_file(sd, opt["out"] + ".safetensors")
         Path(opt["out"] + ".json").write_text(json.dumps({"losses": losses(res), "resumed_from": res.resumed_from}))
-    if rt.distributed:
-        import torch.distributed as dist
-        dist.destroy_process_group()
 
 
-def _spawn(opt: dict, env: dict | None = None) -> subprocess.Popen:
+def _spawn(opt: dict | list[dict], env: dict | None = None) -> subprocess.Popen:
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; import test_trainer;"
             f" test_trainer._child(sys.argv[1:])")
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -525,7 +535,7 @@ def _spawn(opt: dict, env: dict | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _child_run(opt: dict) -> tuple[int, str]:
+def _child_run(opt: dict | list[dict]) -> tuple[int, str]:
     p = _spawn(opt)
     out, _ = p.communicate(timeout=300)
     return p.returncode, out
@@ -548,23 +558,53 @@ def _assert_same(a, b, exact=True, atol=0.0):
             torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol)
 
 
+# The uninterrupted runs that the subprocess tests compare against, each run once per session:
+# one interpreter runs every one-process case, one launch of 2 gloo ranks every distributed one.
+# "dropout" is the runs the kill/resume tests repeat (dropout on: its masks follow the sample);
+# the other cases run without dropout, so that 1 and 2 processes see the same numbers.
+FROZEN = ["norm_f.weight", "blocks.1.mlp.*"]
+CASES = {"dropout": {"dropout": 0.1}, "plain": {"dropout": 0.0}, "supervised": {"dropout": 0.0, "supervised": True},
+         "frozen": {"dropout": 0.0, "trainable": FROZEN}}
+STRATEGIES = ("ddp", "fsdp")
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """`reference_runs(case, strategy=None)`: the (json, weights) of an uninterrupted run of
+    CASES[case], by one process (strategy None) or by 2 ranks under `strategy`; run on first use."""
+    root = tmp_path_factory.mktemp("reference_runs")
+    done: set[str] = set()
+
+    def get(case: str, strategy: str | None = None):
+        side = strategy and "two"
+        if (side or "one") not in done:
+            if side:
+                runs = [{**opt, "distributed": st, "run_dir": str(root / f"{c}-{st}"), "out": str(root / f"{c}-{st}")}
+                        for st in STRATEGIES for c, opt in CASES.items()]
+                res = _launch2(runs)
+                assert [rc for rc, _ in res] == [0, 0], res
+            else:
+                runs = [{**opt, "run_dir": str(root / c), "out": str(root / c)} for c, opt in CASES.items()]
+                rc, out = _child_run(runs)
+                assert rc == 0, out
+            done.add(side or "one")
+        return _result(str(root / (f"{case}-{strategy}" if strategy else case)))
+    return get
+
+
 @pytest.mark.slow
-def test_sigkill_after_step_k_then_resume_is_bitwise_identical(tmp_path):
-    rc, out = _child_run({"run_dir": str(tmp_path / "ref"), "out": str(tmp_path / "ref")})
-    assert rc == 0, out
+def test_sigkill_after_step_k_then_resume_is_bitwise_identical(tmp_path, reference_runs):
     rc, out = _child_run({"run_dir": str(tmp_path / "run"), "out": str(tmp_path / "x"), "kill_at_attempt": 6})
     assert rc == -signal.SIGKILL, out  # killed during step 7, after checkpoint 6
     rc, out = _child_run({"run_dir": str(tmp_path / "run"), "out": str(tmp_path / "run")})
     assert rc == 0, out
     got = _result(str(tmp_path / "run"))
     assert got[0]["resumed_from"] == 6
-    _assert_same(got, _result(str(tmp_path / "ref")))
+    _assert_same(got, reference_runs("dropout"))
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
-    rc, out = _child_run({"run_dir": str(tmp_path / "ref"), "out": str(tmp_path / "ref")})
-    assert rc == 0, out
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, reference_runs):
     run_dir = tmp_path / "run"
     rc, out = _child_run({"run_dir": str(run_dir), "out": str(tmp_path / "x"), "kill_in_save": 4})
     assert rc == -signal.SIGKILL, out
@@ -574,7 +614,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
     assert rc == 0, out
     got = _result(str(tmp_path / "run"))
     assert got[0]["resumed_from"] == 2
-    _assert_same(got, _result(str(tmp_path / "ref")))
+    _assert_same(got, reference_runs("dropout"))
     assert not any(p.name.startswith(".ckpt-") for p in run_dir.iterdir())  # cleaned by the next save
 
 
@@ -582,7 +622,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
 DDP_TOL = 1e-5  # absolute, on per-step losses (~4.1) and on every final weight (fp32 sum order differs)
 
 
-def _launch2(opt: dict) -> list[tuple[int, str]]:
+def _launch2(opt: dict | list[dict]) -> list[tuple[int, str]]:
     """Run _child(opt) as 2 gloo ranks (the env torchrun would set), return (rc, output) per rank."""
     port = free_port()
     procs = [_spawn(opt, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
@@ -592,11 +632,9 @@ def _launch2(opt: dict) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy):
+def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy, reference_runs):
     """SIGTERM on rank 0 only: every rank stops at the same step, one checkpoint, exact resume."""
-    base = {"dropout": 0.1, "distributed": strategy}
-    ref = _launch2({**base, "run_dir": str(tmp_path / "ref"), "out": str(tmp_path / "ref")})
-    assert [rc for rc, _ in ref] == [0, 0], ref
+    base = {**CASES["dropout"], "distributed": strategy}
     stop = _launch2({**base, "run_dir": str(tmp_path / "run"), "out": str(tmp_path / "x"), "term_at_attempt": 4})
     assert [rc for rc, _ in stop] == [128 + signal.SIGTERM] * 2, stop
     assert (tmp_path / "run" / "ckpt-00000005" / "manifest.json").is_file()
@@ -604,51 +642,41 @@ def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy
     assert [rc for rc, _ in again] == [0, 0], again
     got = _result(str(tmp_path / "run"))
     assert got[0]["resumed_from"] == 5
-    _assert_same(got, _result(str(tmp_path / "ref")))
+    _assert_same(got, reference_runs("dropout", strategy))
 
 
-def _distributed_matches_single(tmp_path, strategy: str, **extra):
-    single = {"run_dir": str(tmp_path / "one"), "out": str(tmp_path / "one"), "dropout": 0.0, **extra}
-    rc, out = _child_run(single)
-    assert rc == 0, out
-    res = _launch2({"run_dir": str(tmp_path / "ddp"), "out": str(tmp_path / "ddp"), "dropout": 0.0,
-                    "distributed": strategy, **extra})
-    assert [rc for rc, _ in res] == [0, 0], res
-    one, two = _result(str(tmp_path / "one")), _result(str(tmp_path / "ddp"))
+def _two_match_one(reference_runs, case: str, strategy: str):
+    one, two = reference_runs(case), reference_runs(case, strategy)
     dl = max(abs(x[1] - y[1]) for x, y in zip(one[0]["losses"], two[0]["losses"]))
     dw = max((one[1][k] - two[1][k]).abs().max().item() for k in one[1])
-    print(f"{strategy}: max |loss diff| {dl:.2e}, max |weight diff| {dw:.2e} (tolerance {DDP_TOL})")
+    print(f"{case}, {strategy}: max |loss diff| {dl:.2e}, max |weight diff| {dw:.2e} (tolerance {DDP_TOL})")
     _assert_same(one, two, exact=False, atol=DDP_TOL)
     return one, two
 
 
 @pytest.mark.slow
-def test_ddp_two_gloo_processes_match_one_process(tmp_path):
-    _distributed_matches_single(tmp_path, "ddp")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_gloo_processes_match_one_process(reference_runs, strategy):
+    _two_match_one(reference_runs, "plain", strategy)
 
 
 @pytest.mark.slow
-def test_fsdp_two_gloo_processes_match_one_process(tmp_path):
-    _distributed_matches_single(tmp_path, "fsdp")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_logits_at_supervised_positions_two_processes_match_one(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_logits_at_supervised_positions_two_processes_match_one(reference_runs, strategy):
     """SFT's loss passes the positions through the DDP and FSDP2 wrappers' forward."""
-    _distributed_matches_single(tmp_path, strategy, supervised=True)
+    _two_match_one(reference_runs, "supervised", strategy)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_frozen_parameters_stay_put_and_two_processes_match_one(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_parameters_stay_put_and_two_processes_match_one(reference_runs, strategy):
     """What dpo.trainable does (set_trainable), under DDP and FSDP2: the frozen weights come out
     exactly as they went in, the trained ones move, and 2 ranks give 1 process's result."""
-    trainable = ["norm_f.weight", "blocks.1.mlp.*"]
-    one, _ = _distributed_matches_single(tmp_path, strategy, trainable=trainable)
+    one, two = _two_match_one(reference_runs, "frozen", strategy)
     init = {k: v for k, v in tiny_model(dropout=0.0).state_dict().items() if k != "lm_head.weight"}
-    moved = {k for k in init if not torch.equal(one[1][k], init[k])}
-    assert moved == {"norm_f.weight", "blocks.1.mlp.fc.weight", "blocks.1.mlp.proj.weight"}
+    for got in (one, two):
+        moved = {k for k in init if not torch.equal(got[1][k], init[k])}
+        assert moved == {"norm_f.weight", "blocks.1.mlp.fc.weight", "blocks.1.mlp.proj.weight"}
 
 
 @pytest.mark.slow
