@@ -576,9 +576,9 @@ def reference_runs(tmp_path_factory):
     done: set[str] = set()
 
     def get(case: str, strategy: str | None = None):
-        side = strategy and "two"
-        if (side or "one") not in done:
-            if side:
+        side = "two" if strategy else "one"
+        if side not in done:
+            if strategy:
                 runs = [{**opt, "distributed": st, "run_dir": str(root / f"{c}-{st}"), "out": str(root / f"{c}-{st}")}
                         for st in STRATEGIES for c, opt in CASES.items()]
                 res = _launch2(runs)
@@ -587,7 +587,7 @@ def reference_runs(tmp_path_factory):
                 runs = [{**opt, "run_dir": str(root / c), "out": str(root / c)} for c, opt in CASES.items()]
                 rc, out = _child_run(runs)
                 assert rc == 0, out
-            done.add(side or "one")
+            done.add(side)
         return _result(str(root / (f"{case}-{strategy}" if strategy else case)))
     return get
 
