@@ -91,6 +91,35 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """`reference_runs(case, strategy=None)`: the (json, weights) of an uninterrupted run of
+    tests/test_trainer.py's CASES[case], by one process (strategy None) or by 2 gloo ranks under
+    `strategy`; run on first use, once per session for tests/test_trainer.py and tests/test_scale.py.
+    One interpreter runs every one-process case, one launch of 2 ranks every distributed one:
+    starting Python with torch costs a few seconds here, more than a run of the tiny model."""
+    from tests.test_trainer import CASES, STRATEGIES, _child_run, _launch2, _result
+
+    root = tmp_path_factory.mktemp("reference_runs")
+    done: set[str] = set()
+
+    def get(case: str, strategy: str | None = None):
+        side = "two" if strategy else "one"
+        if side not in done:
+            if strategy:
+                runs = [{**opt, "distributed": st, "run_dir": str(root / f"{c}-{st}"), "out": str(root / f"{c}-{st}")}
+                        for st in STRATEGIES for c, opt in CASES.items()]
+                res = _launch2(runs)
+                assert [rc for rc, _ in res] == [0, 0], res
+            else:
+                runs = [{**opt, "run_dir": str(root / c), "out": str(root / c)} for c, opt in CASES.items()]
+                rc, out = _child_run(runs)
+                assert rc == 0, out
+            done.add(side)
+        return _result(str(root / (f"{case}-{strategy}" if strategy else case)))
+    return get
+
+
 class Unbounded(AssertionError):
     """A block took longer, or more memory, than `bounded` allows."""
 

@@ -25,7 +25,6 @@ from llm.config import CommonConfig, ConfigError
 from llm.metrics import read_metrics
 from tests.conftest import ROOT, dvc_command, free_port
 from tests.test_eval_stage import world  # noqa: F401  (a fixture: the eval stage's tiny models and data)
-from tests.test_trainer import reference_runs  # noqa: F401  (a fixture: the trainer tests' uninterrupted runs)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,20 +165,20 @@ RL_REF = {"grpo-4-steps": ("grpo", {**RL_CASES["grpo"][1], "max_steps": 4})}
 
 @pytest.fixture(scope="session")
 def rl_runs(tmp_path_factory):
-    """`rl_runs(case, world)`: the result of RL_CASES[case] (or RL_REF's) on `world` processes.
-    Every case of one world runs in one launch, on first use."""
+    """`rl_runs(case, nproc)`: the result of RL_CASES[case] (or RL_REF's) on `nproc` processes.
+    Every case of one process count runs in one launch, on first use."""
     root = tmp_path_factory.mktemp("rl_runs")
     done: set[int] = set()
 
-    def get(case: str, world: int) -> dict:
-        if world not in done:
-            cases = {**RL_CASES, **RL_REF} if world == 1 else RL_CASES
-            runs = [{"algo": algo, "cfg": cfg, "run_dir": str(root / f"{c}-{world}"), "out": str(root / f"{c}-{world}")}
+    def get(case: str, nproc: int) -> dict:
+        if nproc not in done:
+            cases = {**RL_CASES, **RL_REF} if nproc == 1 else RL_CASES
+            runs = [{"algo": algo, "cfg": cfg, "run_dir": str(root / f"{c}-{nproc}"), "out": str(root / f"{c}-{nproc}")}
                     for c, (algo, cfg) in cases.items()]
-            res = _ranks("rl_child", runs, world)
-            assert [rc for rc, _ in res] == [0] * world, res
-            done.add(world)
-        return _rl_result(str(root / f"{case}-{world}"))
+            res = _ranks("rl_child", runs, nproc)
+            assert [rc for rc, _ in res] == [0] * nproc, res
+            done.add(nproc)
+        return _rl_result(str(root / f"{case}-{nproc}"))
     return get
 
 

@@ -558,38 +558,14 @@ def _assert_same(a, b, exact=True, atol=0.0):
             torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol)
 
 
-# The uninterrupted runs that the subprocess tests compare against, each run once per session:
-# one interpreter runs every one-process case, one launch of 2 gloo ranks every distributed one.
-# "dropout" is the runs the kill/resume tests repeat (dropout on: its masks follow the sample);
-# the other cases run without dropout, so that 1 and 2 processes see the same numbers.
+# The uninterrupted runs that the subprocess tests compare against (tests/conftest.py's
+# `reference_runs` runs each once per session). "dropout" is the run the kill/resume tests
+# repeat (dropout on: its masks follow the sample); the other cases run without dropout, so that
+# 1 and 2 processes see the same numbers.
 FROZEN = ["norm_f.weight", "blocks.1.mlp.*"]
 CASES = {"dropout": {"dropout": 0.1}, "plain": {"dropout": 0.0}, "supervised": {"dropout": 0.0, "supervised": True},
          "frozen": {"dropout": 0.0, "trainable": FROZEN}}
 STRATEGIES = ("ddp", "fsdp")
-
-
-@pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory):
-    """`reference_runs(case, strategy=None)`: the (json, weights) of an uninterrupted run of
-    CASES[case], by one process (strategy None) or by 2 ranks under `strategy`; run on first use."""
-    root = tmp_path_factory.mktemp("reference_runs")
-    done: set[str] = set()
-
-    def get(case: str, strategy: str | None = None):
-        side = "two" if strategy else "one"
-        if side not in done:
-            if strategy:
-                runs = [{**opt, "distributed": st, "run_dir": str(root / f"{c}-{st}"), "out": str(root / f"{c}-{st}")}
-                        for st in STRATEGIES for c, opt in CASES.items()]
-                res = _launch2(runs)
-                assert [rc for rc, _ in res] == [0, 0], res
-            else:
-                runs = [{**opt, "run_dir": str(root / c), "out": str(root / c)} for c, opt in CASES.items()]
-                rc, out = _child_run(runs)
-                assert rc == 0, out
-            done.add(side)
-        return _result(str(root / (f"{case}-{strategy}" if strategy else case)))
-    return get
 
 
 @pytest.mark.slow
