@@ -17,8 +17,8 @@ showed the plain version's backward paying for memory traffic that the math does
 
 One switch turns all four off: `common.cpu_kernels: false` in params.yaml (the stages call
 `set_enabled`), or `set_enabled(False)` in your own code. Off, the model runs the plain path
-everywhere, which is what CUDA and inference always run: `active` is true only on the CPU
-with autograd recording. tests/test_kernels.py checks every kernel against the plain path in
+everywhere, which is what CUDA, inference and torch.compile always run: `active` is true only
+on the CPU with autograd recording, outside torch.compile. tests/test_kernels.py checks every kernel against the plain path in
 values and gradients, and the model's tests run with the switch on and off.
 """
 from __future__ import annotations
