@@ -28,6 +28,9 @@ real step, its matrix products alone back to back, the same products timed one b
 steps, and the step without its products. If the products inside steps take as long as alone, a
 real step minus its products is the rest of the model as it runs there; the step without its
 products can be faster than that, since nothing streams the weights through the caches then.
+At batch 1, `after_products` measures that directly: a few small one-row operations timed
+warm, right after a product with one layer's 3 MB gate/up matrix, and right after reading 8 MB
+of other data.
 
 For each thread count in --threads (0 = every usable CPU) and each batch size, the decoders and
 floors run in rotated order each round (A B C, B C A, ...); reported: tokens/s min/median/max
@@ -144,6 +147,35 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
         return {"step": step, "products": alone, "products_in_step": inside[0] / steps, "other": decode("fake")}
 
 
+def after_products(model: GPT, clock=time.perf_counter, reps: int = 1000) -> dict[str, float]:
+    """Seconds per call of small one-row operations of a decoding step (a multiply by the norm
+    weight, F.rms_norm, F.silu, 384 floats each at the default size), timed right after each of:
+    `warm`, a product with a tiny (C, 16) matrix, so that nothing large passes through the
+    caches; `after_product`, the product with one layer's gate/up matrix (C, 2H), 3 MB at the
+    default size, as every such operation in a real step follows the streaming of some weights;
+    `after_read`, a sum over 8 MB of other data (memory traffic without a product). Their ratios
+    are what the caches cost the small operations."""
+    C = model.config.n_embd
+    fc = model.blocks[0].mlp.fc.weight.detach().t().contiguous()      # (C, 2H)
+    tiny, other = torch.randn(C, 16), torch.randn(2 * 1024 * 1024)
+    x, w = torch.randn(1, C), torch.randn(C)
+    ops = {"mul": lambda: x * w, "rms_norm": lambda: F.rms_norm(x, (C,), w, 1e-5), "silu": lambda: F.silu(x)}
+    befores = {"warm": lambda: torch.mm(x, tiny), "after_product": lambda: torch.mm(x, fc),
+               "after_read": lambda: other.sum()}
+    out = {}
+    with torch.inference_mode():
+        for before_name, before in befores.items():
+            for name, op in ops.items():
+                total = 0.0
+                for _ in range(reps):
+                    before()
+                    t0 = clock()
+                    op()
+                    total += clock() - t0
+                out[f"{name}_{before_name}"] = total / reps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -189,10 +221,11 @@ def main() -> None:
         T = torch.get_num_threads()
         for B in args.batches:
             ids = prompts[B]
-            names = ["fast", "plain", "hf", "breakdown"] + (["floors"] if B == 1 else [])
+            names = ["fast", "plain", "hf", "breakdown"] + (["floors", "after_products"] if B == 1 else [])
             parts: dict[str, list[float]] = {"step": [], "products": [], "products_in_step": [], "other": []}
             tps: dict[str, list[float]] = {n: [] for n in ("fast", "plain", "hf")}
             fl: dict[str, list[float]] = {"gemv_linear": [], "gemv_in_out": [], "read": []}
+            small: dict[str, list[float]] = {}
             for name in ("fast", "plain", "hf"):  # warm-up: first-call costs out of the timings
                 run(name, ids)
             for r, order in enumerate(rotations(names, args.rounds)):
@@ -200,6 +233,9 @@ def main() -> None:
                     if name == "floors":
                         for k, v in floors(ours, clock).items():
                             fl[k].append(v)
+                    elif name == "after_products":
+                        for k, v in after_products(ours, clock).items():
+                            small.setdefault(k, []).append(v)
                     elif name == "breakdown":
                         for k, v in breakdown(ours, B, args.prompt, min(args.new, 64), clock).items():
                             parts[k].append(v)
@@ -228,6 +264,10 @@ def main() -> None:
                 e["read_gb_s"] = summary([result["weight_mb"] / 1e3 / f for f in fl["read"]], 1)
                 e["fast_of_floor"] = summary([t * f for t, f in zip(tps["fast"], floor)], 3)
                 e["plain_of_floor"] = summary([t * f for t, f in zip(tps["plain"], floor)], 3)
+                e["small_op_us"] = {k: summary([1e6 * x for x in v], 1) for k, v in small.items()}
+                for before in ("after_product", "after_read"):
+                    e[f"small_op_{before}_over_warm"] = {
+                        op: ratios(small[f"{op}_{before}"], small[f"{op}_warm"]) for op in ("mul", "rms_norm", "silu")}
             result["runs"][f"threads{T}_batch{B}"] = e
             print(f"threads {T} batch {B}: fast/HF {show(e['fast_over_hf'], 'x')}, plain/HF"
                   f" {show(e['plain_over_hf'], 'x')}, fast/plain {show(e['fast_over_plain'], 'x')}"
@@ -236,6 +276,11 @@ def main() -> None:
                   f" {show(e['breakdown_ms_per_step']['products'])} (inside steps"
                   f" {show(e['breakdown_ms_per_step']['products_in_step'])}), all but the products"
                   f" {show(e['breakdown_ms_per_step']['other'])}", flush=True)
+            if B == 1:
+                us = e["small_op_us"]
+                print("  small one-row operations, us per call, warm -> after a 3 MB product -> after reading 8 MB: "
+                      + ", ".join(f"{op} {show(us[op + '_warm'])} -> {show(us[op + '_after_product'])}"
+                                  f" -> {show(us[op + '_after_read'])}" for op in ("mul", "rms_norm", "silu")), flush=True)
     result["machine"] = machine(load0)
     print(json.dumps(result))
 

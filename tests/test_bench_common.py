@@ -66,3 +66,15 @@ def test_the_decode_split_times_four_ways_and_gives_torch_its_products_back():
     assert set(parts) == {"step", "products", "products_in_step", "other"} and all(v > 0 for v in parts.values())
     assert parts["products_in_step"] < parts["step"]  # a part of the step it was timed in
     assert torch.mm is mm and torch.addmm is addmm
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_small_operation_probe_times_each_operation_after_each_prelude():
+    from llm.config import ModelConfig
+    from llm.model import GPT
+    bench = load_script(ROOT / "bench/generate.py", "bench_generate")
+    model = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)).eval()
+    got = bench.after_products(model, reps=3)
+    assert set(got) == {f"{op}_{when}" for op in ("mul", "rms_norm", "silu")
+                        for when in ("warm", "after_product", "after_read")}
+    assert all(v > 0 for v in got.values())
