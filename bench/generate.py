@@ -278,7 +278,7 @@ def main() -> None:
                   f" {show(e['breakdown_ms_per_step']['other'])}", flush=True)
             if B == 1:
                 us = e["small_op_us"]
-                print("  small one-row operations, us per call, warm -> after a 3 MB product -> after reading 8 MB: "
+                print("  small one-row operations, us per call, warm -> after the gate/up product -> after reading 8 MB: "
                       + ", ".join(f"{op} {show(us[op + '_warm'])} -> {show(us[op + '_after_product'])}"
                                   f" -> {show(us[op + '_after_read'])}" for op in ("mul", "rms_norm", "silu")), flush=True)
     result["machine"] = machine(load0)
