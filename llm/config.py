@@ -91,8 +91,8 @@ class CommonConfig:
                                             " 0 = torch's default")
     cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
     cpu_capability: Literal["", "default", "avx2", "avx512"] = _f(
-        "", doc="PyTorch's vectorized CPU kernels on x86 (llm/runtime.py apply_cpu_capability): avx2 = the same"
-                " kernels, so the same float rounding, on CPUs with and without AVX-512; '' = PyTorch's choice")
+        "", doc="PyTorch's vectorized CPU kernels and MKL's code path on x86 (llm/runtime.py"
+                " apply_cpu_capability): avx2 = the same kernels on CPUs with and without AVX-512; '' = their choice")
     # Several machines (torchrun's c10d rendezvous; docs/scale.md). The defaults here serve
     # library code and tests; params.yaml lists every key.
     nnodes: int = _f(1, lo=1, hi=MAX_WORKERS, doc="machines; > 1: every other one runs `python -m llm.stage join"

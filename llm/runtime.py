@@ -92,6 +92,8 @@ def resolve_dtype(common: CommonConfig, device: torch.device) -> torch.dtype:
 # What each `common.cpu_capability` level needs from the processor (Linux /proc/cpuinfo flags).
 CAPABILITY_FLAGS = {"default": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq")}
 CPUINFO = Path("/proc/cpuinfo")
+# the same level for MKL, which runs the matrix products and picks its own code path by processor
+MKL_INSTRUCTIONS = {"avx2": "AVX2", "avx512": "AVX512"}
 
 
 # what platform.machine() says on an x86 processor (lower case), where the kernel levels apply
@@ -110,18 +112,22 @@ def _cpu_flags() -> set[str] | None:
 
 
 def apply_cpu_capability(setting: str) -> str:
-    """Make PyTorch run the vectorized CPU kernels of `common.cpu_capability`; return the level in use.
+    """Make PyTorch and MKL run the CPU kernels of `common.cpu_capability`; return PyTorch's level in use.
 
     PyTorch picks its elementwise and reduction kernels for the processor it finds: AVX-512
-    where the CPU has it, else AVX2. The two round differently in the last bits, so two x86
-    machines "of one kind" whose processors differ in generation train different weights from
-    the same params, and the difference grows with every step (docs/experiments.md). "avx2"
-    gives every x86-64 processor of the last decade the same kernels: smoke pretraining on an
-    AVX-512 machine set to AVX2 and on a machine without AVX-512 reached the same validation
-    loss to the last digit printed. "" leaves PyTorch's choice (the fastest kernels).
+    where the CPU has it, else AVX2; MKL, which runs the matrix products, picks its own code
+    path the same way. The paths round differently in the last bits, so two x86 machines "of
+    one kind" whose processors differ in generation train different weights from the same
+    params, and the difference grows with every step (docs/experiments.md). "avx2" gives every
+    x86-64 processor of the last decade the same kernels in both: smoke pretraining reached the
+    same validation loss to the last digit on a processor without AVX-512, an AMD one with
+    it, and an Intel one with it, but the Intel one only once MKL was held to AVX2 as well.
+    "avx512" holds both to AVX-512; "default" is PyTorch's plain kernels and leaves MKL's
+    choice; "" leaves PyTorch's and MKL's choice (the fastest kernels).
 
     PyTorch reads the level once, from the environment variable ATEN_CPU_CAPABILITY, at a
-    process's first vectorized operation; this sets it before that and checks that it took.
+    process's first vectorized operation, and MKL reads MKL_ENABLE_INSTRUCTIONS at its first
+    call; this sets both before that and checks that PyTorch's level took (MKL cannot be asked).
     On a processor that is not x86 (an Arm laptop) the setting does not apply, and is said so.
     """
     if not setting:
@@ -144,7 +150,14 @@ def apply_cpu_capability(setting: str) -> str:
     if preset is not None and preset.lower() != setting:
         raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets ATEN_CPU_CAPABILITY={preset};"
                            f" unset one of the two, or make them agree"])
-    os.environ["ATEN_CPU_CAPABILITY"] = setting  # child processes (torchrun's workers) inherit it
+    mkl = MKL_INSTRUCTIONS.get(setting)
+    preset = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    if mkl and preset is not None and preset.upper() != mkl:
+        raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets MKL_ENABLE_INSTRUCTIONS={preset};"
+                           f" unset it, or set it to {mkl}"])
+    if mkl:
+        os.environ["MKL_ENABLE_INSTRUCTIONS"] = mkl
+    os.environ["ATEN_CPU_CAPABILITY"] = setting  # child processes (torchrun's workers) inherit both
     got = torch.backends.cpu.get_cpu_capability()
     if got.lower() != setting:
         raise ConfigError([f"common.cpu_capability: {setting}, but PyTorch already runs its {got} kernels in this"
