@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import loadavg, machine, ratios, rotations, show, summary  # noqa: E402
 from llm.config import ModelConfig  # noqa: E402
 from llm.generate import FastDecoder, generate  # noqa: E402
-from llm.model import GPT  # noqa: E402
+from llm.model import GPT, NORM_EPS  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
 
 
@@ -147,6 +147,9 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
         return {"step": step, "products": alone, "products_in_step": inside[0] / steps, "other": decode("fake")}
 
 
+SMALL_OPS = ("mul", "rms_norm", "silu")  # what after_products times
+
+
 def after_products(model: GPT, clock=time.perf_counter, reps: int = 1000) -> dict[str, float]:
     """Seconds per call of small one-row operations of a decoding step (a multiply by the norm
     weight, F.rms_norm, F.silu, 384 floats each at the default size), timed right after each of:
@@ -159,7 +162,8 @@ def after_products(model: GPT, clock=time.perf_counter, reps: int = 1000) -> dic
     fc = model.blocks[0].mlp.fc.weight.detach().t().contiguous()      # (C, 2H)
     tiny, other = torch.randn(C, 16), torch.randn(2 * 1024 * 1024)
     x, w = torch.randn(1, C), torch.randn(C)
-    ops = {"mul": lambda: x * w, "rms_norm": lambda: F.rms_norm(x, (C,), w, 1e-5), "silu": lambda: F.silu(x)}
+    ops = {"mul": lambda: x * w, "rms_norm": lambda: F.rms_norm(x, (C,), w, NORM_EPS), "silu": lambda: F.silu(x)}
+    assert tuple(ops) == SMALL_OPS
     befores = {"warm": lambda: torch.mm(x, tiny), "after_product": lambda: torch.mm(x, fc),
                "after_read": lambda: other.sum()}
     out = {}
@@ -267,7 +271,7 @@ def main() -> None:
                 e["small_op_us"] = {k: summary([1e6 * x for x in v], 1) for k, v in small.items()}
                 for before in ("after_product", "after_read"):
                     e[f"small_op_{before}_over_warm"] = {
-                        op: ratios(small[f"{op}_{before}"], small[f"{op}_warm"]) for op in ("mul", "rms_norm", "silu")}
+                        op: ratios(small[f"{op}_{before}"], small[f"{op}_warm"]) for op in SMALL_OPS}
             result["runs"][f"threads{T}_batch{B}"] = e
             print(f"threads {T} batch {B}: fast/HF {show(e['fast_over_hf'], 'x')}, plain/HF"
                   f" {show(e['plain_over_hf'], 'x')}, fast/plain {show(e['fast_over_plain'], 'x')}"
@@ -280,7 +284,7 @@ def main() -> None:
                 us = e["small_op_us"]
                 print("  small one-row operations, us per call, warm -> after the gate/up product -> after reading 8 MB: "
                       + ", ".join(f"{op} {show(us[op + '_warm'])} -> {show(us[op + '_after_product'])}"
-                                  f" -> {show(us[op + '_after_read'])}" for op in ("mul", "rms_norm", "silu")), flush=True)
+                                  f" -> {show(us[op + '_after_read'])}" for op in SMALL_OPS), flush=True)
     result["machine"] = machine(load0)
     print(json.dumps(result))
 

@@ -151,11 +151,11 @@ def apply_cpu_capability(setting: str) -> str:
         raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets ATEN_CPU_CAPABILITY={preset};"
                            f" unset one of the two, or make them agree"])
     mkl = MKL_INSTRUCTIONS.get(setting)
-    preset = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
-    if mkl and preset is not None and preset.upper() != mkl:
-        raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets MKL_ENABLE_INSTRUCTIONS={preset};"
-                           f" unset it, or set it to {mkl}"])
     if mkl:
+        preset = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+        if preset is not None and preset.upper() != mkl:
+            raise ConfigError([f"common.cpu_capability: {setting}, but the environment sets"
+                               f" MKL_ENABLE_INSTRUCTIONS={preset}; unset it, or set it to {mkl}"])
         os.environ["MKL_ENABLE_INSTRUCTIONS"] = mkl
     os.environ["ATEN_CPU_CAPABILITY"] = setting  # child processes (torchrun's workers) inherit both
     got = torch.backends.cpu.get_cpu_capability()
