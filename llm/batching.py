@@ -22,6 +22,8 @@ processes resumes on M and continues from the same sample.
    - `pad_collate`: right-pads token lists into idx / targets / attention_mask, with
      targets = -100 (IGNORE_INDEX) where the loss mask is off or on padding.
    - `ExampleBatches`: a bucket sampler + a function building a batch from indices.
+   - `upsample_sources`: which examples to train on when a small source is to be repeated
+     up to a minimum count (SFT's `min_source_examples`).
 """
 from __future__ import annotations
 
@@ -145,6 +147,27 @@ def fixed_windows(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batche
 
 # ---------------------------------------------------------------------------
 # Variable-length examples
+
+def upsample_sources(sources: Sequence[str], minimum: int) -> tuple[list[int], dict[str, int]]:
+    """The example indices to train on, and the repeat factor of each source that got one.
+
+    Every example appears once; a source with fewer than `minimum` examples appears as many
+    whole times as it takes to reach `minimum` (every example of it equally often), appended
+    after the originals in their own order. `minimum` 0 keeps the list as it is. Repeating
+    the examples of a rare source is the usual way to keep it from being drowned out by the
+    large ones in a mixture without drawing new data."""
+    if minimum < 0:
+        raise ValueError(f"upsample_sources: minimum must be >= 0, got {minimum}")
+    by_source: dict[str, list[int]] = {}
+    for i, s in enumerate(sources):
+        by_source.setdefault(s, []).append(i)
+    indices, factors = list(range(len(sources))), {}
+    for s, ix in by_source.items():
+        if len(ix) < minimum:
+            factors[s] = -(-minimum // len(ix))
+            indices += ix * (factors[s] - 1)
+    return indices, factors
+
 
 class BucketBatchSampler:
     """Length-bucketed batches of example indices, shuffled per epoch; endless and resumable.

@@ -47,11 +47,14 @@ import yaml
 
 
 def _f(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
-       lo_open: bool = False, nonempty: bool = False, doc: str = "") -> Any:
+       lo_open: bool = False, nonempty: bool = False, doc: str = "", added: bool = False) -> Any:
     """A dataclass field with an optional numeric range [lo, hi] (or (lo, hi] if lo_open).
 
-    On a list field the range applies to each item, and `nonempty` refuses an empty list."""
-    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "nonempty": nonempty, "doc": doc}
+    On a list field the range applies to each item, and `nonempty` refuses an empty list.
+    `added`: a key that came after runs were made without it, whose default computes what
+    those runs computed; at that default it is left out of `fingerprint`, so their
+    checkpoints still resume and their models keep their fingerprints."""
+    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "nonempty": nonempty, "doc": doc, "added": added}
     if isinstance(default, list):
         return field(default_factory=lambda d=default: list(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -349,6 +352,9 @@ class SFTConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN, doc="length-bucketing width in tokens")
     eval_math_problems: int = _f(lo=0, hi=MAX_COUNT, doc="held-out math problems for exact match at the end")
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
+    min_source_examples: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="a source (the records' `source` field) with fewer"
+                                  " training conversations than this is repeated whole until it has at least"
+                                  " this many; 0: each conversation once")
 
 
 @dataclass(kw_only=True)
@@ -933,9 +939,14 @@ def fingerprint(*parts: Any) -> str:
     """sha256 over canonical JSON of dataclasses/dicts/strings: identifies a run's inputs.
 
     A CommonConfig counts without its PLACEMENT_KEYS: how many processes or machines run a
-    stage does not change what it computes, so its checkpoints resume on any world size."""
+    stage does not change what it computes, so its checkpoints resume on any world size. A
+    field marked `added` (see `_f`) counts only when it differs from its default."""
     def identity(p: Any) -> Any:
         d = to_dict(p)
+        if dataclasses.is_dataclass(p):
+            for f in dataclasses.fields(p):
+                if f.metadata.get("added") and d[f.name] == f.default:
+                    del d[f.name]
         return {k: v for k, v in d.items() if k not in PLACEMENT_KEYS} if isinstance(p, CommonConfig) else d
     blob = json.dumps([identity(p) for p in parts], sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -10,7 +10,10 @@ Each conversation is rendered with the chat template (llm/chat.py); the loss cov
 assistant tokens and their closing <|end|>. Conversations longer than the context are
 cut at the end; one left with no supervised token is dropped and counted. Batches come
 from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
-mask is combined with the causal mask inside attention. The loop is llm/trainer.py's,
+mask is combined with the causal mask inside attention. A source with fewer training
+conversations than `sft.min_source_examples` is repeated whole until it has that many: the
+generated instruction tasks of a small kind (reversing one of 30 words has 60 prompts) are
+otherwise a few dozen conversations among twenty thousand. The loop is llm/trainer.py's,
 with the same checkpoints, resume, non-finite policy and `torchrun` support as pretrain.
 
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate
+from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate, upsample_sources
 from llm.chat import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
 from llm.fileio import DataError, read_jsonl, sha256_tree
@@ -65,6 +68,9 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     gpt, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
     seq_len = gpt.config.seq_len
     train_recs = list(read_jsonl(data / "train.jsonl"))
+    keep, upsampled = upsample_sources([r.get("source", "") for r in train_recs], cfg.min_source_examples)
+    n_records = len(train_recs)
+    train_recs = [train_recs[i] for i in keep]
     val_recs = list(read_jsonl(data / "val.jsonl"))
     train_ex, dropped_train = render_all(train_recs, tok, seq_len + 1)
     val_ex, dropped_val = render_all(val_recs, tok, seq_len + 1)
@@ -88,6 +94,9 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
               f" {gpt.summary()}", flush=True)
+        for source, k in sorted(upsampled.items()):
+            print(f"{STAGE}: {source} repeated {k}x (fewer than min_source_examples={cfg.min_source_examples})",
+                  flush=True)
 
     curves = run_dir / "plots"
     # the LM head only at the assistant tokens: the cpu profile's forward and backward 1.26x
@@ -114,6 +123,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         "masked_fraction": 1 - sum(sum(mk) for _, mk in train_ex) / sum(len(mk) for _, mk in train_ex),
         "nonfinite_skips": m["nonfinite_skips"], "train_time_s": m["train_time_s"], "num_threads": m["num_threads"],
     }
+    if upsampled:  # only then, so that a run repeating nothing writes what it wrote before the option
+        out.update(train_records=n_records, sources_upsampled=len(upsampled))
     if cfg.eval_math_problems:
         problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
         ev = math_eval(out_model.to(rt.device), tok, problems, max_new_tokens=cfg.max_new_tokens,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, WindowSampler, derive_seed,
-                          fixed_windows, open_tokens, pad_collate)
+                          fixed_windows, open_tokens, pad_collate, upsample_sources)
 
 TOKENS = (np.arange(10_000) % 997).astype(np.uint16)  # token at i is i % 997: windows are checkable
 
@@ -181,3 +181,16 @@ def test_derive_seed_is_stable_and_distinct():
     assert derive_seed(1, "pretrain", 3) == derive_seed(1, "pretrain", 3)
     assert derive_seed(1, "pretrain", 3) != derive_seed(1, "sft", 3)
     assert 0 <= derive_seed("x") < 2**63
+
+
+def test_upsample_sources_repeats_only_the_small_sources_whole():
+    sources = ["big"] * 6 + ["small"] * 2 + ["big"] + ["tiny"]
+    indices, factors = upsample_sources(sources, minimum=5)
+    assert factors == {"small": 3, "tiny": 5}
+    assert indices[:len(sources)] == list(range(len(sources)))       # every example once, in order
+    counts = {i: indices.count(i) for i in range(len(sources))}
+    assert [counts[i] for i in range(len(sources))] == [1] * 6 + [3, 3] + [1] + [5]
+    assert upsample_sources(sources, minimum=0) == (list(range(len(sources))), {})
+    assert upsample_sources(sources, minimum=2) == (list(range(len(sources))) + [9], {"tiny": 2})
+    with pytest.raises(ValueError, match="minimum"):
+        upsample_sources(sources, minimum=-1)

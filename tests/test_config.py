@@ -460,3 +460,16 @@ def test_any_edit_of_params_is_refused_cleanly_or_loads_in_bounds(tmp_path_facto
             return
     event("loaded")
     assert _leaves_in_bounds(params) == []
+
+
+def test_a_key_added_at_its_neutral_default_leaves_the_fingerprint_as_before():
+    """`sft.min_source_examples` came after SFT runs were made without it: at 0 (each
+    conversation once, what those runs did) the fingerprint is the one of the config without
+    the key, so their checkpoints resume; at any other value it is a different run."""
+    from llm.config import fingerprint, to_dict
+    sections = load_sections(["common", "sft"], ROOT / "params.yaml")
+    common, sft = sections["common"], dataclasses.replace(sections["sft"], min_source_examples=0)
+    before = {k: v for k, v in to_dict(sft).items() if k != "min_source_examples"}
+    assert fingerprint(common, sft, {"base": "x"}) == fingerprint(common, before, {"base": "x"})
+    more = dataclasses.replace(sft, min_source_examples=500)
+    assert fingerprint(common, more, {"base": "x"}) != fingerprint(common, sft, {"base": "x"})

@@ -309,7 +309,8 @@ def _fsdp_workspace(root: Path, stage: str) -> Path:
         rl = [json.loads(x) for x in (ws / "data/prepared/rl/train.jsonl").read_text().splitlines()]
         _write_jsonl(ws / "data/prepared/rl/val.jsonl", rl[:4])
     p = params()
-    p["sft"] = {**tcfg(), "bucket_width": 16, "eval_math_problems": 4, "max_new_tokens": 8}
+    # the task kinds have about 6 conversations each here: below 8 they are repeated (both sides)
+    p["sft"] = {**tcfg(), "bucket_width": 16, "eval_math_problems": 4, "max_new_tokens": 8, "min_source_examples": 8}
     p["dpo"]["trainable"] = ["norm_f.weight", "blocks.1.*"]  # FSDP with frozen parameters
     p[stage].update(grad_accum=2, distributed="fsdp")
     (ws / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
@@ -330,6 +331,10 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, stage):
         assert r.returncode == 0, r.stdout + r.stderr
         runs[n] = ws
     assert "2 processes on this machine" in r.stdout
+    if stage == "sft":
+        assert "repeated 2x (fewer than min_source_examples=8)" in r.stdout, r.stdout
+        m = json.loads((runs[2] / "metrics/sft.json").read_text())
+        assert m["sources_upsampled"] > 0 and m["train_conversations"] > m["train_records"] == 50
     one, two = _curve(runs[1], stage), _curve(runs[2], stage)
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
