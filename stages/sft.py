@@ -11,9 +11,10 @@ assistant tokens and their closing <|end|>. Conversations longer than the contex
 cut at the end; one left with no supervised token is dropped and counted. Batches come
 from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
 mask is combined with the causal mask inside attention. A source with fewer training
-conversations than `sft.min_source_examples` is repeated whole until it has that many: the
-generated instruction tasks of a small kind (reversing one of 30 words has 60 prompts) are
-otherwise a few dozen conversations among twenty thousand. The loop is llm/trainer.py's,
+conversations than `sft.min_source_examples` is repeated whole until it has at least that
+many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
+prompts) are otherwise a few dozen conversations among twenty thousand. On the `cpu` profile
+that taught the repeat kind and cost held-out math (docs/log.md), so the profiles keep 0. The loop is llm/trainer.py's,
 with the same checkpoints, resume, non-finite policy and `torchrun` support as pretrain.
 
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
