@@ -14,7 +14,8 @@ mask is combined with the causal mask inside attention. A source with fewer trai
 conversations than `sft.min_source_examples` is repeated whole until it has at least that
 many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
 prompts) are otherwise a few dozen conversations among twenty thousand. On the `cpu` profile
-that taught the repeat kind and cost held-out math (docs/log.md), so the profiles keep 0. The loop is llm/trainer.py's,
+that taught the repeat kind and cost held-out math, as repeating any data did (docs/log.md),
+so the profiles keep 0. The loop is llm/trainer.py's,
 with the same checkpoints, resume, non-finite policy and `torchrun` support as pretrain.
 
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
