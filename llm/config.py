@@ -940,14 +940,17 @@ def fingerprint(*parts: Any) -> str:
 
     A CommonConfig counts without its PLACEMENT_KEYS: how many processes or machines run a
     stage does not change what it computes, so its checkpoints resume on any world size. A
-    field marked `added` (see `_f`) counts only when it differs from its default."""
-    def identity(p: Any) -> Any:
-        d = to_dict(p)
-        if dataclasses.is_dataclass(p):
-            for f in dataclasses.fields(p):
-                if f.metadata.get("added") and d[f.name] == f.default:
-                    del d[f.name]
-        return {k: v for k, v in d.items() if k not in PLACEMENT_KEYS} if isinstance(p, CommonConfig) else d
+    field marked `added` (see `_f`), at any depth, counts only when it differs from its default."""
+    def identity(x: Any) -> Any:  # dataclasses.asdict, less the fields that do not count
+        if dataclasses.is_dataclass(x):
+            return {f.name: identity(getattr(x, f.name)) for f in dataclasses.fields(x)
+                    if not (f.metadata.get("added") and getattr(x, f.name) == f.default)
+                    and not (isinstance(x, CommonConfig) and f.name in PLACEMENT_KEYS)}
+        if isinstance(x, (list, tuple)):
+            return [identity(v) for v in x]
+        if isinstance(x, dict):
+            return {k: identity(v) for k, v in x.items()}
+        return x
     blob = json.dumps([identity(p) for p in parts], sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

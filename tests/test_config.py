@@ -473,3 +473,23 @@ def test_a_key_added_at_its_neutral_default_leaves_the_fingerprint_as_before():
     assert fingerprint(common, sft, {"base": "x"}) == fingerprint(common, before, {"base": "x"})
     more = dataclasses.replace(sft, min_source_examples=500)
     assert fingerprint(common, more, {"base": "x"}) != fingerprint(common, sft, {"base": "x"})
+
+
+def test_an_added_key_inside_a_nested_section_is_left_out_at_its_default_too():
+    from dataclasses import dataclass
+
+    from llm.config import _f, fingerprint
+
+    @dataclass(kw_only=True)
+    class Inner:
+        width: int = _f(8)
+        extra: int = _f(0, added=True)
+
+    @dataclass(kw_only=True)
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=Inner)
+        items: list = dataclasses.field(default_factory=list)
+
+    plain = {"inner": {"width": 8}, "items": [{"width": 8}]}
+    assert fingerprint(Outer(items=[Inner()])) == fingerprint(plain)
+    assert fingerprint(Outer(inner=Inner(extra=1), items=[Inner()])) != fingerprint(plain)
