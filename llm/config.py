@@ -171,6 +171,9 @@ class PrepareConfig:
                         " (a kind with fewer unseen prompts gets fewer)")
     arithmetic_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a"
                               " training prompt")
+    arithmetic_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="bare calculations added to SFT's training"
+                               " conversations, answered `7 + 5 = 12` then `#### 12`; none is a calculation"
+                               " the evaluation asks, in either language")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)

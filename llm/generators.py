@@ -16,8 +16,9 @@ records byte for byte:
 - `task(rng, kind=None)`: small verifiable instruction tasks (`TASK_KINDS`: reverse,
   uppercase, sort, count words, last word, repeat, max), each with the exact expected answer.
 - `arithmetic_question(rng, lang)`: a bare sum the word problems never ask in this form,
-  "What is 7 + 5?" or "7 + 5 等于多少？", with its value (an evaluation probe only: no
-  training split holds one).
+  "What is 7 + 5?" or "7 + 5 等于多少？", with its value and a one-step solution in the word
+  problems' format (`7 + 5 = 12`, `#### 12`). The evaluation asks `prepare.arithmetic_test`
+  of them; SFT trains on `prepare.arithmetic_train` others (none the same calculation).
 - `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
   formatted) and a rejected one (a wrong result, or the right result in a broken
   format: no `####` line).
@@ -221,6 +222,12 @@ class ArithmeticQuestion:
     answer: int
     op: str       # "+" | "-" | "*" | "/"
     lang: str     # "en" | "zh"
+    expression: str = ""  # "7 + 5": the calculation, the same in both languages
+
+    @property
+    def solution(self) -> str:
+        """The answer in the word problems' format: the one step, then `#### N`."""
+        return f"{self.expression} = {self.answer}\n#### {self.answer}"
 
 
 def arithmetic_question(rng: random.Random, lang: str = "en") -> ArithmeticQuestion:
@@ -238,7 +245,7 @@ def arithmetic_question(rng: random.Random, lang: str = "en") -> ArithmeticQuest
         b, q = rng.randint(2, 9), rng.randint(1, 12)
         a = b * q
     q_text = f"What is {a} {op} {b}?" if lang == "en" else f"{a} {op} {b} 等于多少？"
-    return ArithmeticQuestion(q_text, _apply(a, op, b), op, lang)
+    return ArithmeticQuestion(q_text, _apply(a, op, b), op, lang, f"{a} {op} {b}")
 
 
 def paraphrase_answer(rng: random.Random, answer: str) -> str:

@@ -73,7 +73,7 @@ RL = {"max_steps": 1, "warmup_steps": 0, "minibatch_size": 1, "epochs": 1, "max_
 CUTS: dict[str, dict] = {
     "common": {"device": "cpu", "dtype": "fp32", "nproc": 1},
     "prepare": {"math_train": 600, "math_val": 50, "math_test": 60, "math_pretrain_docs": 200, "task_train": 200,
-                "task_val": 20, "task_test": 3, "arithmetic_test": 14, "pref_train": 200, "pref_val": 40},
+                "task_val": 20, "task_test": 3, "arithmetic_test": 14, "arithmetic_train": 40, "pref_train": 200, "pref_val": 40},
     "tokenizer": {"min_frequency": 1},
     "pretrain": STEPS,
     "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8},

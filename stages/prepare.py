@@ -21,7 +21,10 @@ then validation, and every later draw skips the questions already taken.
 
 The two evaluation-only files come last, each from its own seeded generator, so they leave
 every training record as it would be without them (`prepare.task_test` instruction tasks per
-kind, `prepare.arithmetic_test` bare calculations such as "What is 7 + 5?"). Neither holds a
+kind, `prepare.arithmetic_test` bare calculations such as "What is 7 + 5?"). After them,
+`prepare.arithmetic_train` bare calculations, from a generator of their own, are appended to
+sft/train, answered `7 + 5 = 12` then `#### 12` as the word problems are; none computes a
+calculation the evaluation asks, in either language. Neither evaluation file holds a
 prompt that a policy model trains on: a user turn of sft/train or a question of rl/train
 (DPO's pairs and the RL rollouts are drawn from those two). Task prompts may coincide with
 sft/val ones, which SFT only computes a loss on, and with the reward model's preference
@@ -79,10 +82,10 @@ def _math_splits(cfg, rng: random.Random) -> dict[str, list]:
     return out
 
 
-def _eval_items(cfg, seed: int, trained: set[str]) -> dict[str, list[dict]]:
+def _eval_items(cfg, seed: int, trained: set[str]) -> tuple[dict[str, list[dict]], set[str]]:
     """The evaluation-only instruction tasks (up to cfg.task_test per kind) and bare arithmetic
     questions (cfg.arithmetic_test), none of them in `trained`, from generators seeded apart
-    from the training draws."""
+    from the training draws; and the calculations those questions ask ("7 + 5")."""
     rng = random.Random(f"{seed}:prepare:task_test")
     tasks: list[dict] = []
     for kind in TASK_KINDS:
@@ -96,22 +99,38 @@ def _eval_items(cfg, seed: int, trained: set[str]) -> dict[str, list[dict]]:
             seen.add(t.prompt)
             tasks.append({"id": f"task-test-{len(tasks)}", "prompt": t.prompt, "answer": t.answer, "kind": kind,
                           "source": f"generated/task_{kind}"})
-    rng = random.Random(f"{seed}:prepare:arithmetic_test")
-    arithmetic: list[dict] = []
-    seen = set()
-    attempts = 0
-    while len(arithmetic) < cfg.arithmetic_test:
+    questions = _bare_calculations(random.Random(f"{seed}:prepare:arithmetic_test"), cfg, "arithmetic_test",
+                                   lambda q: q.question in trained, "outside the training prompts")
+    arithmetic = [{"id": f"arithmetic-test-{i}", "question": q.question, "answer": str(q.answer), "op": q.op,
+                   "lang": q.lang, "source": "generated/arithmetic"} for i, q in enumerate(questions)]
+    return {"tasks": tasks, "arithmetic": arithmetic}, {q.expression for q in questions}
+
+
+def _arithmetic_conversations(cfg, seed: int, asked: set[str]) -> list[dict]:
+    """cfg.arithmetic_train distinct bare calculations as SFT conversations ("What is 7 + 5?" ->
+    `7 + 5 = 12`, `#### 12`), from their own seeded generator; none computes an expression in
+    `asked` (the evaluation's), in either language."""
+    questions = _bare_calculations(random.Random(f"{seed}:prepare:arithmetic_train"), cfg, "arithmetic_train",
+                                   lambda q: q.expression in asked, f"apart from the evaluation's {len(asked)}")
+    return [{"id": f"arithmetic-train-{i}", "source": "generated/arithmetic", "messages": [
+        {"role": "user", "content": q.question}, {"role": "assistant", "content": q.solution}]}
+        for i, q in enumerate(questions)]
+
+
+def _bare_calculations(rng: random.Random, cfg, key: str, skip, where: str) -> list:
+    """`cfg.<key>` distinct bare calculations (by question) for which `skip` is false."""
+    n = getattr(cfg, key)
+    out, seen, attempts = [], set(), 0
+    while len(out) < n:
         attempts += 1
-        if attempts > 50 * cfg.arithmetic_test + 1000:
-            raise DataError(f"prepare: could not draw {cfg.arithmetic_test} distinct arithmetic questions outside the"
-                            f" training prompts; lower prepare.arithmetic_test")
+        if attempts > 50 * n + 1000:
+            raise DataError(f"prepare: could not draw {n} distinct bare calculations {where}; lower prepare.{key}")
         q = arithmetic_question(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en")
-        if q.question in trained or q.question in seen:
+        if q.question in seen or skip(q):
             continue
         seen.add(q.question)
-        arithmetic.append({"id": f"arithmetic-test-{len(arithmetic)}", "question": q.question, "answer": str(q.answer),
-                           "op": q.op, "lang": q.lang, "source": "generated/arithmetic"})
-    return {"tasks": tasks, "arithmetic": arithmetic}
+        out.append(q)
+    return out
 
 
 def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
@@ -219,8 +238,12 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # Evaluation-only items, last: what a policy model trains on is known by now.
     trained = {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
     trained |= {r["question"] for r in data["rl"]["train"]}
-    for kind, recs in _eval_items(cfg, seed, trained).items():
+    items, asked = _eval_items(cfg, seed, trained)
+    for kind, recs in items.items():
         data[kind]["test"] = recs
+    # Bare calculations for SFT, after the evaluation's: they skip its calculations, which stay
+    # what they would be without them.
+    data["sft"]["train"] += _arithmetic_conversations(cfg, seed, asked)
     return data, {"sources": sources_stats}
 
 

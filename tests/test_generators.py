@@ -91,6 +91,7 @@ def test_arithmetic_questions_state_a_sum_and_its_value(lang):
         assert q.answer == {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op] >= 0
         if op == "/":
             assert a % b == 0
+        assert q.expression == f"{a} {op} {b}" and q.solution == f"{a} {op} {b} = {q.answer}\n#### {q.answer}"
         ops.add(op)
     assert ops == set("+-*/")
     assert arithmetic_question(random.Random(1), lang) == arithmetic_question(random.Random(1), lang)

@@ -62,16 +62,45 @@ def test_eval_only_items_are_no_training_prompt(tmp_path):
 
 
 def test_eval_only_items_change_no_training_record(tmp_path):
+    """Without bare calculations in SFT, the evaluation-only items leave every training file as it was."""
     a, b = tmp_path / "with", tmp_path / "without"
     a.mkdir(), b.mkdir()
-    assert _run_prepare(a, task_test=10, arithmetic_test=30).returncode == 0
-    assert _run_prepare(b, task_test=0, arithmetic_test=0).returncode == 0
+    assert _run_prepare(a, task_test=10, arithmetic_test=30, arithmetic_train=0).returncode == 0
+    assert _run_prepare(b, task_test=0, arithmetic_test=0, arithmetic_train=0).returncode == 0
     files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
     assert len(files) == 11
     for f in files:
         same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
         assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
     assert (b / "data/prepared/tasks/test.jsonl").read_text() == ""
+
+
+def test_bare_calculations_for_sft_are_appended_and_never_asked_by_eval(tmp_path):
+    """prepare.arithmetic_train appends bare calculations to sft/train and changes nothing else:
+    the evaluation's questions stay those of a run without them, and no trained calculation is
+    one the evaluation asks, in either language ("What is 6 * 4?" and "6 * 4 等于多少？")."""
+    a, b = tmp_path / "with", tmp_path / "without"
+    a.mkdir(), b.mkdir()
+    assert _run_prepare(a, arithmetic_test=150, arithmetic_train=600).returncode == 0
+    assert _run_prepare(b, arithmetic_test=150, arithmetic_train=0).returncode == 0
+    pa, pb = a / "data/prepared", b / "data/prepared"
+    for f in sorted(str(f.relative_to(pa)) for f in pa.rglob("*.jsonl")):
+        if f != "sft/train.jsonl":
+            assert (pa / f).read_bytes() == (pb / f).read_bytes(), f
+    with_, without = _jsonl(pa / "sft/train.jsonl"), _jsonl(pb / "sft/train.jsonl")
+    assert with_[:len(without)] == without
+    added = with_[len(without):]
+    assert len(added) == 600 and {r["source"] for r in added} == {"generated/arithmetic"}
+    expression = lambda q: q.removeprefix("What is ").removesuffix("?").removesuffix(" 等于多少？")
+    trained = {expression(r["messages"][0]["content"]) for r in added}
+    asked = {expression(q["question"]) for q in _jsonl(pa / "arithmetic/test.jsonl")}
+    assert len(asked) > 100 and not trained & asked
+    for r in added:
+        question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
+        value = eval(expression(question).replace("/", "//"))  # exact division by construction
+        assert answer == f"{expression(question)} = {value}\n#### {value}"
+    metrics = json.loads((a / "metrics" / "prepare.json").read_text())
+    assert metrics["by_source"]["sft/train"]["generated/arithmetic"] == 600
 
 
 def test_prepare_is_deterministic(tmp_path):
