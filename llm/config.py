@@ -467,9 +467,15 @@ class GRPOConfig(RLConfig):
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
     step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
                                                  " added to each token's advantage; 0 = outcome reward only")
+    oversample: int = _f(1, lo=1, hi=64, added=True, doc="dynamic sampling: roll out oversample x prompts_per_step"
+                         " groups a step and train on the first prompts_per_step whose outcome rewards differ"
+                         " (an all-right or all-wrong group has no outcome signal); 1 = train on every group")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
-        return _shared_out(key, "prompts_per_step", self.prompts_per_step, "prompts (groups) per step", common,
+        n, what = self.prompts_per_step * self.oversample, "prompts (groups) per step"
+        if self.oversample > 1:
+            what += f" ({self.prompts_per_step} x oversample {self.oversample} rolled out)"
+        return _shared_out(key, "prompts_per_step", n, what, common,
                            "each process samples and scores whole groups; a group is never split")
 
     def check(self, key: str) -> list[str]:

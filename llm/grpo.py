@@ -5,17 +5,23 @@
 
 No value function: the baseline is the group. One step:
 
-  1. rollout: prompts_per_step prompts, each repeated group_size (G) times, sampled in one
-     batch with the KV cache; the behaviour log-probs recorded by the sampler are the
-     "old" log-probs of the ratio (tests/test_rollout.py: they equal a recomputed forward in
-     fp32; under bf16/fp16 autocast they are recomputed by one no_grad forward instead);
+  1. rollout: prompts_per_step prompts (oversample times as many with dynamic sampling), each
+     repeated group_size (G) times, sampled in one batch with the KV cache; the behaviour
+     log-probs recorded by the sampler are the "old" log-probs of the ratio
+     (tests/test_rollout.py: they equal a recomputed forward in fp32; under bf16/fp16 autocast
+     they are recomputed by one no_grad forward instead);
   2. scoring: reward per completion (the verifier), advantages
      A = (r - mean_group) / (std_group + 1e-4), exactly 0 for a group whose rewards are all
      equal (llm.losses.group_advantages; counted in frac_reward_zero_std), the same for every
      token of a completion; with `step_credit` > 0, plus step_credit x the verifier's credit of
      each token (+1 on the result of a right worked step, -1 on a slip: llm.rewards.step_credit),
      a process-level signal that says where an answer went wrong; the reference
-     log-probs from one no_grad forward of the frozen SFT model (skipped when beta = 0);
+     log-probs from one no_grad forward of the frozen SFT model (skipped when beta = 0).
+     Dynamic sampling (oversample > 1, as DAPO): only the first prompts_per_step groups, in
+     draw order, whose outcome rewards differ go on to step 3; an all-right or all-wrong group
+     has a zero outcome advantage, and a step whose groups mostly agree (most of them, once
+     the policy is good) would otherwise train on a few groups. Fewer such groups than
+     prompts_per_step: the step trains on those it has;
   3. `epochs` passes over shuffled minibatches of completions; per token
         clipped surrogate(ratio, A, clip_epsilon) + beta * k3(pi, ref)
      reduced by `loss_agg` (grpo: per-sequence mean then batch mean; dr_grpo: sum over
@@ -32,7 +38,8 @@ Per-step row (TRL names): reward, reward_std (mean within-group std, as TRL), fr
 kl (mean per-token k3 under the current policy), entropy (of the sampling distribution, estimated
 as the mean -log pi_old of the sampled tokens), clip_ratio and approxkl (over the completions that
 went through the update), policy_loss, loss, grad_norm, response_length, stop_rate, accuracy /
-format_rate (verifier statistics), rollout_s / scoring_s / update_s, tokens_per_s.
+format_rate (verifier statistics), groups_trained (the groups step 3 saw: prompts_per_step, or
+fewer under dynamic sampling), rollout_s / scoring_s / update_s, tokens_per_s.
 """
 from __future__ import annotations
 
@@ -117,6 +124,9 @@ class GRPO:
         # have a nonzero advantage somewhere (the others add nothing to the loss when beta = 0)
         lengths_all = gather_rows(ro.lengths, rt).to(device).float()
         informative_all = gather_rows((adv != 0).any(1), rt).to(device)
+        trained = torch.arange(len(lengths_all))                            # the global rows step 3 sees
+        if cfg.oversample > 1:
+            trained = first_informative_groups(gather_rows(zero_std, rt), cfg.prompts_per_step, G)
         t2 = time.perf_counter()
 
         (reward_sum, std_sum, n_zero, ent_sum, n_resp, len_sum, stop_sum, n_tokens, *rvals) = global_sums(
@@ -143,8 +153,8 @@ class GRPO:
         stats = Mean()
         for epoch in range(cfg.epochs):
             g = step_generator(self.seed, f"minibatch-{epoch}", step)
-            for idx in minibatches(B_all, cfg.minibatch_size, g):
-                idx = idx.to(device)
+            for idx in minibatches(len(trained), cfg.minibatch_size, g):
+                idx = trained[idx].to(device)
                 kept = idx[informative_all[idx]] if skip_zero else idx       # the rows with a loss, all ranks
                 rows = share.local(kept)                                     # this rank's, local indices
                 part = _normaliser_part(rows, idx, mask, lengths_all, cfg.loss_agg)
@@ -189,10 +199,17 @@ class GRPO:
         # (unbiased, and free: no (B, N, V) softmax over all completions)
         res["entropy"] = ent_sum / max(n_resp, 1.0)
         return {"reward": reward_sum / B_all, "reward_std": std_sum / n_all,
-                "frac_reward_zero_std": n_zero / n_all, **res,
+                "frac_reward_zero_std": n_zero / n_all, "groups_trained": len(trained) / G, **res,
                 "response_length": len_sum / B_all, "stop_rate": stop_sum / B_all,
                 **{k: v / B_all for k, v in zip(rstats, rvals)}, "rollout_s": t1 - t0, "scoring_s": t2 - t1,
                 "update_s": t3 - t2, "tokens_per_s": n_tokens / (t3 - t0)}
+
+
+def first_informative_groups(zero_std: Tensor, k: int, group_size: int) -> Tensor:
+    """The rows of the first k groups (in draw order) whose rewards differ, given each group's
+    zero-variance flag (n_groups,): dynamic sampling's batch, as global row indices."""
+    groups = (~zero_std.bool()).nonzero().flatten()[:k]                   # (<= k,)
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
 def _normaliser_part(rows: Tensor, idx: Tensor, mask: Tensor, lengths_all: Tensor, loss_agg: str) -> float:
@@ -202,4 +219,4 @@ def _normaliser_part(rows: Tensor, idx: Tensor, mask: Tensor, lengths_all: Tenso
     minibatch's loss; in one process with every row kept it is exactly 1."""
     if loss_agg == "dapo":
         return float(mask[rows].sum()) / max(float(lengths_all[idx].sum()), 1.0)
-    return len(rows) / len(idx)
+    return len(rows) / len(idx) if len(idx) else 0.0  # no row at all: dynamic sampling found no group

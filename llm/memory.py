@@ -297,7 +297,8 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
             held = pol.weight_bytes + lm.weight_bytes + (rm.weight_bytes if uses_rm else 0)
             rm_logits = st.logits(B * G, INFER_LOGITS[st.b]) if uses_rm and st.logprob_feature else 0
         else:
-            pol, B, key = lm, -(-c["prompts_per_step"] // st.world) * c["group_size"], "grpo.prompts_per_step"
+            prompts = c["prompts_per_step"] * c.get("oversample", 1)
+            pol, B, key = lm, -(-prompts // st.world) * c["group_size"], "grpo.prompts_per_step"
             held = lm.weight_bytes * (2 if c["beta"] > 0 else 1)
             rm_logits = 0
         adam = st.trained(pol)["optimizer"]

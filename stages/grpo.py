@@ -12,6 +12,8 @@ Each step samples grpo.prompts_per_step problems (grpo.curriculum_levels for the
 grpo.curriculum_steps steps, then grpo.levels), grpo.group_size completions each, scores them
 with the safe verifier (llm.rewards.math_reward: correct_reward + format_reward, capped) and
 updates the policy with the clipped surrogate + beta * k3 KL (llm/grpo.py). With
+grpo.oversample k > 1 it samples k times as many problems and trains on the first
+prompts_per_step groups whose rewards differ (dynamic sampling). With
 `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores whole groups of
 the step's prompts, and the trajectory is one process's up to the order of float sums
 (llm/rl.py). Held-out exact
@@ -56,7 +58,8 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
 
     def prompts_fn(step: int):
         levels = cfg.curriculum_levels if step < cfg.curriculum_steps else cfg.levels
-        return setup.pool.sample(cfg.prompts_per_step, levels, step_generator(setup.seed, "prompts", step))
+        n = cfg.prompts_per_step * cfg.oversample
+        return setup.pool.sample(n, levels, step_generator(setup.seed, "prompts", step))
 
     algo = GRPO(policy, setup.ref if cfg.beta > 0 else None, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
                 stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed, tokenizer=tok, rt=rt)

@@ -169,6 +169,67 @@ def test_leaving_zero_advantage_completions_out_gives_the_same_gradient(loss_agg
     assert any(g.abs().sum() > 0 for g in grads[0])
 
 
+def test_dynamic_sampling_picks_the_first_groups_whose_rewards_differ():
+    from llm.grpo import first_informative_groups
+    zero_std = torch.tensor([True, False, True, False, False])
+    assert first_informative_groups(zero_std, 2, 3).tolist() == [3, 4, 5, 9, 10, 11]
+    assert first_informative_groups(zero_std, 9, 2).tolist() == [2, 3, 6, 7, 8, 9]   # fewer than k: all of them
+    assert first_informative_groups(torch.ones(4, dtype=torch.bool), 2, 3).numel() == 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_dynamic_sampling_trains_on_the_first_informative_groups_only(beta):
+    """oversample 2: 16 groups are rolled out and the first 8 whose rewards differ are trained on.
+    Rewarding the groups after them otherwise must leave the gradient as it was; so must
+    rewarding an all-equal group before them otherwise (as long as it stays all-equal)."""
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]                      # 16 distinct prompts
+
+    def rewards(later: float, early: float):
+        def fn(ro, problems):  # group 0 all equal; groups 1-8 vary; groups 9-15 vary by `later`
+            got = [float(TARGET in ids) for ids in ro.response_ids()]
+            out = []
+            for j, (g, p) in enumerate(zip(got, problems)):
+                i = p["i"]
+                out.append(early if i == 0 else g if i <= 8 else later * (j % 3))
+            return torch.tensor(out), {}
+        return fn
+
+    grads, rows = [], []
+    for later, early in ((1.0, 0.0), (5.0, 0.0), (1.0, 1.0)):
+        cfg = grpo_cfg(beta=beta, oversample=2, minibatch_size=32)
+        algo = GRPO(tiny(), tiny(), cfg, prompts_fn=lambda s: (prompts, [{"i": i} for i in range(16)]),
+                    reward_fn=rewards(later, early), stop_ids=(STOP,), pad_id=PAD, seed=0)
+        up = GradRecorder(algo.model, cfg, CPU, stage="grpo")
+        rows.append(algo.step(0, up))
+        grads.append(up.grads)
+    informative = 16 * (1 - rows[0]["frac_reward_zero_std"])
+    assert informative >= 9, rows[0]      # the draw gives more than 8 informative groups
+    assert rows[0]["groups_trained"] == 8.0
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # without dynamic sampling the later groups' rewards do move the gradient
+    plain = []
+    for later in (1.0, 5.0):
+        cfg = grpo_cfg(beta=beta, minibatch_size=32, prompts_per_step=16)
+        algo = GRPO(tiny(), tiny(), cfg, prompts_fn=lambda s: (prompts, [{"i": i} for i in range(16)]),
+                    reward_fn=rewards(later, 0.0), stop_ids=(STOP,), pad_id=PAD, seed=0)
+        up = GradRecorder(algo.model, cfg, CPU, stage="grpo")
+        assert algo.step(0, up)["groups_trained"] == 16.0
+        plain.append(up.grads)
+    assert any(not torch.equal(a, b) for a, b in zip(*plain))
+
+
+def test_dynamic_sampling_with_no_informative_group_takes_a_zero_step(tmp_path):
+    cfg = grpo_cfg(max_steps=1, beta=0.0, oversample=2)
+    algo = GRPO(tiny(), tiny(), cfg, prompts_fn=lambda s: (PROMPTS + PROMPTS, [{}] * 16),
+                reward_fn=lambda ro, p: (torch.ones(len(ro)), {}), stop_ids=(STOP,), pad_id=PAD, seed=0)
+    before = {k: v.clone() for k, v in algo.model.state_dict().items()}
+    res = run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
+    assert res.history[0]["groups_trained"] == 0.0 and res.history[0]["loss"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in algo.model.state_dict().items())
+
+
 def test_under_autocast_the_old_logprobs_come_from_a_full_forward(tmp_path):
     """bf16 (CPU autocast here, CUDA in the GPU profiles): decode-step and full-sequence numerics
     differ, so the ratio's denominator is recomputed and starts at exactly 1."""

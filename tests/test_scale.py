@@ -93,7 +93,7 @@ def _rl_child_one(opt: dict, rt) -> None:
     common = dict(reward_fn=target_fraction, stop_ids=(STOP,), pad_id=PAD, seed=0, rt=rt)
     if opt["algo"] == "grpo":
         cfg = grpo_cfg(**opt["cfg"])
-        n = cfg.prompts_per_step
+        n = cfg.prompts_per_step * cfg.oversample
         algo = GRPO(tiny(), tiny(), cfg, prompts_fn=lambda step: (RL_PROMPTS[:n], [{}] * n), **common)
     else:
         cfg = ppo_cfg(**opt["cfg"])
@@ -153,6 +153,10 @@ RL_CASES = {
     # beta 0: completions of zero-variance groups skip the update; dapo: global token normaliser
     "grpo-dapo": ("grpo", dict(prompts_per_step=4, group_size=4, minibatch_size=5, epochs=1, beta=0.0,
                                loss_agg="dapo", max_steps=3, **RL_LR)),
+    # dynamic sampling: 4 groups rolled out over 2 ranks, the first 2 informative ones trained on
+    # (here rank 0's: rank 1 joins every update with no row of its own)
+    "grpo-dynamic": ("grpo", dict(prompts_per_step=2, oversample=2, group_size=4, minibatch_size=6, epochs=1,
+                                  beta=0.04, loss_agg="grpo", max_steps=3, **RL_LR)),
     # whitening, the adaptive KL controller and the value head over the global batch
     "ppo": ("ppo", dict(rollout_prompts=6, minibatch_size=4, epochs=2, adaptive_kl=True, kl_target=0.01,
                         kl_horizon=100, max_steps=3, **RL_LR)),
