@@ -73,7 +73,11 @@ def test_avx2_holds_mkls_matrix_products_to_avx2_too():
     assert "MKL_ENABLE_INSTRUCTIONS AVX2" in r.stdout
     if torch.backends.mkl.is_available():
         banner = next(line for line in r.stdout.splitlines() if line.startswith("MKL_VERBOSE oneMKL"))
-        assert "(Intel(R) AVX2)" in banner and "AVX-512" not in banner, banner
+        assert "AVX-512" not in banner, banner
+        # MKL names its code path in the banner on Intel processors only; an AMD one's banner
+        # names none (seen on an AMD EPYC: "... Intel(R) Architecture processors, Lnx 2.60GHz ...")
+        if "(Intel(R) " in banner:
+            assert "(Intel(R) AVX2)" in banner, banner
 
 
 @needs_x86
