@@ -19,8 +19,8 @@ No value function: the baseline is the group. One step:
      log-probs from one no_grad forward of the frozen SFT model (skipped when beta = 0).
      Dynamic sampling (oversample > 1, as DAPO): only the first prompts_per_step groups, in
      draw order, whose outcome rewards differ go on to step 3; an all-right or all-wrong group
-     has a zero outcome advantage, and a step whose groups mostly agree (most of them, once
-     the policy is good) would otherwise train on a few groups. Fewer such groups than
+     has a zero outcome advantage, and once the policy is good most groups agree, so a step
+     would otherwise train on a few groups. Fewer such groups than
      prompts_per_step: the step trains on those it has;
   3. `epochs` passes over shuffled minibatches of completions; per token
         clipped surrogate(ratio, A, clip_epsilon) + beta * k3(pi, ref)
@@ -124,7 +124,7 @@ class GRPO:
         # have a nonzero advantage somewhere (the others add nothing to the loss when beta = 0)
         lengths_all = gather_rows(ro.lengths, rt).to(device).float()
         informative_all = gather_rows((adv != 0).any(1), rt).to(device)
-        trained = torch.arange(len(lengths_all))                            # the global rows step 3 sees
+        trained = torch.arange(share.total)                                 # the global rows step 3 sees
         if cfg.oversample > 1:
             trained = first_informative_groups(gather_rows(zero_std, rt), cfg.prompts_per_step, G)
         t2 = time.perf_counter()
