@@ -2,6 +2,8 @@
 
     python bench/gpu_check.py [--parts dag,pretrain,rl,resume] [--budget-s 540]
     python bench/gpu_check.py --cpu-plumbing        # tiny sizes on the CPU: checks the script, no GPU figures
+    python bench/gpu_check.py --save-dag-plan F     # where DVC is: the DAG part's stages, for --dag-plan F on
+                                                    # a GPU machine that has no DVC and cannot install it
 
 Written for one H200 lent for a few minutes: at the defaults it should take under 9 minutes there
 (`--budget-s`: a part that would start after that many seconds is skipped and its row says so).
@@ -76,6 +78,7 @@ class Setup:
     resume_k: int
     compile: bool
     exact_resume: bool             # the CPU promises bitwise equality
+    dag_plan: Path | None = None   # the DAG's stages saved where DVC is (--dag-plan)
 
 
 def say(msg: str) -> None:
@@ -140,7 +143,7 @@ def peak_gib(rt: Runtime) -> float | None:
 def part_dag(s: Setup, tmp: Path) -> list[dict]:
     from llm.rehearse import run
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON
-        rc, rows = run(s.dag_profile, only=s.dag_only, tmp=tmp, device=s.rt.device.type)
+        rc, rows = run(s.dag_profile, only=s.dag_only, tmp=tmp, device=s.rt.device.type, plan=s.dag_plan)
     return [{"part": "dag", "what": f"{s.dag_profile} {r.stage}", "ok": r.ok, "seconds": r.seconds,
              "note": r.error or f"host peak RSS {r.peak_rss / GIB:.2f} GiB"} for r in rows] or \
         [{"part": "dag", "what": s.dag_profile, "ok": rc == 0, "seconds": 0.0, "note": f"exit {rc}"}]
@@ -348,12 +351,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="skip a part that would start after this many seconds (default 540 = 9 min)")
+    ap.add_argument("--save-dag-plan", metavar="FILE", type=Path,
+                    help="write the stages DVC lists for the DAG part to FILE and stop (needs DVC, not a GPU)")
+    ap.add_argument("--dag-plan", metavar="FILE", type=Path,
+                    help="the DAG part takes its stages from a --save-dag-plan FILE instead of from DVC")
     args = ap.parse_args(argv)
+    if args.save_dag_plan:
+        from llm.rehearse import run
+        profile, device = ("smoke", "cpu") if args.cpu_plumbing else ("gpu-13m", "cuda")
+        try:
+            return run(profile, device=device, save_plan=args.save_dag_plan)[0]
+        except RuntimeError as e:
+            refuse(str(e))
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
         refuse(f"--parts: unknown {bad}; expected some of {', '.join(PARTS)}")
     s = setup(args)
+    s.dag_plan = args.dag_plan
     t_start = time.perf_counter()
     dev = torch.cuda.get_device_name(s.rt.device) if s.rt.device.type == "cuda" else "cpu (plumbing only)"
     say(f"{dev}, torch {torch.__version__}, {str(s.rt.dtype).removeprefix('torch.')}; parts {', '.join(parts)}")
@@ -366,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         say(f"part {part} at {elapsed:.0f} s")
         with tempfile.TemporaryDirectory(prefix=f"gpu_check-{part}-") as d:
+            n = len(rows)
             try:
                 rows += PARTS[part](s, Path(d))
             except Exception as e:  # noqa: BLE001 - one broken part must not hide the others' figures
                 rows.append({"part": part, "what": "-", "ok": False, "seconds": time.perf_counter() - t_start - elapsed,
                              "note": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+            for r in rows[n:]:  # as each part ends: a run cut short by its time limit still leaves these
+                say(f"row {json.dumps(r)}")
 
     def gib(v):
         return "-" if v is None else f"{v:.2f}"

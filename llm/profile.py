@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("rehearse", help="run the profile's whole DAG at its model shapes on the CPU (llm/rehearse.py)")
     r.add_argument("name")
     r.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    r.add_argument("--save-plan", metavar="FILE", help="write the stages DVC lists for this rehearsal to FILE"
+                   " and stop (for a machine without DVC)")
+    r.add_argument("--plan", metavar="FILE", help="take the stages from a --save-plan FILE instead of asking DVC")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             return _memory(args)
         if args.cmd == "rehearse":
             from llm.rehearse import rehearse
-            return rehearse(args.name, keep=args.keep)
+            return rehearse(args.name, keep=args.keep, plan=args.plan, save_plan=args.save_plan)
         new = _flat(render(args.name)[0])
         old = _flat(yaml.safe_load(Path(args.params).read_text(encoding="utf-8")))
         for k in sorted(set(new) | set(old)):

@@ -50,6 +50,7 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -126,12 +127,15 @@ def scratch_copy(src: Path, dest: Path) -> int:
     Uncommitted edits are rehearsed too; ignored outputs (data/, models/, runs/) are not copied.
     Outside a git work tree (a bare copy of one), everything but those outputs and caches.
     """
-    p = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=src,
-                       capture_output=True)
-    if p.returncode:  # not a git work tree (e.g. a copy of one): everything but outputs and caches
+    try:
+        p = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=src,
+                           capture_output=True)
+    except OSError:  # no git on this machine
+        p = None
+    if p is None or p.returncode:  # not a git work tree (e.g. a copy of one): everything but outputs and caches
         shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True, ignore=_not_source(src))
         n = sum(1 for f in dest.rglob("*") if f.is_file())
-        subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+        _git_init(dest)
         return n
     names = p.stdout.decode().split("\0")
     n = 0
@@ -142,16 +146,64 @@ def scratch_copy(src: Path, dest: Path) -> int:
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(f, dest / name, follow_symlinks=False)
         n += 1
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)  # DVC wants a git repository
+    _git_init(dest)
     return n
+
+
+def _git_init(dest: Path) -> None:
+    """DVC wants a git repository; without git (a machine with no DVC either) a saved plan stands in."""
+    if shutil.which("git"):
+        subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+
+
+NO_DVC = ("DVC is not installed here (no `dvc` on PATH): install env/requirements.txt; on a machine where nothing"
+          " can be installed, save the plan where DVC is (`python -m llm.profile rehearse NAME --save-plan FILE`,"
+          " or bench/gpu_check.py --save-dag-plan FILE) and pass it with --plan FILE (gpu_check: --dag-plan FILE)")
+
+
+def dry_run(repo: Path, env: dict) -> str:
+    """`dvc repro --dry --force` in `repo`: its output, which names every stage and command in order."""
+    if not shutil.which("dvc", path=env.get("PATH")):
+        raise RuntimeError(NO_DVC)
+    p = subprocess.run(["dvc", "repro", "--dry", "--force"], cwd=repo, env=env, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"`dvc repro --dry --force` failed in {repo}:\n{p.stdout}{p.stderr}")
+    return p.stdout
 
 
 def stage_commands(repo: Path, env: dict) -> list[tuple[str, list[str]]]:
     """[(stage, [command, ...])] in the order `dvc repro` would run them, from DVC itself."""
-    p = subprocess.run(["dvc", "repro", "--dry", "--force"], cwd=repo, env=env, capture_output=True, text=True)
-    if p.returncode:
-        raise RuntimeError(f"`dvc repro --dry --force` failed in {repo}:\n{p.stdout}{p.stderr}")
-    return parse_dry_run(p.stdout)
+    return parse_dry_run(dry_run(repo, env))
+
+
+PLAN_HEAD = "# rehearsal plan: `dvc repro --dry --force` for dvc.yaml + params.yaml of sha256 "
+
+
+def plan_key(repo: Path) -> str:
+    """What a saved plan is valid for: the sha256 of dvc.yaml and the rehearsal's params.yaml."""
+    h = hashlib.sha256()
+    for f in ("dvc.yaml", "params.yaml"):
+        h.update((repo / f).read_bytes())
+    return h.hexdigest()
+
+
+def load_plan(path: Path, repo: Path) -> list[tuple[str, list[str]]]:
+    """The stages of a plan saved by `save_plan`, refused when it was saved for another dvc.yaml or
+    params.yaml (an edited pipeline or profile, or another profile or device)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise RuntimeError(f"plan {path}: {e.strerror or e}") from None
+    head, _, body = text.partition("\n")
+    key = plan_key(repo)
+    if not head.startswith(PLAN_HEAD):
+        raise RuntimeError(f"plan {path}: line 1 is not a rehearsal plan's header ({PLAN_HEAD!r}...);"
+                           f" save it with --save-plan")
+    if head[len(PLAN_HEAD):].strip() != key:
+        raise RuntimeError(f"plan {path} was saved for another dvc.yaml or params.yaml (sha256"
+                           f" {head[len(PLAN_HEAD):].strip()[:12]}..., here {key[:12]}...): save it again from this"
+                           f" work tree, for this profile and device")
+    return parse_dry_run(body)
 
 
 def parse_dry_run(text: str) -> list[tuple[str, list[str]]]:
@@ -262,10 +314,13 @@ def rehearse(name: str, *, keep: bool = False, **kw) -> int:
 
 
 def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None, tmp: Path | None = None,
-        device: str = "cpu") -> tuple[int, list[Row]]:
+        device: str = "cpu", plan: Path | None = None, save_plan: Path | None = None) -> tuple[int, list[Row]]:
     """The rehearsal: (exit status, one Row per stage run). `only`: run just these stages (the
     first ones of the DAG; a test's shortcut); `tmp`: where the scratch directory goes (default:
-    the system's temporary directory); `device`: "cuda" runs the stages on a GPU in bf16."""
+    the system's temporary directory); `device`: "cuda" runs the stages on a GPU in bf16.
+    `save_plan`: write the stages DVC lists (for this work tree, profile and device) to that file
+    and stop; `plan`: take the stages from such a file instead of from DVC, for a machine that
+    has no DVC and cannot install it (a lent GPU machine with no network)."""
     from llm.config import load_params_text
     from llm.profile import render, to_yaml
 
@@ -281,7 +336,7 @@ def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | No
           f" seq_len {m['seq_len']}, vocab {rehearsal['tokenizer']['vocab_size']}), {where}, every stage cut to"
           f" one step (llm/rehearse.py); largest estimate {need / GIB:.1f} GiB ({worst}), {have / GIB:.1f} GiB"
           f" of host memory available", flush=True)
-    if device == "cpu" and need > have:
+    if device == "cpu" and need > have and save_plan is None:
         print(f"rehearse {name}: refused: stage {worst} is estimated at {need / GIB:.1f} GiB of memory and this"
               f" machine has {have / GIB:.1f} GiB available; free memory or rehearse on a larger machine",
               file=sys.stderr)
@@ -295,10 +350,17 @@ def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | No
     try:
         n = scratch_copy(src, repo)
         (repo / "params.yaml").write_text(text, encoding="utf-8")
-        plan = stage_commands(repo, env)
-        print(f"rehearse {name}: {n} files copied to {repo}; {len(plan)} stages:"
-              f" {', '.join(s for s, _ in plan)}", flush=True)
-        for stage, cmds in plan:
+        if save_plan is not None:
+            out = dry_run(repo, env)
+            Path(save_plan).write_text(f"{PLAN_HEAD}{plan_key(repo)}\n{out}", encoding="utf-8")
+            print(f"rehearse {name}: the {len(parse_dry_run(out))} stages DVC lists for {device} written to"
+                  f" {save_plan}", flush=True)
+            return 0, []
+        stages = load_plan(plan, repo) if plan is not None else stage_commands(repo, env)
+        print(f"rehearse {name}: {n} files copied to {repo}; {len(stages)} stages"
+              f"{f' (from the plan {plan})' if plan is not None else ''}: {', '.join(s for s, _ in stages)}",
+              flush=True)
+        for stage, cmds in stages:
             if only is not None and stage not in only:
                 continue
             log = scratch / f"{stage}.log"
@@ -315,7 +377,8 @@ def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | No
             for path in declared(repo, stage, "outs", persist=True):
                 shutil.rmtree(path, ignore_errors=True)
     finally:
-        print("\n".join(["", *table(rows)]), flush=True)
+        if save_plan is None:
+            print("\n".join(["", *table(rows)]), flush=True)
         if keep:
             print(f"rehearse {name}: scratch copy kept in {scratch}", flush=True)
         else:

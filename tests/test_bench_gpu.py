@@ -49,3 +49,16 @@ def test_refuses_without_cuda():
 def test_unknown_part_is_refused():
     p = _run(["--cpu-plumbing", "--parts", "dag,warp"])
     assert p.returncode == 2 and "--parts: unknown ['warp']" in p.stderr
+
+
+@pytest.mark.slow
+def test_the_dag_part_runs_from_a_saved_plan(tmp_path):
+    # a GPU machine with no DVC takes the DAG's stages from a plan saved where DVC is
+    plan = tmp_path / "plan.txt"
+    p = _run(["--cpu-plumbing", "--save-dag-plan", str(plan)])
+    assert p.returncode == 0 and "Running stage 'tokenize':" in plan.read_text(), p.stdout + p.stderr
+    p = _run(["--cpu-plumbing", "--parts", "dag", "--dag-plan", str(plan)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["what"] for r in rows] == ["smoke prepare", "smoke tokenizer", "smoke tokenize"]
+    assert f"(from the plan {plan})" in p.stderr

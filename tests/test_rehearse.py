@@ -98,3 +98,28 @@ def test_runs_the_stages_dvc_lists_and_stops_at_a_failing_one(capsys, tmp_path):
     assert rh.rehearse("gpu-13m", only=["prepare"], tmp=tmp_path) == 0
     rows = _rows(capsys.readouterr().out)
     assert [r[:2] for r in rows] == [["prepare", "ok"]]
+
+
+@pytest.mark.slow
+def test_a_saved_plan_stands_in_for_dvc_and_is_refused_for_another_pipeline(capsys, tmp_path, monkeypatch):
+    # saved where DVC is: the stages in DVC's order, under a header that names dvc.yaml + params.yaml
+    plan = tmp_path / "plan.txt"
+    assert rh.rehearse("smoke", save_plan=plan, tmp=tmp_path) == 0
+    text = plan.read_text()
+    assert text.startswith(rh.PLAN_HEAD) and "Running stage 'prepare':" in text
+    assert "stage " not in capsys.readouterr().out.split("written to")[-1]  # no (empty) table after saving
+    # a machine without DVC: asking DVC is refused with what to do; the plan runs the stages
+    monkeypatch.setattr(rh.shutil, "which", lambda cmd, path=None: None)
+    with pytest.raises(RuntimeError, match="no `dvc` on PATH.*--save-plan FILE"):
+        rh.rehearse("smoke", only=["prepare"], tmp=tmp_path)
+    capsys.readouterr()
+    assert rh.rehearse("smoke", only=["prepare"], tmp=tmp_path, plan=plan) == 0
+    out = capsys.readouterr().out
+    assert f"(from the plan {plan})" in out and [r[:2] for r in _rows(out)] == [["prepare", "ok"]]
+    # the same plan for another profile (other params.yaml) is refused, naming both hashes
+    with pytest.raises(RuntimeError, match="saved for another dvc.yaml or params.yaml"):
+        rh.rehearse("gpu-13m", only=["prepare"], tmp=tmp_path, plan=plan)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("Running stage 'prepare':\n> python -m stages.prepare\n")
+    with pytest.raises(RuntimeError, match="line 1 is not a rehearsal plan's header"):
+        rh.rehearse("smoke", only=["prepare"], tmp=tmp_path, plan=bad)
