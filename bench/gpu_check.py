@@ -200,10 +200,11 @@ def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
         params = profile_params(name, over)
         params["pretrain"]["grad_accum"] = 1
         mcfg = model_config(params)
-        est = stage_memory(params)["pretrain"].peak
-        est_alloc = (est.total - (CUDA_CONTEXT if s.rt.device.type == "cuda" else 0)) / GIB
         tokens = random_tokens(mcfg.vocab_size, max(mcfg.seq_len + 2, 8_000_000), 0)
         for compiled in ([False, True] if s.compile else [False]):
+            params["pretrain"]["compile"] = compiled  # the estimate keeps less where the stage compiles
+            est = stage_memory(params)["pretrain"].peak
+            est_alloc = (est.total - (CUDA_CONTEXT if s.rt.device.type == "cuda" else 0)) / GIB
             reset_peak(s.rt)
             model = GPT(mcfg, seed=0)
             cfg = train_config(params["pretrain"], s.steps, compiled)

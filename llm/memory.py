@@ -19,15 +19,18 @@ full size on the CPU, as the stages allocate them):
                 the most a prompt plus its answer may use (generate allocates prompt + new tokens)
 
 estimated (formulas below; `b` = 2 with bf16/fp16 autocast, 4 in fp32):
-    activations training: TRAIN_ACT[b] bytes per token per layer per channel (Korthikanti et al.
-                2022, "Reducing Activation Recomputation", without the attention-score term that
-                fused attention never stores; doubled in fp32), for the layers from the first
-                trainable one up; with activation checkpointing, the 4-byte fp32 block input of
+    activations training: TRAIN_ACT[b] bytes per token per layer per channel, for the layers
+                from the first trainable one up. fp32: 68, twice Korthikanti et al. 2022
+                ("Reducing Activation Recomputation") without the attention-score term that
+                fused attention never stores. 16-bit: 45, TRAIN_ACT_COMPILED 40 where the stage
+                compiles, fitted with the 12 of LM_TRAIN_LOGITS to the peak allocated memory of
+                77m and 406m pretraining on an H200 (bench/gpu_check.py; Korthikanti's 34 and
+                10 were 20-26% below it); with activation checkpointing, the 4-byte fp32 block input of
                 every layer + one layer's worth. With 16-bit autocast also the 16-bit copies of
                 the weights that backward keeps (2 bytes per parameter). Without grad: one
                 layer's temporaries, INFER_ACT[b] bytes per token per channel
     logits      per token per vocabulary entry: LM_TRAIN_LOGITS (lm_loss: the logits, their fp32
-                copy, the gradient), SEQ_LOGITS (sequence log-probs with grad: + the log-softmax
+                copy, its gradient, the 16-bit gradient), SEQ_LOGITS (sequence log-probs with grad: + the log-softmax
                 kept for backward), RESP_LOGITS (RL update over the response positions: the
                 tempered logits, log-softmax, entropy, gradients), INFER_LOGITS (no grad: logits
                 + log-softmax), KL_LOGITS (llm.rollout.sampled_kl over the response positions:
@@ -53,10 +56,11 @@ from typing import Any
 
 GIB = 2**30
 # bytes; the key is the activation width b (2: bf16/fp16 autocast, 4: fp32)
-TRAIN_ACT = {2: 34, 4: 68}        # saved per token, per layer, per channel
+TRAIN_ACT = {2: 45, 4: 68}        # saved per token, per layer, per channel (16-bit: measured, see above)
+TRAIN_ACT_COMPILED = {2: 40, 4: 68}  # the same where the stage's `compile` is on
 CKPT_INPUT = 4                     # activation checkpointing: each block's fp32 input
 INFER_ACT = {2: 32, 4: 48}         # one layer's temporaries per token per channel, no grad
-LM_TRAIN_LOGITS = {2: 10, 4: 8}    # per token per vocab entry
+LM_TRAIN_LOGITS = {2: 12, 4: 8}    # per token per vocab entry
 SEQ_LOGITS = {2: 14, 4: 12}
 RESP_LOGITS = {2: 26, 4: 24}
 INFER_LOGITS = {2: 10, 4: 8}
@@ -189,11 +193,11 @@ class _Setting:
         return {"weights": s.weight_bytes // shard, "gradients": 4 * s.trainable // shard,
                 "optimizer": (8 * s.trainable + 4 * s.trainable_tensors) // shard}
 
-    def train_acts(self, tokens: int, s: ModelSize, checkpointing: bool = False) -> int:
+    def train_acts(self, tokens: int, s: ModelSize, checkpointing: bool = False, compiled: bool = False) -> int:
         """Saved activations of a training forward over `tokens` positions."""
         m = self.m
         layers = m.n_layer - s.first_trained_layer
-        per_layer = TRAIN_ACT[self.b] * tokens * m.n_embd
+        per_layer = (TRAIN_ACT_COMPILED if compiled and self.cuda else TRAIN_ACT)[self.b] * tokens * m.n_embd
         if checkpointing and layers:
             acts = CKPT_INPUT * tokens * m.n_embd * layers + per_layer
         else:
@@ -231,7 +235,7 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
         ddp_buckets = 4 * lm.trainable if st.nproc > 1 and shard == 1 else 0
         tokens = c["batch_size"] * T
         phases = [st.phase("train", f"{name}.batch_size", **st.trained(lm, shard),
-                           activations=st.train_acts(tokens, lm, c["activation_checkpointing"]) + ddp_buckets,
+                           activations=st.train_acts(tokens, lm, c["activation_checkpointing"], c["compile"]) + ddp_buckets,
                            logits=st.logits(tokens, LM_TRAIN_LOGITS[st.b]))]
         if name == "sft" and c["eval_math_problems"]:
             # the trained model and the copy that is saved, decoding the held-out math check
@@ -251,7 +255,7 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
     ddp_buckets = 4 * s.trainable if st.nproc > 1 and st.shard(c) == 1 else 0
     out["reward"] = StageMemory("reward", [
         st.phase("train", "reward.batch_size", **st.trained(s, st.shard(c)),
-                 activations=st.train_acts(tokens, s) + ddp_buckets,
+                 activations=st.train_acts(tokens, s, compiled=c["compile"]) + ddp_buckets,
                  logits=st.logits(tokens, per) if st.logprob_feature else 0),
         # every held-out answer, 2 x batch_size sequences at a time, by the trained model's saved copy
         st.phase("held-out scoring", "reward.batch_size", weights=2 * s.weight_bytes,
@@ -279,7 +283,7 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
         st.phase("reference log-probs", "dpo.batch_size", weights=pol.weight_bytes + lm.weight_bytes,
                  activations=st.infer_acts(B2 * T), logits=st.logits(B2 * T, INFER_LOGITS[st.b])),
         st.phase("train", "dpo.batch_size", **train,
-                 activations=st.train_acts(B2 * T, pol) + ddp_buckets,
+                 activations=st.train_acts(B2 * T, pol, compiled=c["compile"]) + ddp_buckets,
                  logits=st.logits(B2 * T, SEQ_LOGITS[st.b])),
         # the trained policy, its saved copy and the reference; responses sampled, then both
         # models' log-softmax at the response positions (llm.rollout.sampled_kl)
