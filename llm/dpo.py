@@ -29,14 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llm.losses import sequence_logprob
+from llm.losses import answer_logprob, sequence_logprob
 from llm.preference import Batch, EncodedPair, collate_pairs, pair_metrics
 
 
-def answer_logprobs(model: nn.Module, batch: Batch, per_token: bool = False) -> Tensor:
+def answer_logprobs(model: nn.Module, batch: Batch, per_token: bool = False, full_head: bool = False) -> Tensor:
     """log pi of each row's answer (the response_mask tokens), (2B,) float32: the sum over the
-    answer's tokens, or with per_token their mean (an empty answer gives 0)."""
-    lp = sequence_logprob(model, batch["idx"], batch["attention_mask"], batch["response_mask"])  # (2B,)
+    answer's tokens, or with per_token their mean (an empty answer gives 0). The logits are
+    computed at the answer positions only (llm.losses.answer_logprob), or with full_head at
+    every position (a compiled policy, whose graph cannot know how many positions are picked)."""
+    logprob = sequence_logprob if full_head else answer_logprob
+    lp = logprob(model, batch["idx"], batch["attention_mask"], batch["response_mask"])  # (2B,)
     if per_token:
         lp = lp / batch["response_mask"][:, 1:].sum(-1).clamp(min=1)  # the tokens sequence_logprob sums
     return lp
@@ -96,7 +99,7 @@ def reference_logprobs(model: nn.Module, pairs: Sequence[EncodedPair], *, pad_id
     return ref_c, ref_r
 
 
-def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float) -> Callable:
+def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float, full_head: bool = False) -> Callable:
     """loss_fn for llm.trainer.train over `collate_pairs` batches with ref_chosen/ref_rejected
     (from `reference_logprobs` with per_token = loss_type == "ipo").
 
@@ -104,9 +107,10 @@ def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float) -> Callable
     batch. Returns (DPO loss summed over the B pairs, B, extras summed over pairs):
     rewards_chosen, rewards_rejected (beta * (log pi - log ref)), rewards_margin,
     rewards_accuracy (rewards_chosen > rewards_rejected), as TRL's rewards/* metrics.
+    full_head: the logits at every position (`answer_logprobs`), for a compiled policy.
     """
     def loss_fn(model: nn.Module, batch: Batch):
-        lp = answer_logprobs(model, batch, per_token=loss_type == "ipo")  # (2B,)
+        lp = answer_logprobs(model, batch, per_token=loss_type == "ipo", full_head=full_head)  # (2B,)
         B = lp.shape[0] // 2
         losses, rc, rr = dpo_loss(lp[:B], lp[B:], batch["ref_chosen"], batch["ref_rejected"], beta,
                                   loss_type, label_smoothing)  # (B,) each

@@ -62,6 +62,23 @@ def sequence_logprob(model, idx: Tensor, attention_mask: Tensor, loss_mask: Tens
     return lp * mask if per_token else (lp * mask).sum(-1)
 
 
+def answer_logprob(model, idx: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> Tensor:
+    """`sequence_logprob`'s (B,) sums with the logits computed only where they are read.
+
+    The logits at position t predict token t + 1, so only the positions before an answer token
+    reach the vocabulary product and the log-softmax; the prompt and the padding skip both. The
+    same numbers up to float rounding (tests/test_losses.py), and DPO's training step on its
+    pairs ran 2.4-2.7x faster on a 2-core CPU (docs/log.md). `model` must take `logits_at`
+    (llm.model.GPT); a compiled one keeps `sequence_logprob`, whose shapes its graph can know.
+    """
+    read = torch.zeros_like(loss_mask, dtype=torch.bool)
+    read[:, :-1] = loss_mask[:, 1:]                                          # (B, T)
+    logits = model(idx, attention_mask=attention_mask, logits_at=read)       # (N, V), row-major
+    lp = token_logprobs(logits, idx[:, 1:][loss_mask[:, 1:].bool()])        # (N,)
+    rows = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(read)[read]
+    return torch.zeros(idx.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
+
+
 def cross_entropy_sum(logits: Tensor, targets: Tensor, *, overwrite_logits: bool = False) -> Tensor:
     """sum over rows with targets != IGNORE_INDEX of -log softmax(logits)[target].
 

@@ -142,7 +142,7 @@ def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], poli
     tokens and the closing <|end|>, temperature 1) under `policy`, batched by length. A
     distributed `rt` shares the batches out over the ranks (llm.runtime.sharded_map)."""
     from llm.batching import pad_right
-    from llm.losses import sequence_logprob
+    from llm.losses import answer_logprob
     from llm.preference import encode_response
 
     seq_len = policy.config.seq_len
@@ -160,7 +160,7 @@ def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], poli
     def one(b: int) -> list[float]:
         ix = chunks[b]
         idx, mask, resp = pad_right([seqs[j] for j in ix], tok.pad_id, [starts[j] for j in ix])
-        return sequence_logprob(policy, idx.to(device), mask.to(device), resp.to(device)).float().cpu().tolist()
+        return answer_logprob(policy, idx.to(device), mask.to(device), resp.to(device)).float().cpu().tolist()
 
     for ix, lps in zip(chunks, sharded_map(one, len(chunks), rt)):
         for j, v in zip(ix, lps):

@@ -98,7 +98,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
                                      n_batches=cfg.eval_batches, ref=ref_val)
     curves = run_dir / "plots"  # copied to metrics/plots only when the gate passes
     result = train(policy, cfg, rt, stage=STAGE, seed=seed, batches=batches,
-                   loss_fn=dpo_loss_fn(cfg.beta, cfg.loss_type, cfg.label_smoothing), val_batches=val_batches,
+                   loss_fn=dpo_loss_fn(cfg.beta, cfg.loss_type, cfg.label_smoothing, full_head=cfg.compile),
+                   val_batches=val_batches,
                    run_dir=run_dir, fingerprint=fp,
                    plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
                    progress=progress)

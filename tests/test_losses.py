@@ -126,3 +126,26 @@ def test_whiten():
     w = whiten(x, m)
     assert w[3] == 0
     assert w[:3].mean().abs() < 1e-6 and w[:3].std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_answer_logprob_equals_sequence_logprob_with_its_gradient():
+    # right padding, answers of different lengths, a row with no answer token at all
+    from llm.losses import answer_logprob, sequence_logprob
+    from llm.model import GPT, ModelConfig
+    model = GPT(ModelConfig(vocab_size=50, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), seed=0)
+    idx = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(4, 12, dtype=torch.bool)
+    attn[1, 9:] = attn[3, 6:] = False
+    resp = torch.zeros(4, 12, dtype=torch.bool)
+    resp[0, 5:], resp[1, 3:9], resp[2, 11:] = True, True, True  # row 3: no answer
+    grads = []
+    for fn in (sequence_logprob, answer_logprob):
+        model.zero_grad(set_to_none=True)
+        lp = fn(model, idx, attn, resp)
+        (lp * torch.tensor([1.0, -2.0, 0.5, 3.0])).sum().backward()
+        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = grads
+    assert b.shape == (4,) and b[3] == 0 and (a[:3] < 0).all()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
