@@ -31,7 +31,8 @@ estimated (formulas below; `b` = 2 with bf16/fp16 autocast, 4 in fp32):
                 layer's temporaries, INFER_ACT[b] bytes per token per channel
     logits      per token per vocabulary entry: LM_TRAIN_LOGITS (lm_loss: the logits, their fp32
                 copy, its gradient, the 16-bit gradient), SEQ_LOGITS (sequence log-probs with grad: + the log-softmax
-                kept for backward), RESP_LOGITS (RL update over the response positions: the
+                kept for backward; taken at every position, an upper bound for DPO, whose
+                uncompiled policy computes them at the answer positions only), RESP_LOGITS (RL update over the response positions: the
                 tempered logits, log-softmax, entropy, gradients), INFER_LOGITS (no grad: logits
                 + log-softmax), KL_LOGITS (llm.rollout.sampled_kl over the response positions:
                 both models' log-softmax + exp, difference, product)
