@@ -188,7 +188,7 @@ def plan_key(repo: Path) -> str:
 
 
 def load_plan(path: Path, repo: Path) -> list[tuple[str, list[str]]]:
-    """The stages of a plan saved by `save_plan`, refused when it was saved for another dvc.yaml or
+    """The stages of a plan `run(..., save_plan=...)` wrote, refused when it was saved for another dvc.yaml or
     params.yaml (an edited pipeline or profile, or another profile or device)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
