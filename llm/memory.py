@@ -25,15 +25,16 @@ estimated (formulas below; `b` = 2 with bf16/fp16 autocast, 4 in fp32):
                 fused attention never stores. 16-bit: 45, TRAIN_ACT_COMPILED 40 where the stage
                 compiles, fitted with the 12 of LM_TRAIN_LOGITS to the peak allocated memory of
                 77m and 406m pretraining on an H200 (bench/gpu_check.py; Korthikanti's 34 and
-                10 were 20-26% below it); with activation checkpointing, the 4-byte fp32 block input of
-                every layer + one layer's worth. With 16-bit autocast also the 16-bit copies of
+                10 were 20-26% below it); with activation checkpointing, the 4-byte fp32 block
+                input of every layer + one layer's worth. With 16-bit autocast also the 16-bit copies of
                 the weights that backward keeps (2 bytes per parameter). Without grad: one
                 layer's temporaries, INFER_ACT[b] bytes per token per channel
     logits      per token per vocabulary entry: LM_TRAIN_LOGITS (lm_loss: the logits, their fp32
-                copy, its gradient, the 16-bit gradient), SEQ_LOGITS (sequence log-probs with grad: + the log-softmax
-                kept for backward; taken at every position, an upper bound for DPO, whose
-                uncompiled policy computes them at the answer positions only), RESP_LOGITS (RL update over the response positions: the
-                tempered logits, log-softmax, entropy, gradients), INFER_LOGITS (no grad: logits
+                copy, its gradient, the 16-bit gradient), SEQ_LOGITS (sequence log-probs with
+                grad: + the log-softmax kept for backward; taken at every position, an upper
+                bound for DPO, whose uncompiled policy computes them at the answer positions
+                only), RESP_LOGITS (RL update over the response positions: the tempered logits,
+                log-softmax, entropy, gradients), INFER_LOGITS (no grad: logits
                 + log-softmax), KL_LOGITS (llm.rollout.sampled_kl over the response positions:
                 both models' log-softmax + exp, difference, product)
     context     CUDA context, cuBLAS workspace and allocator slack: ~1 GiB on a GPU; on the CPU
@@ -58,7 +59,7 @@ from typing import Any
 GIB = 2**30
 # bytes; the key is the activation width b (2: bf16/fp16 autocast, 4: fp32)
 TRAIN_ACT = {2: 45, 4: 68}        # saved per token, per layer, per channel (16-bit: measured, see above)
-TRAIN_ACT_COMPILED = {2: 40, 4: 68}  # the same where the stage's `compile` is on
+TRAIN_ACT_COMPILED = {2: 40, 4: 68}  # the same where the stage's `compile` is on (fp32 not measured)
 CKPT_INPUT = 4                     # activation checkpointing: each block's fp32 input
 INFER_ACT = {2: 32, 4: 48}         # one layer's temporaries per token per channel, no grad
 LM_TRAIN_LOGITS = {2: 12, 4: 8}    # per token per vocab entry
@@ -198,7 +199,7 @@ class _Setting:
         """Saved activations of a training forward over `tokens` positions."""
         m = self.m
         layers = m.n_layer - s.first_trained_layer
-        per_layer = (TRAIN_ACT_COMPILED if compiled and self.cuda else TRAIN_ACT)[self.b] * tokens * m.n_embd
+        per_layer = (TRAIN_ACT_COMPILED if compiled else TRAIN_ACT)[self.b] * tokens * m.n_embd
         if checkpointing and layers:
             acts = CKPT_INPUT * tokens * m.n_embd * layers + per_layer
         else:
@@ -236,7 +237,8 @@ def stage_memory(params: dict) -> dict[str, StageMemory]:
         ddp_buckets = 4 * lm.trainable if st.nproc > 1 and shard == 1 else 0
         tokens = c["batch_size"] * T
         phases = [st.phase("train", f"{name}.batch_size", **st.trained(lm, shard),
-                           activations=st.train_acts(tokens, lm, c["activation_checkpointing"], c["compile"]) + ddp_buckets,
+                           activations=st.train_acts(tokens, lm, c["activation_checkpointing"], c["compile"])
+                           + ddp_buckets,
                            logits=st.logits(tokens, LM_TRAIN_LOGITS[st.b]))]
         if name == "sft" and c["eval_math_problems"]:
             # the trained model and the copy that is saved, decoding the held-out math check

@@ -195,14 +195,13 @@ def load_plan(path: Path, repo: Path) -> list[tuple[str, list[str]]]:
     except OSError as e:
         raise RuntimeError(f"plan {path}: {e.strerror or e}") from None
     head, _, body = text.partition("\n")
-    key = plan_key(repo)
     if not head.startswith(PLAN_HEAD):
         raise RuntimeError(f"plan {path}: line 1 is not a rehearsal plan's header ({PLAN_HEAD!r}...);"
                            f" save it with --save-plan")
-    if head[len(PLAN_HEAD):].strip() != key:
-        raise RuntimeError(f"plan {path} was saved for another dvc.yaml or params.yaml (sha256"
-                           f" {head[len(PLAN_HEAD):].strip()[:12]}..., here {key[:12]}...): save it again from this"
-                           f" work tree, for this profile and device")
+    saved, key = head[len(PLAN_HEAD):].strip(), plan_key(repo)
+    if saved != key:
+        raise RuntimeError(f"plan {path} was saved for another dvc.yaml or params.yaml (sha256 {saved[:12]}...,"
+                           f" here {key[:12]}...): save it again from this work tree, for this profile and device")
     return parse_dry_run(body)
 
 
