@@ -1,6 +1,6 @@
 """The device check: the one script a session with a GPU runs, printing one table of this project's GPU figures.
 
-    python bench/gpu_check.py [--parts dag,pretrain,rl,resume] [--budget-s 540]
+    python bench/gpu_check.py [--parts dag,pretrain,rl,stages,resume] [--budget-s 540]
     python bench/gpu_check.py --cpu-plumbing        # tiny sizes on the CPU: checks the script, no GPU figures
     python bench/gpu_check.py --save-dag-plan F     # where DVC is: the DAG part's stages, for --dag-plan F on
                                                     # a GPU machine that has no DVC and cannot install it
@@ -24,7 +24,21 @@ Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in ord
    (PROMPT_TOKENS), PPO's reward from a random reward model with the likelihood feature; peak
    allocated memory against the estimate's largest phase of the rollout, scoring and update (the
    held-out evaluation is not run).
-4. resume: SIGTERM during step k of a 2k-step 77m run on the device (the trainer's preemption path:
+4. stages: 3 optimizer steps (STAGE_STEPS) each of SFT, the reward model and DPO at 77m with the
+   gpu-77m profile's settings (batch_size; the reward's likelihood feature and train_trunk; DPO's
+   trainable and loss_type) but grad_accum 1, bf16 autocast, eager, through llm.trainer.train with
+   each stage's own loss: SFT's supervised_lm_loss, the reward model's Bradley-Terry loss, DPO's
+   loss on reference log-probs that the frozen reference computes first and that stays on the
+   device, as in the stage. Random tokens at full length (SFT: seq_len targets; each side of a
+   pair: seq_len tokens) whose answer is every position after a one-token prompt: the case
+   llm/memory.py bounds, since it takes the logits at every position. Peak allocated memory against
+   the estimate of the stage's train phase without the CUDA context; a stage passes when its losses
+   are finite. Then 10 steps (FP16_STEPS) of 77m pretraining under fp16 autocast, the loop's
+   GradScaler path: whether every loss is finite, the loss scale at the end (read from the last
+   checkpoint), the overflowed steps the scaler dropped (the loop runs them again), peak memory
+   against the pretrain estimate. With --cpu-plumbing: tiny sizes in fp32, and the fp16 row in the
+   CPU's fp16 autocast with a CPU GradScaler.
+5. resume: SIGTERM during step k of a 2k-step 77m run on the device (the trainer's preemption path:
    finish the step, write ckpt-k, exit 143), resume to 2k, and compare losses k+1..2k with an
    uninterrupted run: passes when max |diff| / loss <= 1e-3 (CUDA kernels need not be bitwise
    reproducible; on the CPU they are, and --cpu-plumbing requires bitwise equality).
@@ -37,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import signal
@@ -61,6 +76,9 @@ from llm.trainer import lm_loss, train  # noqa: E402
 
 PROFILES = ROOT / "env" / "profiles"
 MARKER = 1               # the RL steps' random prompts end with it, as a chat prompt ends with <|assistant|>
+PAD = 0                  # padding id of the synthetic batches
+STAGE_STEPS = 3          # optimizer steps of each stage in the stages part
+FP16_STEPS = 10          # of the fp16 pretraining there
 PLUMBING = "python bench/gpu_check.py --cpu-plumbing"
 
 
@@ -73,6 +91,8 @@ class Setup:
     pretrain: list[tuple[str, dict]]  # (profile, overrides of its params) per pretraining run
     rl_profile: str
     rl_overrides: dict
+    stages_profile: str            # the stages part's SFT, reward, DPO and fp16 runs
+    stages_overrides: dict
     steps: int                     # optimizer steps of a throughput run
     warmup: int                    # of them, left out of tokens/s
     resume_k: int
@@ -97,9 +117,10 @@ def setup(args: argparse.Namespace) -> Setup:
                 "tokenizer": {"vocab_size": 512}, "common": {"device": "cpu", "dtype": "fp32"}}
         rl = {**tiny, "ppo": {"rollout_prompts": 4, "minibatch_size": 2, "max_new_tokens": 8},
               "grpo": {"prompts_per_step": 2, "group_size": 2, "minibatch_size": 2, "max_new_tokens": 8}}
+        stages = {**tiny, **{name: {"batch_size": 2} for name in ("sft", "reward", "dpo")}}
         return Setup(Runtime(torch.device("cpu"), torch.float32), "smoke", ["prepare", "tokenizer", "tokenize"],
-                     [("gpu-77m", tiny)], "gpu-77m", rl, steps=4, warmup=1, resume_k=2, compile=False,
-                     exact_resume=True)
+                     [("gpu-77m", tiny)], "gpu-77m", rl, stages_profile="gpu-77m", stages_overrides=stages,
+                     steps=4, warmup=1, resume_k=2, compile=False, exact_resume=True)
     if not torch.cuda.is_available():
         refuse(f"needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch.__version__},"
                f" CUDA build {torch.version.cuda}). Run it on a machine with an NVIDIA GPU; to check only this"
@@ -108,7 +129,8 @@ def setup(args: argparse.Namespace) -> Setup:
     if not torch.cuda.is_bf16_supported():
         refuse(f"{torch.cuda.get_device_name(device)} has no bf16; this check measures bf16 training")
     return Setup(Runtime(device, torch.bfloat16), "gpu-13m", None, [("gpu-77m", {}), ("gpu-406m", {})], "gpu-77m",
-                 {}, steps=30, warmup=10, resume_k=10, compile=True, exact_resume=False)
+                 {}, stages_profile="gpu-77m", stages_overrides={}, steps=30, warmup=10, resume_k=10, compile=True,
+                 exact_resume=False)
 
 
 def profile_params(name: str, overrides: dict) -> dict:
@@ -129,6 +151,7 @@ def sync(rt: Runtime) -> None:
 
 def reset_peak(rt: Runtime) -> None:
     if rt.device.type == "cuda":
+        gc.collect()  # what an earlier run left in reference cycles would count in this one's peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(rt.device)
 
@@ -166,11 +189,15 @@ def random_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n, dtype=dtype)
 
 
-def run_train(model: GPT, cfg: TrainConfig, rt: Runtime, tokens: np.ndarray, run_dir: Path, loss_fn=lm_loss):
+def windows(tokens: np.ndarray, seq_len: int, cfg: TrainConfig):
+    """Pretraining's batch source: random windows of `tokens`."""
     from llm.batching import WindowSampler
-    src = WindowSampler(tokens, seq_len=model.config.seq_len, batch_size=cfg.batch_size, grad_accum=1, seed=0)
+    return WindowSampler(tokens, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=1, seed=0)
+
+
+def run_train(model: torch.nn.Module, cfg: TrainConfig, rt: Runtime, batches, run_dir: Path, loss_fn=lm_loss):
     with contextlib.redirect_stdout(sys.stderr):
-        return train(model, cfg, rt, stage="bench", seed=0, batches=src, loss_fn=loss_fn, val_batches=None,
+        return train(model, cfg, rt, stage="bench", seed=0, batches=batches, loss_fn=loss_fn, val_batches=None,
                      run_dir=run_dir, fingerprint="bench-gpu-check",
                      plots=Plots(tsv=run_dir.parent / f"{run_dir.name}.tsv"), progress=False)
 
@@ -209,7 +236,7 @@ def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
             model = GPT(mcfg, seed=0)
             cfg = train_config(params["pretrain"], s.steps, compiled)
             t0 = time.perf_counter()
-            res = run_train(model, cfg, s.rt, tokens, tmp / f"{name}-{compiled}")
+            res = run_train(model, cfg, s.rt, windows(tokens, mcfg.seq_len, cfg), tmp / f"{name}-{compiled}")
             sync(s.rt)
             h = res.train_history
             w = h[s.warmup - 1]  # the end of the warm-up steps (compilation, allocator)
@@ -304,7 +331,133 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# 4. SIGTERM and resume on the device
+# 4. SFT, reward-model and DPO training steps; fp16 pretraining
+
+def answer_rows(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
+    """n token lists of `length`: the marker (a one-token prompt), then random answer tokens."""
+    ids = torch.randint(MARKER + 1, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = MARKER
+    return ids.tolist()
+
+
+def random_pairs(n: int, vocab: int, seq_len: int) -> list:
+    """n preference pairs whose sides are seq_len tokens: the longest llm.preference keeps."""
+    from llm.preference import EncodedPair
+    rows = answer_rows(2 * n, vocab, seq_len, seed=3)
+    return [EncodedPair(chosen=rows[i], rejected=rows[n + i], prompt_len=1) for i in range(n)]
+
+
+def measure(rt: Runtime, params: dict, stage: str, what: str, model: torch.nn.Module, batches, loss_fn,
+            run_dir: Path, steps: int = STAGE_STEPS):
+    """Train `model` for `steps` eager steps with the `stage` section's knobs: (its row, the TrainResult).
+    The row's peak allocated memory is held against the estimate of the stage's train phase."""
+    train_phase = next(p for p in stage_memory(params)[stage].phases if p.name == "train")
+    est = (train_phase.total - (CUDA_CONTEXT if rt.device.type == "cuda" else 0)) / GIB
+    reset_peak(rt)
+    t0 = time.perf_counter()
+    cfg = train_config(params[stage], steps, compile_=False)
+    res = run_train(model, cfg, rt, batches, run_dir, loss_fn)
+    sync(rt)
+    losses = [r["loss"] for r in res.train_history]
+    peak = peak_gib(rt)
+    ratio = peak / est if peak is not None else None
+    note = f"{steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    return {"part": "stages", "what": what, "ok": all(math.isfinite(x) for x in losses),
+            "seconds": time.perf_counter() - t0, "peak_gib": peak, "estimate_gib": est, "peak_vs_estimate": ratio,
+            "losses": losses, "note": note + (f"; peak / estimate {ratio:.2f}" if ratio is not None else "")}, res
+
+
+def stage_sft(s: Setup, params: dict, run_dir: Path) -> dict:
+    from llm.batching import BucketBatchSampler, ExampleBatches, pad_collate
+    from llm.trainer import supervised_lm_loss
+    mcfg, c = model_config(params), params["sft"]
+    seqs = answer_rows(c["batch_size"] * STAGE_STEPS, mcfg.vocab_size, mcfg.seq_len + 1, seed=2)
+    masks = [[False] + [True] * mcfg.seq_len] * len(seqs)  # every target supervised
+    sampler = BucketBatchSampler([len(x) for x in seqs], batch_size=c["batch_size"], bucket_width=c["bucket_width"],
+                                 seed=0)
+    batches = ExampleBatches(sampler, lambda ix: pad_collate([seqs[i] for i in ix], pad_id=PAD,
+                                                             loss_masks=[masks[i] for i in ix]))
+    row, _ = measure(s.rt, params, "sft", f"sft {mcfg.preset}", GPT(mcfg, seed=0), batches, supervised_lm_loss,
+                     run_dir)
+    row["note"] = f"batch {c['batch_size']} x {mcfg.seq_len}, every target supervised: {row['note']}"
+    return row
+
+
+def stage_reward(s: Setup, params: dict, run_dir: Path) -> dict:
+    from llm.optim import set_trainable
+    from llm.preference import pair_batches
+    from llm.reward_model import RewardModel, reward_loss_fn
+    mcfg, c = model_config(params), params["reward"]
+    gpt = GPT(mcfg, seed=0)
+    gpt.add_head("reward", seed=1)
+    if c["logprob_feature"]:
+        gpt.add_head("reward_logprob", marker=MARKER)
+    if not c["train_trunk"]:
+        set_trainable(gpt, [f"{h}_head.*" for h in gpt.head_names if h.startswith("reward")], "reward.train_trunk")
+    batches = pair_batches(random_pairs(c["batch_size"] * STAGE_STEPS, mcfg.vocab_size, mcfg.seq_len),
+                           batch_size=c["batch_size"], bucket_width=c["bucket_width"], seed=0, pad_id=PAD)
+    row, _ = measure(s.rt, params, "reward", f"reward {mcfg.preset}", RewardModel(gpt), batches,
+                     reward_loss_fn(c["label_smoothing"], c["margin"]), run_dir)
+    row["note"] = (f"{c['batch_size']} pairs x {mcfg.seq_len}, likelihood feature {c['logprob_feature']},"
+                   f" train_trunk {c['train_trunk']}: {row['note']}")
+    return row
+
+
+def stage_dpo(s: Setup, params: dict, run_dir: Path) -> dict:
+    from llm.dpo import dpo_loss_fn, reference_logprobs
+    from llm.optim import set_trainable
+    from llm.preference import pair_batches
+    mcfg, c = model_config(params), params["dpo"]
+    # the frozen reference stays on the device while the policy trains, as in the stage and its estimate
+    reference = GPT(mcfg, seed=0).to(s.rt.device).requires_grad_(False).eval()
+    policy = GPT(mcfg, seed=0)
+    set_trainable(policy, c["trainable"], "dpo.trainable")
+    pairs = random_pairs(c["batch_size"] * STAGE_STEPS, mcfg.vocab_size, mcfg.seq_len)
+    ref = reference_logprobs(reference, pairs, pad_id=PAD, batch_size=2 * c["batch_size"],
+                             per_token=c["loss_type"] == "ipo", device=s.rt.device, autocast=s.rt.autocast)
+    batches = pair_batches(pairs, batch_size=c["batch_size"], bucket_width=c["bucket_width"], seed=0, pad_id=PAD,
+                           ref=ref)
+    row, _ = measure(s.rt, params, "dpo", f"dpo {mcfg.preset}", policy, batches,
+                     dpo_loss_fn(c["beta"], c["loss_type"], c["label_smoothing"]), run_dir)
+    row["note"] = (f"{c['batch_size']} pairs x {mcfg.seq_len}, loss {c['loss_type']}, trainable {c['trainable']}:"
+                   f" {row['note']}")
+    return row
+
+
+def fp16_pretrain(s: Setup, params: dict, run_dir: Path) -> dict:
+    from llm.checkpoint import checkpoint_path, load_checkpoint
+    params = {**params, "common": {**params["common"], "dtype": "fp16"}}
+    mcfg, c = model_config(params), params["pretrain"]
+    rt = Runtime(s.rt.device, torch.float16)  # the loop's Updater takes a GradScaler for it
+    cfg = train_config(c, FP16_STEPS, compile_=False)
+    tokens = random_tokens(mcfg.vocab_size, max(mcfg.seq_len + 2, 2_000_000), 2)
+    row, res = measure(rt, params, "pretrain", f"pretrain fp16 {mcfg.preset}", GPT(mcfg, seed=0),
+                       windows(tokens, mcfg.seq_len, cfg), lm_loss, run_dir, FP16_STEPS)
+    scale = load_checkpoint(checkpoint_path(run_dir, res.step)).train_state["updater"]["scaler"]["scale"]
+    m = res.metrics
+    row.update(loss_scale=scale, amp_overflows=m["amp_overflows"], nonfinite_skips=m["nonfinite_skips"])
+    row["note"] = (f"batch {c['batch_size']} x {mcfg.seq_len}, {row['note']}; loss scale {scale:g} at the end,"
+                   f" {m['amp_overflows']} overflowed step(s) dropped and retried, {m['nonfinite_skips']} skipped")
+    return row
+
+
+def part_stages(s: Setup, tmp: Path) -> list[dict]:
+    params = profile_params(s.stages_profile, s.stages_overrides)
+    for name in ("pretrain", "sft", "reward", "dpo"):
+        params[name]["compile"] = False  # eager, and the estimate that goes with it
+    rows = []
+    for name, run in (("sft", stage_sft), ("reward", stage_reward), ("dpo", stage_dpo), ("fp16", fp16_pretrain)):
+        t0 = time.perf_counter()
+        try:
+            rows.append(run(s, params, tmp / name))
+        except Exception as e:  # noqa: BLE001 - one failing stage (out of memory) must not hide the others' rows
+            rows.append({"part": "stages", "what": name, "ok": False, "seconds": time.perf_counter() - t0,
+                         "note": error_note(e)})
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# 5. SIGTERM and resume on the device
 
 def part_resume(s: Setup, tmp: Path) -> list[dict]:
     params = profile_params(*s.pretrain[0])
@@ -314,7 +467,7 @@ def part_resume(s: Setup, tmp: Path) -> list[dict]:
     cfg = train_config(pre, 2 * k, compile_=False)
     tokens = random_tokens(mcfg.vocab_size, max(mcfg.seq_len + 2, 2_000_000), 1)
     t0 = time.perf_counter()
-    ref = run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "ref")
+    ref = run_train(GPT(mcfg, seed=0), cfg, s.rt, windows(tokens, mcfg.seq_len, cfg), tmp / "ref")
     calls = [0]
 
     def term_at_k(model, batch):
@@ -326,10 +479,10 @@ def part_resume(s: Setup, tmp: Path) -> list[dict]:
 
     code = None
     try:
-        run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "run", loss_fn=term_at_k)
+        run_train(GPT(mcfg, seed=0), cfg, s.rt, windows(tokens, mcfg.seq_len, cfg), tmp / "run", loss_fn=term_at_k)
     except SystemExit as e:
         code = e.code
-    resumed = run_train(GPT(mcfg, seed=0), cfg, s.rt, tokens, tmp / "run")
+    resumed = run_train(GPT(mcfg, seed=0), cfg, s.rt, windows(tokens, mcfg.seq_len, cfg), tmp / "run")
     a = [r["loss"] for r in ref.train_history[k:]]
     b = [r["loss"] for r in resumed.train_history[k:]]
     rel = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
@@ -341,8 +494,12 @@ def part_resume(s: Setup, tmp: Path) -> list[dict]:
                       f" bitwise {a == b}")}]
 
 
-PARTS = {"dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "resume": part_resume}
-COST_S = {"dag": 240, "pretrain": 180, "rl": 60, "resume": 40}  # expected on an H200, for --budget-s
+PARTS = {"dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "stages": part_stages, "resume": part_resume}
+COST_S = {"dag": 240, "pretrain": 180, "rl": 60, "stages": 60, "resume": 40}  # expected on an H200, for --budget-s
+
+
+def error_note(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += PARTS[part](s, Path(d))
             except Exception as e:  # noqa: BLE001 - one broken part must not hide the others' figures
                 rows.append({"part": part, "what": "-", "ok": False, "seconds": time.perf_counter() - t_start - elapsed,
-                             "note": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+                             "note": error_note(e)})
             for r in rows[n:]:  # as each part ends: a run cut short by its time limit still leaves these
                 say(f"row {json.dumps(r)}")
 

@@ -3,6 +3,7 @@ CUDA it refuses."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -28,14 +29,33 @@ def test_cpu_plumbing_runs_every_part_and_prints_one_table_and_json():
     out = json.loads(lines[-1])
     assert out["bench"] == "gpu_check" and out["plumbing"] and out["device"].startswith("cpu")
     rows = out["rows"]
-    assert [r["part"] for r in rows] == ["dag"] * 3 + ["pretrain", "rl", "rl", "resume"]
+    assert [r["part"] for r in rows] == ["dag"] * 3 + ["pretrain", "rl", "rl"] + ["stages"] * 4 + ["resume"]
     assert all(r["ok"] for r in rows), rows
     assert [r["what"] for r in rows[:3]] == ["smoke prepare", "smoke tokenizer", "smoke tokenize"]
     assert rows[3]["tokens_per_s"] > 0 and rows[3]["mfu"] is None  # no known CPU peak: no made-up MFU
     assert rows[3]["estimate_gib"] > 0 and rows[5]["what"] == "grpo step custom"
     assert rows[-1]["resume_bitwise"]  # the CPU plumbing mode requires a bitwise-equal resume
     assert lines[0].split()[:4] == ["part", "what", "result", "seconds"]
-    assert sum(ln.startswith(("dag ", "pretrain ", "rl ", "resume ")) for ln in lines) == len(rows)
+    assert sum(ln.startswith(("dag ", "pretrain ", "rl ", "stages ", "resume ")) for ln in lines) == len(rows)
+
+
+@pytest.mark.slow
+def test_the_stages_part_trains_sft_the_reward_model_dpo_and_fp16_pretraining():
+    p = _run(["--cpu-plumbing", "--parts", "stages"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])["rows"]
+    assert [r["what"] for r in rows] == ["sft custom", "reward custom", "dpo custom", "pretrain fp16 custom"]
+    assert all(r["ok"] and r["estimate_gib"] > 0 for r in rows), rows
+    assert [len(r["losses"]) for r in rows] == [3, 3, 3, 10]
+    # the policy starts as its reference, whose log-probs ride in the batches: DPO's first loss is log 2
+    assert rows[2]["losses"][0] == pytest.approx(math.log(2), abs=1e-5)
+    # the loop's GradScaler ran: its scale halved once per overflowed step (no growth within 2000 steps)
+    fp16 = rows[3]
+    assert fp16["loss_scale"] == 65536.0 / 2 ** fp16["amp_overflows"] and fp16["nonfinite_skips"] == 0
+    assert [ln.split()[:3] for ln in lines if ln.startswith("stages ")] == [
+        ["stages", "sft", "custom"], ["stages", "reward", "custom"], ["stages", "dpo", "custom"],
+        ["stages", "pretrain", "fp16"]]
 
 
 def test_refuses_without_cuda():
