@@ -1,0 +1,365 @@
+"""Several runs of the same settings (say three values of `common.seed`) read together: the spread
+of every score across runs, and each model's paired change from its parent pooled over them.
+
+    python -m llm.seeds . ../run-1338 ../run-1339              # run directories (each has metrics/eval/)
+    python -m llm.seeds . exp:seed-1338 exp:seed-1339          # DVC experiments, read from git
+    python -m llm.seeds 1337=. 1338=rev:HEAD~3 --json seeds.json --markdown seeds.md   # labelled
+
+A run is a directory holding `metrics/eval/<model>_items.jsonl` (a repository, its metrics/ or
+the eval directory itself), `rev:REV` (the files as committed at a git revision of the current
+repository) or `exp:NAME` (a DVC experiment: `dvc exp run -n NAME -S common.seed=1338` keeps its
+metrics in a git ref, read here without checking it out); LABEL=RUN names its column. Every run
+must have evaluated the same models. Stage metrics that the items do not hold (the reward
+model's and DPO's held-out accuracy, KL, the RL stages' training reward: STAGE_METRICS, or
+--metric FILE:KEY) are read from the run's metrics/ and shown per run.
+
+Why pool. One run's paired interval says how sure we are of the change on that run's test items;
+it says nothing about how the change moves from one training run to the next, and a small gain can
+be inside each run's interval and still be real. Each run draws its own test items, so the runs
+are strata: the pooled change is the mean of the runs' changes, its interval a bootstrap that
+resamples every run's items within that run, and for right/wrong skills the test is McNemar's on
+all the runs' discordant items together (b items only the child gets right, c only the parent:
+with no change anywhere, each of the b + c is a fair coin). That answers "did the child change on
+average over these runs, given their test items?". It still leaves out the spread between
+training runs, which the second interval measures: the t interval of the runs' own changes,
+mean +- t(n-1) sd / sqrt(n). With three runs its multiplier is 4.30, so it excludes zero only
+when the runs agree closely; both are printed, with how many runs moved up.
+
+Per model the levels table gives each run's score, the mean and the worst run. Outputs: a table on
+stdout, and with --json / --markdown the same as files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llm.paired import compare, mcnemar_exact, read_items, skills
+
+EVAL_DIR = "metrics/eval"
+HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
+# FILE:KEY in a run's metrics/: what the eval items do not hold (shown where every run has it)
+STAGE_METRICS = ("reward.json:accuracy", "dpo.json:rewards_accuracy", "dpo.json:ref_logp_accuracy",
+                 "ppo.json:reward_delta", "grpo.json:reward_delta", "eval/ppo.json:kl_to_sft_per_token",
+                 "eval/grpo.json:kl_to_sft_per_token", "eval/dpo.json:kl_to_sft_per_token")
+
+
+@dataclass
+class Run:
+    """One run: its name, {model: records of <model>_items.jsonl}, and {file: parsed JSON} of the
+    metrics files it has, named as under metrics/ (reward.json, eval/ppo.json, ...)."""
+    name: str
+    items: dict[str, list[dict]]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p quantile (p > 0.5) of Student's t with df degrees of freedom: bisection on its CDF,
+    whose density is integrated by Simpson's rule (t(2) at 0.975 is 4.303, t(10) 2.228)."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError(f"t_quantile: need df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 4000) -> float:  # P(T <= x) for x >= 0
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _git(args: list[str], what: str) -> str:
+    r = subprocess.run(["git", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ValueError(f"{what}: git {' '.join(args)} failed: {r.stderr.strip() or r.returncode}")
+    return r.stdout
+
+
+def resolve_rev(spec: str) -> str:
+    """The git revision of `rev:REV` or `exp:NAME` (a ref under refs/exps/ ending in /NAME)."""
+    kind, _, name = spec.partition(":")
+    if kind == "rev":
+        return name
+    refs = _git(["for-each-ref", "--format=%(refname)", "refs/exps/"], spec).split()
+    hits = [r for r in refs if r.rsplit("/", 1)[-1] == name]
+    if len(hits) != 1:
+        known = sorted({r.rsplit("/", 1)[-1] for r in refs})
+        why = "matches several experiments" if hits else "is no DVC experiment of this repository"
+        raise ValueError(f"{spec}: {name!r} {why}; `dvc exp list -A` shows them"
+                         f" (known here: {', '.join(known) or 'none'}); or give rev:<git revision>")
+    return hits[0]
+
+
+def load_run(spec: str) -> Run:
+    """One run: a directory, rev:REV or exp:NAME, optionally named as LABEL=RUN (the label heads
+    its column; without one the run is its spec).
+
+    A directory is a repository's root (its metrics/ read), a metrics directory (eval/ and the
+    stage JSONs inside), or an eval directory alone (<model>_items.jsonl, no stage metrics)."""
+    label, eq, rest = spec.partition("=")
+    if eq and label and not label.startswith(("rev:", "exp:")) and "/" not in label:
+        run = load_run(rest)
+        run.name = label
+        return run
+    if spec.startswith(("rev:", "exp:")):
+        rev = resolve_rev(spec)
+        paths = _git(["ls-tree", "-r", "--full-tree", "--name-only", rev, "metrics/"], spec).split()
+        models = sorted(p[len(EVAL_DIR) + 1:].removesuffix("_items.jsonl") for p in paths
+                        if p.startswith(EVAL_DIR + "/") and p.endswith("_items.jsonl") and p.count("/") == 2)
+        if not models:
+            raise ValueError(f"{spec}: {EVAL_DIR}/ has no <model>_items.jsonl at {rev}; was its eval run?")
+        items = {m: _parse(_git(["show", f"{rev}:{EVAL_DIR}/{m}_items.jsonl"], spec),
+                           f"{spec}:{EVAL_DIR}/{m}_items.jsonl") for m in models}
+        jsons = [p for p in paths if p.endswith(".json") and (p.count("/") == 1 or p.startswith(EVAL_DIR + "/"))]
+        return Run(spec, items, {p[len("metrics/"):]: _json(_git(["show", f"{rev}:{p}"], spec), f"{spec}:{p}")
+                                 for p in jsons})
+    root = Path(spec)
+    mdir = next((d for d in (root / "metrics", root) if (d / "eval").is_dir()), None)
+    edir = mdir / "eval" if mdir else root
+    files = sorted(edir.glob("*_items.jsonl")) if edir.is_dir() else []
+    if not files:
+        raise ValueError(f"{spec}: no {EVAL_DIR}/<model>_items.jsonl here (looked in {edir});"
+                         f" run `dvc repro` there, or give the eval directory itself")
+    jsons = sorted(mdir.glob("*.json")) + sorted(mdir.glob("eval/*.json")) if mdir else []
+    metrics = {f.relative_to(mdir).as_posix(): _json(f.read_text(encoding="utf-8"), str(f)) for f in jsons}
+    return Run(spec, {f.name.removesuffix("_items.jsonl"): read_items(f) for f in files}, metrics)
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}:{e.lineno}: not JSON ({e.msg})") from None
+
+
+def _parse(text: str, where: str) -> list[dict]:
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}:{i}: not JSON ({e.msg})") from None
+    return out
+
+
+def pooled(runs: list[Run], child: str, parent: str, *, confidence: float = 0.95, n_boot: int = 10000,
+           seed: int = 0, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
+    """Per skill, `child`'s change from `parent` over the runs (each run paired on its own items).
+
+    Returns {skill: {"label", "type", "deltas" (per run), "significant" (per run, as
+    llm.paired.compare says), "mean", "worst", "lo", "hi" (pooled interval), "up" (runs with a
+    delta above zero), "t_lo", "t_hi" (across-run t interval; None for one run), "pooled_significant",
+    plus "wins", "losses", "p_value" (pooled McNemar) for right/wrong skills}. A skill is kept
+    when every run measured it.
+    """
+    per_run = []
+    for run in runs:
+        for m in (child, parent):
+            if m not in run.items:
+                raise ValueError(f"{run.name}: no {m}_items.jsonl (it has {', '.join(sorted(run.items))});"
+                                 f" every run must have evaluated the same models")
+        per_run.append(compare(run.items[child], run.items[parent], confidence=confidence, n_boot=n_boot,
+                               seed=seed, child_name=child))
+    order = [k for k, *_ in skills(runs[0].items[child] + runs[0].items[parent])]
+    t = t_quantile(1 - (1 - confidence) / 2, len(runs) - 1) if len(runs) > 1 else None
+    out: dict[str, dict[str, Any]] = {}
+    for key in order:
+        if (keys is not None and key not in keys) or not all(key in r for r in per_run):
+            continue
+        rs = [r[key] for r in per_run]
+        deltas = np.array([r["delta"] for r in rs])
+        res: dict[str, Any] = {"label": rs[0]["label"], "type": rs[0]["type"], "n": [r["n"] for r in rs],
+                               "deltas": deltas.tolist(), "significant": [r["significant"] for r in rs],
+                               "mean": float(deltas.mean()), "worst": float(deltas.min()),
+                               "up": int((deltas > 0).sum())}
+        rng = np.random.default_rng([seed, *f"pooled/{child}/{key}".encode()])
+        boot = np.zeros(n_boot)
+        for run, r in zip(runs, rs):   # resample each run's items within that run
+            boot += _run_boot(run, child, parent, key, r, n_boot, rng)
+        a = (1 - confidence) / 2
+        res["lo"], res["hi"] = (float(q) for q in np.quantile(boot / len(runs), [a, 1 - a]))
+        test_says = None
+        if res["type"] == "rate":
+            b, c = sum(r["wins"] for r in rs), sum(r["losses"] for r in rs)
+            res.update({"wins": b, "losses": c, "p_value": mcnemar_exact(b, c)})
+            test_says = res["p_value"] < 1 - confidence
+        res["pooled_significant"] = (res["lo"] > 0 or res["hi"] < 0) and test_says is not False
+        if t is not None:
+            half = t * deltas.std(ddof=1) / math.sqrt(len(runs))
+            res["t_lo"], res["t_hi"] = float(deltas.mean() - half), float(deltas.mean() + half)
+        else:
+            res["t_lo"] = res["t_hi"] = None
+        out[key] = res
+    return out
+
+
+def _run_boot(run: Run, child: str, parent: str, key: str, r: dict, n_boot: int,
+              rng: np.random.Generator) -> np.ndarray:
+    """n_boot resampled deltas of one run's skill (its n paired items drawn with replacement)."""
+    n = r["n"]
+    if r["type"] == "rate":   # three kinds of item: only the child right, only the parent, the same
+        counts = rng.multinomial(n, [r["wins"] / n, r["losses"] / n, 1 - (r["wins"] + r["losses"]) / n],
+                                 size=n_boot)
+        return (counts[:, 0] - counts[:, 1]) / n
+    _, _, item_set, which, field = next(s for s in skills(run.items[child] + run.items[parent]) if s[0] == key)
+    theirs = {x["id"]: x for x in run.items[parent] if x["set"] == item_set and which(x)}
+    diffs = np.array([float(x[field]) - float(theirs[x["id"]][field])
+                      for x in run.items[child] if x["set"] == item_set and which(x) and x["id"] in theirs])
+    return diffs[rng.integers(0, n, size=(n_boot, n))].mean(1)
+
+
+def levels(runs: list[Run], model: str, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
+    """Per skill, `model`'s score on each run, their mean and the worst (lowest) run."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, label, item_set, which, field in skills(runs[0].items[model]):
+        if keys is not None and key not in keys:
+            continue
+        vals = []
+        for run in runs:
+            xs = [float(x[field]) for x in run.items.get(model, []) if x["set"] == item_set and which(x)]
+            if not xs:
+                break
+            vals.append(sum(xs) / len(xs))
+        else:
+            out[key] = {"label": label, "values": vals, "mean": sum(vals) / len(vals), "worst": min(vals)}
+    return out
+
+
+def stage_metrics(runs: list[Run], names: tuple[str, ...], *, required: bool) -> dict[str, dict[str, Any]]:
+    """{FILE:KEY: {"values" per run, "mean", "min", "max"}} of numbers in the runs' metrics/FILE
+    (KEY dotted for nested objects). Missing in some run: an error if `required`, else left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        file, colon, key = name.partition(":")
+        if not colon or not key:
+            raise ValueError(f"metric {name!r}: expected FILE:KEY, e.g. dpo.json:rewards_accuracy")
+        vals = []
+        for run in runs:
+            v: Any = run.metrics.get(file)
+            for part in key.split("."):
+                v = v.get(part) if isinstance(v, dict) else None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                if required:
+                    have = "no such file" if file not in run.metrics else f"no number at {key!r}"
+                    raise ValueError(f"{run.name}: metrics/{file}: {have} (files: {', '.join(sorted(run.metrics)) or 'none'})")
+                break
+            vals.append(float(v))
+        else:
+            out[name] = {"values": vals, "mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95, n_boot: int = 10000,
+              seed: int = 0, keys: tuple[str, ...] | None = HEADLINE, metrics: tuple[str, ...] | None = None
+              ) -> dict[str, Any]:
+    """Levels of every model, the pooled change of every model trained from `parent`, and the
+    stage metrics named in `metrics` (None: those of STAGE_METRICS that every run has)."""
+    models = list(dict.fromkeys(m for r in runs for m in r.items))
+    for r in runs:
+        missing = [m for m in models if m not in r.items]
+        if missing:
+            raise ValueError(f"{r.name}: no {', '.join(m + '_items.jsonl' for m in missing)} (it has"
+                             f" {', '.join(sorted(r.items))}); every run must have evaluated the same models")
+    if parent not in models:
+        raise ValueError(f"the parent {parent!r} is not evaluated in every run (models: {', '.join(models)})")
+    children = [m for m in models if m not in (parent, "base")]
+    return {"runs": [r.name for r in runs], "parent": parent, "confidence": confidence,
+            "levels": {m: levels(runs, m, keys) for m in models},
+            "paired": {c: pooled(runs, c, parent, confidence=confidence, n_boot=n_boot, seed=seed, keys=keys)
+                       for c in children},
+            "metrics": stage_metrics(runs, STAGE_METRICS if metrics is None else metrics, required=metrics is not None)}
+
+
+def _fmt(v: float | None, score: bool, sign: bool = False) -> str:
+    if v is None:
+        return "-"
+    return (f"{v:+.4f}" if sign else f"{v:.4f}") if score else (f"{100 * v:+.1f}" if sign else f"{100 * v:.1f}%")
+
+
+def markdown(s: dict[str, Any]) -> list[str]:
+    """The summary as two markdown tables (levels, pooled changes)."""
+    runs = s["runs"]
+    pct = round(100 * s["confidence"])
+    lines = [f"Runs: {', '.join(runs)}.", "", "| model | skill | " + " | ".join(runs) + " | mean | worst |",
+             "|---|---|" + "---|" * len(runs) + "---|---|"]
+    for m, sk in s["levels"].items():
+        for k, v in sk.items():
+            sc = k == "rm_score"
+            lines.append(f"| {m} | {v['label']} | " + " | ".join(_fmt(x, sc) for x in v["values"])
+                         + f" | {_fmt(v['mean'], sc)} | {_fmt(v['worst'], sc)} |")
+    lines += ["", f"Change from {s['parent']} (points; the reward model's score in its units); * = "
+              f"significant on that run; pooled = {pct}% interval over every run's items, with McNemar's p; "
+              f"across runs = the t interval of the runs' changes.", "",
+              "| model | skill | " + " | ".join(runs) + f" | mean | pooled {pct}% | p | across runs | up |",
+              "|---|---|" + "---|" * len(runs) + "---|---|---|---|---|"]
+    for c, sk in s["paired"].items():
+        for k, v in sk.items():
+            sc = k == "rm_score"
+            cells = [_fmt(d, sc, True) + ("*" if sig else "") for d, sig in zip(v["deltas"], v["significant"])]
+            pooled_cell = f"[{_fmt(v['lo'], sc, True)}, {_fmt(v['hi'], sc, True)}]" + ("*" if v["pooled_significant"] else "")
+            p = f"{v['p_value']:.2g}" if "p_value" in v else "-"
+            across = "-" if v["t_lo"] is None else f"[{_fmt(v['t_lo'], sc, True)}, {_fmt(v['t_hi'], sc, True)}]"
+            lines.append(f"| {c} | {v['label']} | " + " | ".join(cells)
+                         + f" | {_fmt(v['mean'], sc, True)} | {pooled_cell} | {p} | {across} | {v['up']}/{len(runs)} |")
+    if s["metrics"]:
+        lines += ["", "| stage metric | " + " | ".join(runs) + " | mean | min | max |", "|---|" + "---|" * (len(runs) + 3)]
+        for name, v in s["metrics"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{x:.4g}" for x in v["values"])
+                         + f" | {v['mean']:.4g} | {v['min']:.4g} | {v['max']:.4g} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m llm.seeds", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Each RUN: a directory with metrics/eval/ (or the eval directory itself),"
+                                        " rev:<git revision>, or exp:<DVC experiment name>; LABEL=RUN"
+                                        " names its column.")
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="the runs to read together (two or more for a spread)")
+    ap.add_argument("--parent", default="sft", help="the model every other one is compared with (default: sft)")
+    ap.add_argument("--all-skills", action="store_true",
+                    help="every skill the items measure (per level, per task kind), not only the headline ones")
+    ap.add_argument("--metric", action="append", metavar="FILE:KEY",
+                    help="a number from each run's metrics/FILE (dotted KEY for nested objects), repeatable;"
+                         f" default: those of {', '.join(STAGE_METRICS)} that every run has")
+    ap.add_argument("--confidence", type=float, default=0.95, help="of every interval (default: 0.95)")
+    ap.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples (default: 10000)")
+    ap.add_argument("--seed", type=int, default=1337, help="the bootstrap's seed (default: 1337)")
+    ap.add_argument("--json", type=Path, metavar="FILE", help="write the summary as JSON")
+    ap.add_argument("--markdown", type=Path, metavar="FILE", help="write the tables as markdown")
+    args = ap.parse_args(argv)
+    if not 0.5 < args.confidence < 1:
+        ap.error(f"--confidence must be between 0.5 and 1, got {args.confidence}")
+    try:
+        runs = [load_run(r) for r in args.runs]
+        s = summarize(runs, args.parent, confidence=args.confidence, n_boot=args.n_boot, seed=args.seed,
+                      keys=None if args.all_skills else HEADLINE,
+                      metrics=tuple(args.metric) if args.metric else None)
+    except (ValueError, OSError) as e:
+        print(f"llm.seeds: {e}", file=sys.stderr)
+        return 2
+    lines = markdown(s)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(s, indent=1) + "\n", encoding="utf-8")
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
