@@ -36,8 +36,10 @@ Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in ord
    are finite. Then 10 steps (FP16_STEPS) of 77m pretraining under fp16 autocast, the loop's
    GradScaler path: whether every loss is finite, the loss scale at the end (read from the last
    checkpoint), the overflowed steps the scaler dropped (the loop runs them again), peak memory
-   against the pretrain estimate. With --cpu-plumbing: tiny sizes in fp32, and the fp16 row in the
-   CPU's fp16 autocast with a CPU GradScaler.
+   against the pretrain estimate. Last, SFT as the profile runs it where it compiles (`sft.compile`:
+   torch.compile, the full-head loss) against the compiled estimate. With --cpu-plumbing: tiny
+   sizes in fp32, nothing compiled, and the fp16 row in the CPU's fp16 autocast with a CPU
+   GradScaler.
 5. resume: SIGTERM during step k of a 2k-step 77m run on the device (the trainer's preemption path:
    finish the step, write ckpt-k, exit 143), resume to 2k, and compare losses k+1..2k with an
    uninterrupted run: passes when max |diff| / loss <= 1e-3 (CUDA kernels need not be bitwise
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import json
@@ -349,13 +352,14 @@ def random_pairs(n: int, vocab: int, seq_len: int) -> list:
 
 def measure(rt: Runtime, params: dict, stage: str, what: str, model: torch.nn.Module, batches, loss_fn,
             run_dir: Path, steps: int = STAGE_STEPS):
-    """Train `model` for `steps` eager steps with the `stage` section's knobs: (its row, the TrainResult).
-    The row's peak allocated memory is held against the estimate of the stage's train phase."""
+    """Train `model` for `steps` steps with the `stage` section's knobs, compiled where the section
+    says so: (its row, the TrainResult). The row's peak allocated memory is held against the
+    estimate of the stage's train phase."""
     train_phase = next(p for p in stage_memory(params)[stage].phases if p.name == "train")
     est = (train_phase.total - (CUDA_CONTEXT if rt.device.type == "cuda" else 0)) / GIB
     reset_peak(rt)
     t0 = time.perf_counter()
-    cfg = train_config(params[stage], steps, compile_=False)
+    cfg = train_config(params[stage], steps, compile_=params[stage]["compile"])
     res = run_train(model, cfg, rt, batches, run_dir, loss_fn)
     sync(rt)
     losses = [r["loss"] for r in res.train_history]
@@ -368,6 +372,7 @@ def measure(rt: Runtime, params: dict, stage: str, what: str, model: torch.nn.Mo
 
 
 def stage_sft(s: Setup, params: dict, run_dir: Path) -> dict:
+    """SFT's step; compiled (sft.compile) it takes the full-head loss, as stages/sft.py does."""
     from llm.batching import BucketBatchSampler, ExampleBatches, pad_collate
     from llm.trainer import supervised_lm_loss
     mcfg, c = model_config(params), params["sft"]
@@ -377,8 +382,9 @@ def stage_sft(s: Setup, params: dict, run_dir: Path) -> dict:
                                  seed=0)
     batches = ExampleBatches(sampler, lambda ix: pad_collate([seqs[i] for i in ix], pad_id=PAD,
                                                              loss_masks=[masks[i] for i in ix]))
-    row, _ = measure(s.rt, params, "sft", f"sft {mcfg.preset}", GPT(mcfg, seed=0), batches, supervised_lm_loss,
-                     run_dir)
+    compiled = c["compile"]
+    row, _ = measure(s.rt, params, "sft", f"sft {mcfg.preset}" + (" compiled" if compiled else ""),
+                     GPT(mcfg, seed=0), batches, lm_loss if compiled else supervised_lm_loss, run_dir)
     row["note"] = f"batch {c['batch_size']} x {mcfg.seq_len}, every target supervised: {row['note']}"
     return row
 
@@ -442,14 +448,19 @@ def fp16_pretrain(s: Setup, params: dict, run_dir: Path) -> dict:
 
 
 def part_stages(s: Setup, tmp: Path) -> list[dict]:
-    params = profile_params(s.stages_profile, s.stages_overrides)
+    profile = profile_params(s.stages_profile, s.stages_overrides)
+    params = copy.deepcopy(profile)
     for name in ("pretrain", "sft", "reward", "dpo"):
         params[name]["compile"] = False  # eager, and the estimate that goes with it
+    runs = [("sft", stage_sft, params), ("reward", stage_reward, params), ("dpo", stage_dpo, params),
+            ("fp16", fp16_pretrain, params)]
+    if s.compile and profile["sft"]["compile"]:  # SFT also as the profile runs it (no compiling in the plumbing)
+        runs.append(("sft-compiled", stage_sft, profile))
     rows = []
-    for name, run in (("sft", stage_sft), ("reward", stage_reward), ("dpo", stage_dpo), ("fp16", fp16_pretrain)):
+    for name, run, p in runs:
         t0 = time.perf_counter()
         try:
-            rows.append(run(s, params, tmp / name))
+            rows.append(run(s, p, tmp / name))
         except Exception as e:  # noqa: BLE001 - one failing stage (out of memory) must not hide the others' rows
             rows.append({"part": "stages", "what": name, "ok": False, "seconds": time.perf_counter() - t0,
                          "note": error_note(e)})
