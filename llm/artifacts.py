@@ -278,8 +278,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     # The shapes the config implies, from a model on the meta device: no memory, and the config
     # is bounded already, so building it is quick. Compared with the header before reading tensors.
     try:
-        with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in _stored(GPT(cfg, heads=saved_heads, device="meta")).items()}
+        expected = {k: tuple(v.shape) for k, v in _stored(GPT(cfg, heads=saved_heads, device="meta")).items()}
     except ValueError as e:  # GPT's own checks (e.g. the heads a reward feature needs)
         raise ArtifactError(f"{path / CONFIG_FILE}: {e}") from None
     header = read_safetensors_header(f)

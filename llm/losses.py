@@ -74,8 +74,8 @@ def answer_logprob(model, idx: Tensor, attention_mask: Tensor, loss_mask: Tensor
     read = torch.zeros_like(loss_mask, dtype=torch.bool)
     read[:, :-1] = loss_mask[:, 1:]                                          # (B, T)
     logits = model(idx, attention_mask=attention_mask, logits_at=read)       # (N, V), row-major
-    lp = token_logprobs(logits, idx[:, 1:][loss_mask[:, 1:].bool()])        # (N,)
-    rows = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(read)[read]
+    lp = token_logprobs(logits, idx[:, 1:][read[:, :-1]])                    # (N,)
+    rows = read.nonzero(as_tuple=True)[0]                                    # (N,): their rows
     return torch.zeros(idx.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
 

@@ -234,8 +234,11 @@ class GPT(nn.Module):
         self.head_names: tuple[str, ...] = tuple(dict.fromkeys(heads))
         C = config.n_embd
         with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, C)
-            self.wpe = nn.Embedding(config.seq_len, C, max_norm=1.0) if config.pos == "learned" else None
+            # given a weight, nn.Embedding does not draw one: its draw on the meta device imports
+            # torch._dynamo, 1.3 s at the start of every process that loads a model (chat, eval)
+            self.wte = nn.Embedding(config.vocab_size, C, _weight=torch.empty(config.vocab_size, C))
+            self.wpe = nn.Embedding(config.seq_len, C, max_norm=1.0, _weight=torch.empty(config.seq_len, C)) \
+                if config.pos == "learned" else None
             self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
             self.norm_f = Norm(config)
             self.lm_head = nn.Linear(C, config.vocab_size, bias=False) if "lm" in heads else None

@@ -60,6 +60,26 @@ def test_the_fixture_loads(saved):
                                      "tokenizer/tokenizer_meta.json"]
 
 
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_loading_a_model_does_not_import_the_compiler(saved, tmp_path, pos):
+    """Building a model on the meta device once pulled in torch._dynamo (1.3 s of start-up in
+    every process that loads a model: chat, serve, eval) through PyTorch's Python meta kernels."""
+    import subprocess
+    import sys
+    d = saved
+    if pos == "learned":
+        model, tok, _ = load_model_dir(saved)
+        cfg = {**vars(model.config), "pos": "learned"}
+        d = save_model_dir(tmp_path / "learned", GPT(ModelConfig(**cfg)), tok, {"stage": "sft", "fingerprint": "fp"})
+    code = ("import sys; from llm.artifacts import load_model_dir; m, _, _ = load_model_dir(sys.argv[1]);"
+            " m(m.wte.weight.new_zeros(1, 4, dtype=__import__('torch').long));"
+            " print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 # -- 1. config.json is checked (types, bounds, then against the tensors) before anything is built
 
 @pytest.mark.parametrize("changes,fragment", [
