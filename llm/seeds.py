@@ -220,7 +220,12 @@ def _run_boot(run: Run, child: str, parent: str, key: str, r: dict, n_boot: int,
     theirs = {x["id"]: x for x in run.items[parent] if x["set"] == item_set and which(x)}
     diffs = np.array([float(x[field]) - float(theirs[x["id"]][field])
                       for x in run.items[child] if x["set"] == item_set and which(x) and x["id"] in theirs])
-    return diffs[rng.integers(0, n, size=(n_boot, n))].mean(1)
+    out = np.empty(n_boot)
+    step = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at a time
+    for s in range(0, n_boot, step):
+        k = min(step, n_boot - s)
+        out[s:s + k] = diffs[rng.integers(0, n, size=(k, n))].mean(1)
+    return out
 
 
 def levels(runs: list[Run], model: str, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
@@ -256,7 +261,8 @@ def stage_metrics(runs: list[Run], names: tuple[str, ...], *, required: bool) ->
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 if required:
                     have = "no such file" if file not in run.metrics else f"no number at {key!r}"
-                    raise ValueError(f"{run.name}: metrics/{file}: {have} (files: {', '.join(sorted(run.metrics)) or 'none'})")
+                    files = ", ".join(sorted(run.metrics)) or "none"
+                    raise ValueError(f"{run.name}: metrics/{file}: {have} (files: {files})")
                 break
             vals.append(float(v))
         else:
@@ -311,13 +317,15 @@ def markdown(s: dict[str, Any]) -> list[str]:
         for k, v in sk.items():
             sc = k == "rm_score"
             cells = [_fmt(d, sc, True) + ("*" if sig else "") for d, sig in zip(v["deltas"], v["significant"])]
-            pooled_cell = f"[{_fmt(v['lo'], sc, True)}, {_fmt(v['hi'], sc, True)}]" + ("*" if v["pooled_significant"] else "")
+            pooled_cell = (f"[{_fmt(v['lo'], sc, True)}, {_fmt(v['hi'], sc, True)}]"
+                           + ("*" if v["pooled_significant"] else ""))
             p = f"{v['p_value']:.2g}" if "p_value" in v else "-"
             across = "-" if v["t_lo"] is None else f"[{_fmt(v['t_lo'], sc, True)}, {_fmt(v['t_hi'], sc, True)}]"
             lines.append(f"| {c} | {v['label']} | " + " | ".join(cells)
                          + f" | {_fmt(v['mean'], sc, True)} | {pooled_cell} | {p} | {across} | {v['up']}/{len(runs)} |")
     if s["metrics"]:
-        lines += ["", "| stage metric | " + " | ".join(runs) + " | mean | min | max |", "|---|" + "---|" * (len(runs) + 3)]
+        lines += ["", "| stage metric | " + " | ".join(runs) + " | mean | min | max |",
+                  "|---|" + "---|" * (len(runs) + 3)]
         for name, v in s["metrics"].items():
             lines.append(f"| {name} | " + " | ".join(f"{x:.4g}" for x in v["values"])
                          + f" | {v['mean']:.4g} | {v['min']:.4g} | {v['max']:.4g} |")
@@ -345,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0.5 < args.confidence < 1:
         ap.error(f"--confidence must be between 0.5 and 1, got {args.confidence}")
+    if not 100 <= args.n_boot <= 10**6:
+        ap.error(f"--n-boot must be between 100 and 1000000, got {args.n_boot}")
     try:
         runs = [load_run(r) for r in args.runs]
         s = summarize(runs, args.parent, confidence=args.confidence, n_boot=args.n_boot, seed=args.seed,

@@ -129,7 +129,8 @@ def test_runs_from_directories_labels_and_the_command_line(tmp_path, capsys):
     s = json.loads(out_json.read_text())
     assert s["runs"] == ["a", "b"] and s["paired"]["grpo"]["math"]["deltas"] == pytest.approx([0.03, 0.01])
     assert "| grpo | math | +3.0 | +1.0 | +2.0 |" in out_md.read_text()
-    assert set(s["metrics"]) == {"dpo.json:rewards_accuracy", "eval/grpo.json:kl_to_sft_per_token"} and capsys.readouterr().out.startswith("Runs: a, b.")
+    assert set(s["metrics"]) == {"dpo.json:rewards_accuracy", "eval/grpo.json:kl_to_sft_per_token"}
+    assert capsys.readouterr().out.startswith("Runs: a, b.")
 
 
 def test_a_bad_run_is_named_and_exits_2(tmp_path, capsys):
