@@ -11,7 +11,10 @@ repository) or `exp:NAME` (a DVC experiment: `dvc exp run -n NAME -S common.seed
 metrics in a git ref, read here without checking it out); LABEL=RUN names its column. Every run
 must have evaluated the same models. Stage metrics that the items do not hold (the reward
 model's and DPO's held-out accuracy, KL, the RL stages' training reward: STAGE_METRICS, or
---metric FILE:KEY) are read from the run's metrics/ and shown per run.
+--metric FILE:KEY) are read from the run's metrics/ and shown per run. DVC keeps most of them in
+its cache, not in git: a fresh clone has them after `dvc repro` or `dvc pull`, and rev: and exp:
+runs read them from this machine's cache (dvc.api); a default one some run lacks is named, not
+shown.
 
 Why pool. One run's paired interval says how sure we are of the change on that run's test items;
 it says nothing about how the change moves from one training run to the next, and a small gain can
@@ -94,7 +97,8 @@ def resolve_rev(spec: str) -> str:
     kind, _, name = spec.partition(":")
     if kind == "rev":
         return name
-    refs = _git(["for-each-ref", "--format=%(refname)", "refs/exps/"], spec).split()
+    # an experiment's ref is refs/exps/<2 hex>/<rest of its baseline's sha>/<name>
+    refs = [r for r in _git(["for-each-ref", "--format=%(refname)", "refs/exps/"], spec).split() if r.count("/") == 4]
     hits = [r for r in refs if r.rsplit("/", 1)[-1] == name]
     if len(hits) != 1:
         known = sorted({r.rsplit("/", 1)[-1] for r in refs})
@@ -125,8 +129,8 @@ def load_run(spec: str) -> Run:
         items = {m: _parse(_git(["show", f"{rev}:{EVAL_DIR}/{m}_items.jsonl"], spec),
                            f"{spec}:{EVAL_DIR}/{m}_items.jsonl") for m in models}
         jsons = [p for p in paths if p.endswith(".json") and (p.count("/") == 1 or p.startswith(EVAL_DIR + "/"))]
-        return Run(spec, items, {p[len("metrics/"):]: _json(_git(["show", f"{rev}:{p}"], spec), f"{spec}:{p}")
-                                 for p in jsons})
+        metrics = {p[len("metrics/"):]: _json(_git(["show", f"{rev}:{p}"], spec), f"{spec}:{p}") for p in jsons}
+        return Run(spec, items, {**_cached_metrics(rev, spec, skip=set(metrics)), **metrics})
     root = Path(spec)
     mdir = next((d for d in (root / "metrics", root) if (d / "eval").is_dir()), None)
     edir = mdir / "eval" if mdir else root
@@ -137,6 +141,29 @@ def load_run(spec: str) -> Run:
     jsons = sorted(mdir.glob("*.json")) + sorted(mdir.glob("eval/*.json")) if mdir else []
     metrics = {f.relative_to(mdir).as_posix(): _json(f.read_text(encoding="utf-8"), str(f)) for f in jsons}
     return Run(spec, {f.name.removesuffix("_items.jsonl"): read_items(f) for f in files}, metrics)
+
+
+def _cached_metrics(rev: str, spec: str, skip: set[str]) -> dict[str, Any]:
+    """The metrics/<stage>.json files that DVC keeps in its cache rather than in git, as dvc.lock
+    at `rev` lists them, read from this machine's DVC cache; those it does not hold (an
+    experiment run elsewhere and not pulled) are left out."""
+    import dvc.api
+    import yaml
+    try:
+        lock = yaml.safe_load(_git(["show", f"{rev}:dvc.lock"], spec)) or {}
+    except ValueError:  # no dvc.lock at that revision
+        return {}
+    outs = {o.get("path", "") for st in (lock.get("stages") or {}).values() for o in st.get("outs") or []}
+    out = {}
+    for p in sorted(o for o in outs if o.startswith("metrics/") and o.endswith(".json") and o.count("/") == 1):
+        if p[len("metrics/"):] in skip:
+            continue
+        try:
+            text = dvc.api.read(p, rev=rev)
+        except Exception:  # noqa: BLE001 - DVC raises several kinds for "not in this cache"
+            continue
+        out[p[len("metrics/"):]] = _json(text, f"{spec}:{p}")
+    return out
 
 
 def _json(text: str, where: str) -> Any:
@@ -245,28 +272,32 @@ def levels(runs: list[Run], model: str, keys: tuple[str, ...] | None = None) -> 
     return out
 
 
+def metric_value(run: Run, name: str) -> float | None:
+    """The number at FILE:KEY in the run's metrics/FILE (KEY dotted for nested objects), or None."""
+    file, colon, key = name.partition(":")
+    if not colon or not key:
+        raise ValueError(f"metric {name!r}: expected FILE:KEY, e.g. dpo.json:rewards_accuracy")
+    v: Any = run.metrics.get(file)
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return None if isinstance(v, bool) or not isinstance(v, (int, float)) else float(v)
+
+
 def stage_metrics(runs: list[Run], names: tuple[str, ...], *, required: bool) -> dict[str, dict[str, Any]]:
-    """{FILE:KEY: {"values" per run, "mean", "min", "max"}} of numbers in the runs' metrics/FILE
-    (KEY dotted for nested objects). Missing in some run: an error if `required`, else left out."""
+    """{FILE:KEY: {"values" per run, "mean", "min", "max"}} of `metric_value` over the runs.
+    Missing in some run: an error if `required`, else left out."""
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        file, colon, key = name.partition(":")
-        if not colon or not key:
-            raise ValueError(f"metric {name!r}: expected FILE:KEY, e.g. dpo.json:rewards_accuracy")
-        vals = []
-        for run in runs:
-            v: Any = run.metrics.get(file)
-            for part in key.split("."):
-                v = v.get(part) if isinstance(v, dict) else None
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                if required:
-                    have = "no such file" if file not in run.metrics else f"no number at {key!r}"
-                    files = ", ".join(sorted(run.metrics)) or "none"
-                    raise ValueError(f"{run.name}: metrics/{file}: {have} (files: {files})")
-                break
-            vals.append(float(v))
-        else:
-            out[name] = {"values": vals, "mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)}
+        vals = [metric_value(run, name) for run in runs]
+        if None in vals:
+            if required:
+                run = runs[vals.index(None)]
+                file, _, key = name.partition(":")
+                have = "no such file" if file not in run.metrics else f"no number at {key!r}"
+                files = ", ".join(sorted(run.metrics)) or "none"
+                raise ValueError(f"{run.name}: metrics/{file}: {have} (files: {files})")
+            continue
+        out[name] = {"values": vals, "mean": sum(vals) / len(vals), "min": min(vals), "max": max(vals)}
     return out
 
 
@@ -274,7 +305,8 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
               seed: int = 0, keys: tuple[str, ...] | None = HEADLINE, metrics: tuple[str, ...] | None = None
               ) -> dict[str, Any]:
     """Levels of every model, the pooled change of every model trained from `parent`, and the
-    stage metrics named in `metrics` (None: those of STAGE_METRICS that every run has)."""
+    stage metrics named in `metrics` (None: those of STAGE_METRICS that every run has; the others
+    that some run has are named in "metrics_left_out" with the runs that lack them)."""
     models = list(dict.fromkeys(m for r in runs for m in r.items))
     for r in runs:
         missing = [m for m in models if m not in r.items]
@@ -284,11 +316,15 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
     if parent not in models:
         raise ValueError(f"the parent {parent!r} is not evaluated in every run (models: {', '.join(models)})")
     children = [m for m in models if m not in (parent, "base")]
+    names = STAGE_METRICS if metrics is None else metrics
     return {"runs": [r.name for r in runs], "parent": parent, "confidence": confidence,
             "levels": {m: levels(runs, m, keys) for m in models},
             "paired": {c: pooled(runs, c, parent, confidence=confidence, n_boot=n_boot, seed=seed, keys=keys)
                        for c in children},
-            "metrics": stage_metrics(runs, STAGE_METRICS if metrics is None else metrics, required=metrics is not None)}
+            "metrics": stage_metrics(runs, names, required=metrics is not None),
+            "metrics_left_out": {n: [r.name for r in runs if metric_value(r, n) is None] for n in names
+                                 if None in (have := [metric_value(r, n) for r in runs])
+                                 and any(v is not None for v in have)}}
 
 
 def _fmt(v: float | None, score: bool, sign: bool = False) -> str:
@@ -329,6 +365,11 @@ def markdown(s: dict[str, Any]) -> list[str]:
         for name, v in s["metrics"].items():
             lines.append(f"| {name} | " + " | ".join(f"{x:.4g}" for x in v["values"])
                          + f" | {v['mean']:.4g} | {v['min']:.4g} | {v['max']:.4g} |")
+    if s.get("metrics_left_out"):
+        lacking = "; ".join(f"{n} ({', '.join(r)})" for n, r in s["metrics_left_out"].items())
+        lines += ["", f"Stage metrics left out, missing in these runs: {lacking}. A run directory has its"
+                      f" metrics/<stage>.json after `dvc repro` or `dvc pull`; rev: and exp: runs read them"
+                      f" from this machine's DVC cache."]
     return lines
 
 

@@ -3,7 +3,10 @@ levels, the stage metrics, and runs read from directories, git revisions and DVC
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +183,37 @@ def test_summarize_skips_base_and_needs_the_parent():
     assert list(s["paired"]) == ["grpo"] and set(s["levels"]) == {"base", "sft", "grpo"} and s["metrics"] == {}
     with pytest.raises(ValueError, match="the parent 'ppo' is not evaluated"):
         summarize(runs, "ppo", n_boot=200)
+
+
+@pytest.mark.slow
+def test_an_experiments_stage_metrics_come_from_the_dvc_cache(tmp_path, monkeypatch):
+    """metrics/<stage>.json is a DVC output, not in git: an exp: run reads it from the cache."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text("x: 1\n")
+    (repo / "make.py").write_text(
+        "import json, os, yaml\n"
+        "x = yaml.safe_load(open('params.yaml'))['x']\n"
+        "os.makedirs('metrics/eval', exist_ok=True)\n"
+        "for m, k in (('sft', 0), ('grpo', x)):\n"
+        "    with open(f'metrics/eval/{m}_items.jsonl', 'w') as f:\n"
+        "        f.writelines(json.dumps({'set': 'math', 'id': f'm{i}', 'correct': i < 10 + k, 'formatted': True})"
+        " + '\\n' for i in range(20))\n"
+        "json.dump({'accuracy': 0.9 + x / 100}, open('metrics/reward.json', 'w'))\n")
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  make:\n    cmd: python make.py\n    deps: [make.py]\n    params: [x]\n    outs:\n"
+        "      - metrics/eval/sft_items.jsonl:\n          cache: false\n"
+        "      - metrics/eval/grpo_items.jsonl:\n          cache: false\n"
+        "    metrics:\n      - metrics/reward.json\n")
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    bin_dir = Path(sys.executable).parent
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"], ["git", "config", "user.name", "t"],
+                ["dvc", "init", "-q"], ["dvc", "repro", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"],
+                ["dvc", "exp", "run", "-q", "-n", "two", "-S", "x=2"]):
+        r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
+    monkeypatch.chdir(repo)
+    s = summarize([load_run("base=rev:HEAD"), load_run("exp:two")], n_boot=200, metrics=("reward.json:accuracy",))
+    assert s["metrics"]["reward.json:accuracy"]["values"] == pytest.approx([0.91, 0.92])
+    assert s["paired"]["grpo"]["math"]["deltas"] == pytest.approx([0.05, 0.10])
