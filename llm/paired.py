@@ -51,15 +51,20 @@ _SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score
 
 def read_items(path: str | Path) -> list[dict]:
     """The records of one <model>_items.jsonl (a missing file is the caller's to report)."""
+    return parse_items(Path(path).read_text(encoding="utf-8"), str(path))
+
+
+def parse_items(text: str, where: str) -> list[dict]:
+    """The records in the text of a <model>_items.jsonl; `where` names it in errors."""
     out = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e.msg}); rerun the eval stage") from None
+                raise ValueError(f"{where}:{i}: not JSON ({e.msg}); rerun the eval stage") from None
             if not isinstance(rec, dict) or "set" not in rec or "id" not in rec:
-                raise ValueError(f"{path}:{i}: expected an object with 'set' and 'id'; rerun the eval stage")
+                raise ValueError(f"{where}:{i}: expected an object with 'set' and 'id'; rerun the eval stage")
             out.append(rec)
     return out
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from llm.paired import compare, mcnemar_exact, read_items, skills
+from llm.paired import compare, mcnemar_exact, parse_items, read_items, skills
 
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
@@ -126,7 +126,7 @@ def load_run(spec: str) -> Run:
                         if p.startswith(EVAL_DIR + "/") and p.endswith("_items.jsonl") and p.count("/") == 2)
         if not models:
             raise ValueError(f"{spec}: {EVAL_DIR}/ has no <model>_items.jsonl at {rev}; was its eval run?")
-        items = {m: _parse(_git(["show", f"{rev}:{EVAL_DIR}/{m}_items.jsonl"], spec),
+        items = {m: parse_items(_git(["show", f"{rev}:{EVAL_DIR}/{m}_items.jsonl"], spec),
                            f"{spec}:{EVAL_DIR}/{m}_items.jsonl") for m in models}
         jsons = [p for p in paths if p.endswith(".json") and (p.count("/") == 1 or p.startswith(EVAL_DIR + "/"))]
         metrics = {p[len("metrics/"):]: _json(_git(["show", f"{rev}:{p}"], spec), f"{spec}:{p}") for p in jsons}
@@ -171,17 +171,6 @@ def _json(text: str, where: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}:{e.lineno}: not JSON ({e.msg})") from None
-
-
-def _parse(text: str, where: str) -> list[dict]:
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}:{i}: not JSON ({e.msg})") from None
-    return out
 
 
 def pooled(runs: list[Run], child: str, parent: str, *, confidence: float = 0.95, n_boot: int = 10000,
@@ -317,14 +306,17 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
         raise ValueError(f"the parent {parent!r} is not evaluated in every run (models: {', '.join(models)})")
     children = [m for m in models if m not in (parent, "base")]
     names = STAGE_METRICS if metrics is None else metrics
+    left_out = {}  # what some run has and another lacks
+    for name in names:
+        lacking = [r.name for r in runs if metric_value(r, name) is None]
+        if 0 < len(lacking) < len(runs):
+            left_out[name] = lacking
     return {"runs": [r.name for r in runs], "parent": parent, "confidence": confidence,
             "levels": {m: levels(runs, m, keys) for m in models},
             "paired": {c: pooled(runs, c, parent, confidence=confidence, n_boot=n_boot, seed=seed, keys=keys)
                        for c in children},
             "metrics": stage_metrics(runs, names, required=metrics is not None),
-            "metrics_left_out": {n: [r.name for r in runs if metric_value(r, n) is None] for n in names
-                                 if None in (have := [metric_value(r, n) for r in runs])
-                                 and any(v is not None for v in have)}}
+            "metrics_left_out": left_out}
 
 
 def _fmt(v: float | None, score: bool, sign: bool = False) -> str:

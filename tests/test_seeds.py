@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llm.paired import compare, mcnemar_exact
-from llm.seeds import Run, levels, load_run, main, pooled, stage_metrics, summarize, t_quantile
+from llm.seeds import Run, levels, load_run, main, markdown, pooled, stage_metrics, summarize, t_quantile
 
 
 @pytest.mark.parametrize("df,q", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (1000, 1.9623)])
@@ -217,3 +217,11 @@ def test_an_experiments_stage_metrics_come_from_the_dvc_cache(tmp_path, monkeypa
     s = summarize([load_run("base=rev:HEAD"), load_run("exp:two")], n_boot=200, metrics=("reward.json:accuracy",))
     assert s["metrics"]["reward.json:accuracy"]["values"] == pytest.approx([0.91, 0.92])
     assert s["paired"]["grpo"]["math"]["deltas"] == pytest.approx([0.05, 0.10])
+
+
+def test_a_stage_metric_one_run_lacks_is_named_not_shown():
+    items = {"sft": _items([1, 0]), "grpo": _items([1, 1])}
+    runs = [Run("a", items, {"reward.json": {"accuracy": 0.9}}), Run("b", items, {})]
+    s = summarize(runs, n_boot=200)
+    assert s["metrics"] == {} and s["metrics_left_out"] == {"reward.json:accuracy": ["b"]}
+    assert "reward.json:accuracy (b)" in "\n".join(markdown(s))
