@@ -30,6 +30,13 @@ is one multinomial draw of n, so each of the `n_boot` resamples costs one draw.
 For a score (reward model score, sampled accuracy) delta is the mean of the per-item
 differences, its interval the percentile bootstrap of that mean; there is no p-value.
 
+`rm_separation(items)` asks a different question of one model's items: does the reward
+model's score follow correctness on that model's own greedy math answers? It joins the "rm"
+scores with the "math" outcomes by id and returns the AUC: the share of (right answer, wrong
+answer) pairs in which the right one scores higher, ties counting half (0.5 = the score
+carries nothing about being right; 1 = every right answer above every wrong one), with a
+percentile bootstrap interval that resamples the right and the wrong answers separately.
+
 A change is called significant when the interval excludes zero and, for right/wrong skills,
 McNemar's p is below 1 - confidence as well; where the two disagree (they can at the margin:
 the bootstrap interval is approximate) it is "borderline", reported and not counted as a change.
@@ -182,3 +189,53 @@ def compare(child: list[dict], parent: list[dict], *, confidence: float = 0.95, 
         res["borderline"] = test_says is not None and interval_says != test_says
         out[key] = res
     return out
+
+
+def separation(scores, right, *, confidence: float = 0.95, n_boot: int = 2000,
+               rng: np.random.Generator) -> dict[str, Any] | None:
+    """How well `scores` rank the right answers above the wrong ones (`right`: one bool per
+    score): {"auc", "lo", "hi", "mean_right", "mean_wrong", "n_right", "n_wrong"}, or None when
+    either group is empty. auc = P(a right answer's score > a wrong one's) + P(equal) / 2 over
+    all n_right x n_wrong pairs (Mann-Whitney's U / (n_right n_wrong)); lo, hi: the percentile
+    bootstrap, each resample drawing n_right right and n_wrong wrong answers with replacement.
+    Memory and time grow with n_boot x n, not with n_right x n_wrong."""
+    x = np.asarray(scores, dtype=np.float64)
+    ok = np.asarray(right, dtype=bool)
+    if x.shape != ok.shape:
+        raise ValueError(f"separation: {x.size} scores but {ok.size} labels")
+    pos, neg = x[ok], np.sort(x[~ok])
+    n1, n0 = len(pos), len(neg)
+    if not n1 or not n0:
+        return None
+    below = np.searchsorted(neg, pos, side="left")    # wrong answers scoring less than each right one
+    upto = np.searchsorted(neg, pos, side="right")    # ... less or equal
+
+    def auc(cp: np.ndarray, cn: np.ndarray) -> np.ndarray:
+        """(k,) AUCs for k resamples given as draw counts: cp (k, n1), cn (k, n0) in `neg` order."""
+        c = np.concatenate([np.zeros((len(cn), 1)), np.cumsum(cn, axis=1)], axis=1)  # c[:, j] = draws among neg[:j]
+        wins = c[:, below] + 0.5 * (c[:, upto] - c[:, below])                         # (k, n1)
+        return (cp * wins).sum(1) / (n1 * n0)
+
+    point = float(auc(np.ones((1, n1)), np.ones((1, n0)))[0])
+    boots = np.empty(n_boot)
+    step = max(1, 2_000_000 // (n1 + n0))  # bounded memory, as bootstrap_mean
+    for s in range(0, n_boot, step):
+        k = min(step, n_boot - s)
+        boots[s:s + k] = auc(rng.multinomial(n1, np.full(n1, 1 / n1), size=k),
+                             rng.multinomial(n0, np.full(n0, 1 / n0), size=k))
+    lo, hi = _quantiles(boots, confidence)
+    return {"auc": point, "lo": lo, "hi": hi, "mean_right": float(pos.mean()), "mean_wrong": float(neg.mean()),
+            "n_right": n1, "n_wrong": n0}
+
+
+def rm_separation(items: list[dict], *, confidence: float = 0.95, n_boot: int = 2000,
+                  seed: int = 0) -> dict[str, Any] | None:
+    """`separation` of one model's reward model scores (items of set "rm") by the outcome of
+    the same greedy answers (set "math", joined by id); None without both right and wrong
+    answers among the scored ones."""
+    right = {r["id"]: bool(r["correct"]) for r in items if r["set"] == "math"}
+    pairs = [(float(r["score"]), right[r["id"]]) for r in items if r["set"] == "rm" and r["id"] in right]
+    if not pairs:
+        return None
+    scores, ok = zip(*pairs)
+    return separation(scores, ok, confidence=confidence, n_boot=n_boot, rng=np.random.default_rng([seed, 0x524d]))

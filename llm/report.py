@@ -82,6 +82,7 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
       for k in ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")),
     ("arithmetic_exact_match", "bare arithmetic", "pct"),
     ("rm_score", "reward model score", "num"),
+    ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),
     ("kl_to_sft", "KL to SFT (nats / response)", "num"),
     ("kl_to_sft_per_token", "KL to SFT (nats / token)", "num"),
@@ -388,7 +389,13 @@ def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]
             for s in res if s not in head and verdict(res[s]) in ("up", "down")]
     if fine:
         lines.append("significant within those: " + _join(fine))
-    kl = evals.get(child, {}).get("kl_to_sft")
+    ev = evals.get(child, {})
+    if _isnum(ev.get("rm_auc")):
+        lines.append(f"the reward model ranks {NAME[child]}'s right math answers above its wrong ones with AUC"
+                     f" {_num(ev['rm_auc'])} {fmt_interval(ev.get('rm_auc_lo'), ev.get('rm_auc_hi'), 'num')}"
+                     f" (0.5: its score says nothing about correctness; mean score {_num(ev['rm_score_right'])}"
+                     f" right, {_num(ev['rm_score_wrong'])} wrong)")
+    kl = ev.get("kl_to_sft")
     if child != "sft" and _isnum(kl):
         lines.append(f"KL to SFT: {_num(kl)} nats per response" + (_NEG_KL if kl < 0 else ""))
     return sentence, lines

@@ -28,8 +28,10 @@ training runs, which the second interval measures: the t interval of the runs' o
 mean +- t(n-1) sd / sqrt(n). With three runs its multiplier is 4.30, so it excludes zero only
 when the runs agree closely; both are printed, with how many runs moved up.
 
-Per model the levels table gives each run's score, the mean and the worst run. Outputs: a table on
-stdout, and with --json / --markdown the same as files.
+Per model the levels table gives each run's score, the mean and the worst run, and a third table
+whether the reward model's score follows correctness on that model's own greedy math answers (the
+AUC of right over wrong answers, llm/paired.py rm_separation). Outputs: a table on stdout, and
+with --json / --markdown the same as files.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from llm.paired import compare, mcnemar_exact, parse_items, read_items, skills
+from llm.paired import compare, mcnemar_exact, parse_items, read_items, rm_separation, skills
 
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
@@ -261,6 +263,18 @@ def levels(runs: list[Run], model: str, keys: tuple[str, ...] | None = None) -> 
     return out
 
 
+def separations(runs: list[Run], model: str, *, confidence: float, n_boot: int, seed: int) -> dict[str, Any] | None:
+    """Whether the reward model's score follows correctness on `model`'s own greedy math answers,
+    per run (llm.paired.rm_separation: the AUC of right over wrong answers and its interval), with
+    the mean and the lowest; None unless every run has both right and wrong scored answers."""
+    seps = [rm_separation(run.items.get(model, []), confidence=confidence, n_boot=n_boot, seed=seed) for run in runs]
+    if None in seps:
+        return None
+    vals = [x["auc"] for x in seps]
+    return {"values": vals, "lo": [x["lo"] for x in seps], "hi": [x["hi"] for x in seps],
+            "mean": sum(vals) / len(vals), "worst": min(vals)}
+
+
 def metric_value(run: Run, name: str) -> float | None:
     """The number at FILE:KEY in the run's metrics/FILE (KEY dotted for nested objects), or None."""
     file, colon, key = name.partition(":")
@@ -315,6 +329,9 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
             "levels": {m: levels(runs, m, keys) for m in models},
             "paired": {c: pooled(runs, c, parent, confidence=confidence, n_boot=n_boot, seed=seed, keys=keys)
                        for c in children},
+            "rm_separation": {m: sep for m in models
+                              if (sep := separations(runs, m, confidence=confidence, n_boot=min(n_boot, 2000),
+                                                     seed=seed)) is not None},
             "metrics": stage_metrics(runs, names, required=metrics is not None),
             "metrics_left_out": left_out}
 
@@ -351,6 +368,15 @@ def markdown(s: dict[str, Any]) -> list[str]:
             across = "-" if v["t_lo"] is None else f"[{_fmt(v['t_lo'], sc, True)}, {_fmt(v['t_hi'], sc, True)}]"
             lines.append(f"| {c} | {v['label']} | " + " | ".join(cells)
                          + f" | {_fmt(v['mean'], sc, True)} | {pooled_cell} | {p} | {across} | {v['up']}/{len(runs)} |")
+    if s.get("rm_separation"):
+        lines += ["", f"Does the reward model's score follow correctness? Per model, the share of (right, wrong)"
+                      f" pairs of its own greedy math answers that the RM orders right (AUC, {pct}% interval;"
+                      f" 0.5 = the score says nothing about being right).", "",
+                  "| model | " + " | ".join(runs) + " | mean | worst |", "|---|" + "---|" * (len(runs) + 2)]
+        for m, v in s["rm_separation"].items():
+            lines.append(f"| {m} | " + " | ".join(f"{a:.3f} [{lo:.3f}, {hi:.3f}]"
+                                                 for a, lo, hi in zip(v["values"], v["lo"], v["hi"]))
+                         + f" | {v['mean']:.3f} | {v['worst']:.3f} |")
     if s["metrics"]:
         lines += ["", "| stage metric | " + " | ".join(runs) + " | mean | min | max |",
                   "|---|" + "---|" * (len(runs) + 3)]

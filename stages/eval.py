@@ -23,7 +23,11 @@ question; pass@k and the sampled accuracy (`eval.pass_k` samples at `eval.temper
 the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's greedy answers
 to the same prompts (ties count half); KL to SFT on `eval.kl_prompts` prompts (responses sampled
 from the model at temperature 1; 0 for SFT itself); the Detoxify toxicity rate when
-`eval.detoxify_checkpoint` is set, else "unavailable"; greedy answers to `eval.sample_prompts`.
+`eval.detoxify_checkpoint` is set, else "unavailable"; greedy answers to `eval.sample_prompts`;
+and whether the reward model's score follows correctness on this model's own answers: `rm_auc`,
+the share of (right, wrong) pairs among its scored greedy math answers in which the right one
+scores higher (0.5 = the score says nothing about being right), with its interval and the mean
+score of each group (llm/paired.py rm_separation).
 Sampling is seeded from (common.seed, part, batch): two runs give the same file. With
 `common.nproc` > 1 it runs under torchrun, each rank generating and scoring a share of every
 batch loop; rank 0 writes files byte for byte equal to a one-process run's (timings aside).
@@ -43,6 +47,7 @@ from pathlib import Path
 from llm.batching import derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, EvalConfig
 from llm.fileio import DataError, atomic_write_json, read_jsonl, write_jsonl
+from llm.paired import rm_separation
 
 STAGE = "eval"
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
@@ -125,6 +130,11 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
                                ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold,
                                rt=rt)
     outcomes = extras.pop("items")
+    sep = rm_separation(outcomes, confidence=cfg.confidence, seed=derive_seed(common.seed, STAGE, "rm_auc"))
+    if sep is not None:  # None without an RM, or without both right and wrong answers among those it scored
+        m.update({"rm_auc": sep["auc"], "rm_auc_lo": sep["lo"], "rm_auc_hi": sep["hi"],
+                  "rm_score_right": sep["mean_right"], "rm_score_wrong": sep["mean_wrong"],
+                  "rm_auc_right": sep["n_right"], "rm_auc_wrong": sep["n_wrong"]})
     s = {"model": name, "model_fingerprint": meta.get("fingerprint", ""), "device": dev, **extras}
     if rt is None or rt.is_main:
         atomic_write_json(metrics, m)
@@ -156,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"pass@{m['math_pass_k']} {m['math_pass_at_k']:.1%}")
         if "rm_score" in m:
             parts.append(f"RM score {m['rm_score']:.3f}")
+        if "rm_auc" in m:
+            parts.append(f"RM right-above-wrong AUC {m['rm_auc']:.3f}")
         if "win_rate_vs_sft" in m:
             parts.append(f"win rate vs SFT {m['win_rate_vs_sft']:.1%}")
         if "kl_to_sft" in m:

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import subprocess
+import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.artifacts import MissingArtifactError, save_model_dir
-from llm.batching import pad_collate
+from llm.batching import derive_seed, pad_collate
 from llm.chat import render
 from llm.config import EvalConfig, ModelConfig, load_sections
 from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
@@ -230,10 +231,30 @@ def test_every_rate_is_the_mean_of_its_item_outcomes(world):
     assert m["arithmetic_exact_match"] == mean([r["correct"] for r in of("arithmetic")])
     assert m["math_sample_accuracy"] == pytest.approx(mean([r["score"] for r in of("math_sampled")]))
     assert m["rm_score"] == pytest.approx(mean([r["score"] for r in of("rm")]), abs=1e-6)  # rounded to 6 places
+    assert "rm_auc" not in m  # the tiny model gets every problem wrong: no right answer to rank
     assert [r["id"] for r in of("task")] == [t["id"] for t in world["tasks"]]
     shown = [x for x in samples["item_samples"] if x["set"] == "task"]
     assert {x["group"] for x in shown} == {t["kind"] for t in world["tasks"]}
     assert all(x["correct"] == (x["response"].strip() == x["answer"]) for x in shown)
+
+
+def test_eval_says_whether_the_rm_score_follows_correctness(world, monkeypatch):
+    """rm_auc is rm_separation of the items the stage writes: the RM's scores by the math outcomes."""
+    from llm.paired import read_items, rm_separation
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    # a stand-in grader (a fixed function of the answer's text) gives right and wrong answers
+    monkeypatch.setattr("llm.evaluate.is_correct", lambda answer, gold: zlib.crc32(answer.encode()) % 2 == 0)
+    m, _ = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "auc"))
+    items = read_items(root / "auc/ppo_items.jsonl")
+    n = min(EVAL_PARAMS["rm_prompts"], EVAL_PARAMS["math_problems"])
+    right = [r["correct"] for r in items if r["set"] == "math"][:n]
+    assert 0 < sum(right) < n and (m["rm_auc_right"], m["rm_auc_wrong"]) == (sum(right), n - sum(right))
+    sep = rm_separation(items, seed=derive_seed(sections["common"].seed, "eval", "rm_auc"))
+    assert (m["rm_auc"], m["rm_auc_lo"], m["rm_auc_hi"]) == (sep["auc"], sep["lo"], sep["hi"])
+    assert m["rm_auc_lo"] <= m["rm_auc"] <= m["rm_auc_hi"]
+    assert json.loads((root / "auc/ppo.json").read_text())["rm_auc"] == m["rm_auc"]
 
 
 def test_a_missing_test_file_names_the_stage_that_writes_it(world, tmp_path):

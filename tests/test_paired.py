@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from llm.paired import bootstrap_binary, bootstrap_mean, compare, mcnemar_exact, read_items, skills
+from llm.paired import (bootstrap_binary, bootstrap_mean, compare, mcnemar_exact, read_items, rm_separation,
+                        separation, skills)
 
 
 @pytest.mark.parametrize("b,c,p", [(0, 5, 2 / 32), (1, 9, 2 * 11 / 1024), (5, 0, 2 / 32), (3, 3, 1.0), (0, 0, 1.0),
@@ -113,3 +114,52 @@ def test_read_items_names_a_bad_line(tmp_path):
     f.write_text(json.dumps({"id": "a"}) + "\n")
     with pytest.raises(ValueError, match=":1: expected an object with 'set' and 'id'"):
         read_items(f)
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def test_separation_is_the_share_of_right_wrong_pairs_ranked_right():
+    # right answers 3, 1, 2; wrong ones 0, 2, 5: of the 9 (right, wrong) pairs the right one is
+    # higher in 4 (3 > 0, 3 > 2, 1 > 0, 2 > 0) and tied in 1 (2 = 2): 4.5 / 9
+    r = separation([3.0, 0.0, 1.0, 2.0, 2.0, 5.0], [True, False, True, False, True, False], rng=_rng())
+    assert r["auc"] == pytest.approx(4.5 / 9)
+    assert (r["n_right"], r["n_wrong"]) == (3, 3)
+    assert r["mean_right"] == pytest.approx(2.0) and r["mean_wrong"] == pytest.approx(7 / 3)
+    assert 0.0 <= r["lo"] <= r["auc"] <= r["hi"] <= 1.0
+    full = separation([5.0, 6.0, 1.0, 0.5], [True, True, False, False], rng=_rng())
+    assert full["auc"] == full["lo"] == full["hi"] == 1.0  # every resample keeps the order
+    assert separation([5.0, 6.0, 1.0, 0.5], [False, False, True, True], rng=_rng())["auc"] == 0.0
+    assert separation([1.0, 2.0], [True, True], rng=_rng()) is None  # nothing wrong to rank against
+    with pytest.raises(ValueError, match="2 scores but 1 labels"):
+        separation([1.0, 2.0], [True], rng=_rng())
+
+
+def test_separation_is_mann_whitney_and_its_bootstrap_is_the_brute_force_one():
+    g = _rng(5)
+    right = g.random(300) < 0.8
+    scores = np.round(g.normal(size=300) + 0.7 * right, 1)  # rounded: many ties
+    r = separation(scores, right, n_boot=300, rng=_rng(3))
+    pos, neg = scores[right], scores[~right]
+    brute = lambda p, q: ((p[:, None] > q[None, :]) + 0.5 * (p[:, None] == q[None, :])).mean()  # noqa: E731
+    assert r["auc"] == pytest.approx(brute(pos, neg), abs=1e-12)
+    # the same draws, made by hand: resample each group, count the pairs
+    rng = _rng(3)  # in one chunk: the 300 right-answer draws, then the 300 wrong-answer draws
+    cps = rng.multinomial(len(pos), np.full(len(pos), 1 / len(pos)), size=300)
+    cns = rng.multinomial(len(neg), np.full(len(neg), 1 / len(neg)), size=300)
+    boots = [brute(np.repeat(pos, cp), np.repeat(np.sort(neg), cn)) for cp, cn in zip(cps, cns)]
+    assert (r["lo"], r["hi"]) == pytest.approx(tuple(np.quantile(boots, [0.025, 0.975])), abs=1e-12)
+    assert 0.55 < r["lo"] < r["auc"] < r["hi"]  # a real separation is found
+    assert separation(scores, right, n_boot=300, rng=_rng(3)) == r  # seeded
+
+
+def test_rm_separation_joins_the_rm_scores_with_the_math_outcomes_by_id():
+    items = [{"set": "math", "id": f"p{i}", "correct": i % 3 == 0} for i in range(9)]
+    items += [{"set": "rm", "id": f"p{i}", "score": float(i % 3 == 0) + 0.1 * i} for i in (8, 0, 3, 4, 5, 6)]
+    items += [{"set": "rm", "id": "not-scored-for-math", "score": 9.0}, {"set": "task", "id": "p1", "correct": True}]
+    r = rm_separation(items, seed=1)
+    assert (r["n_right"], r["n_wrong"]) == (3, 3) and r["auc"] == 1.0  # p0, p3, p6 right, all above
+    assert r["mean_right"] == pytest.approx(1.3) and r["mean_wrong"] == pytest.approx(0.5 + 2 / 30)
+    assert rm_separation([i for i in items if i["set"] != "rm"]) is None  # no reward model
+    assert rm_separation([i for i in items if i["set"] != "math"]) is None

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 
 from llm.config import CommonConfig, ReportConfig
-from llm.report import (collect, paired_deltas, provenance, read_tsv, recorded_seconds, stage_summary, stage_times,
-                        summary_rows)
+from llm.report import (all_metric_rows, collect, paired_deltas, provenance, read_tsv, recorded_seconds, stage_summary,
+                        stage_times, summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
 from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
 from stages.report import run
@@ -328,3 +328,19 @@ def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
     assert len(imgs) == 2 and all(re.fullmatch(r"\d+x\d+", a.get("data-decoded", "")) for a in imgs), imgs
     assert all(float(a["data-ink"]) > 0.01 for a in imgs), imgs  # each plot draws something
     assert not any(t == "p" and a.get("id") == "plumbing" for t, a in dom.tags)  # a cpu run: no smoke warning
+
+
+def test_a_stage_says_whether_the_rm_score_follows_correctness(metrics):
+    ev = json.loads((metrics / "eval/grpo.json").read_text())
+    ev |= {"rm_auc": 0.469, "rm_auc_lo": 0.372, "rm_auc_hi": 0.569, "rm_score_right": -0.0145,
+           "rm_score_wrong": 0.0022, "rm_auc_right": 167, "rm_auc_wrong": 33}
+    _write(metrics / "eval/grpo.json", ev)
+    data = collect(metrics)
+    paired = paired_deltas(data["items"], confidence=0.95, n_boot=2000, seed=0)
+    _, lines = stage_summary("grpo", paired, data["evals"])
+    assert ("the reward model ranks GRPO's right math answers above its wrong ones with AUC 0.469 [0.372, 0.569]"
+            " (0.5: its score says nothing about correctness; mean score -0.015 right, 0.002 wrong)") in lines
+    assert not any("AUC" in x for x in stage_summary("sft", paired, data["evals"])[1])  # sft's eval has none
+    _, rows = all_metric_rows(data["evals"])
+    auc = [r for r in rows if r["label"] == "RM ranks its right math answers above its wrong ones (AUC)"]
+    assert auc and auc[0]["cells"]["grpo"] == "0.469 [0.372, 0.569]" and auc[0]["cells"]["sft"] == "n/a"

@@ -225,3 +225,19 @@ def test_a_stage_metric_one_run_lacks_is_named_not_shown():
     s = summarize(runs, n_boot=200)
     assert s["metrics"] == {} and s["metrics_left_out"] == {"reward.json:accuracy": ["b"]}
     assert "reward.json:accuracy (b)" in "\n".join(markdown(s))
+
+
+def test_whether_the_rm_follows_correctness_is_given_per_run():
+    # sft: the RM orders both runs' answers perfectly; grpo: run a perfectly, run b backwards
+    a = _run("a", [1, 1, 0, 0], [1, 1, 0, 0], rm_parent=[2.0, 3.0, 0.0, 1.0], rm_child=[2.0, 3.0, 0.0, 1.0])
+    b = _run("b", [1, 0, 1, 0], [1, 0, 1, 0], rm_parent=[5.0, 1.0, 4.0, 0.0], rm_child=[0.0, 4.0, 1.0, 5.0])
+    s = summarize([a, b], n_boot=300)
+    sep = s["rm_separation"]
+    assert sep["sft"]["values"] == [1.0, 1.0] and sep["grpo"]["values"] == [1.0, 0.0]
+    assert sep["grpo"]["mean"] == 0.5 and sep["grpo"]["worst"] == 0.0
+    assert sep["grpo"]["lo"] == sep["grpo"]["hi"] == [1.0, 0.0]  # a perfect order survives every resample
+    md = "\n".join(markdown(s))
+    assert "| grpo | 1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] | 0.500 | 0.000 |" in md
+    # a run with no wrong answer among the scored ones: the model has no row
+    c = _run("c", [1, 1, 1, 1], [1, 1, 1, 1], rm_parent=[1.0] * 4, rm_child=[1.0] * 4)
+    assert summarize([a, c], n_boot=300)["rm_separation"] == {}
