@@ -37,6 +37,9 @@ answer) pairs in which the right one scores higher, ties counting half (0.5 = th
 carries nothing about being right; 1 = every right answer above every wrong one), with a
 percentile bootstrap interval that resamples the right and the wrong answers separately.
 
+`linear_trend(x, y)`: the least-squares line through a curve (an RL stage's reward per step) and
+how much it says the curve moved from its first point to its last, with a t interval.
+
 A change is called significant when the interval excludes zero and, for right/wrong skills,
 McNemar's p is below 1 - confidence as well; where the two disagree (they can at the margin:
 the bootstrap interval is approximate) it is "borderline", reported and not counted as a change.
@@ -239,3 +242,45 @@ def rm_separation(items: list[dict], *, confidence: float = 0.95, n_boot: int = 
         return None
     scores, ok = zip(*pairs)
     return separation(scores, ok, confidence=confidence, n_boot=n_boot, rng=np.random.default_rng([seed, 0x524d]))
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p quantile (p > 0.5) of Student's t with df degrees of freedom: bisection on its CDF,
+    whose density is integrated by Simpson's rule (t(2) at 0.975 is 4.303, t(10) 2.228)."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError(f"t_quantile: need df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 4000) -> float:  # P(T <= x) for x >= 0
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def linear_trend(xs, ys, confidence: float = 0.95) -> dict[str, float] | None:
+    """The least-squares line y = a + b x through the points: {"change", "lo", "hi", "n"}, where
+    change = b (x_last - x_first) is how much the line moves over the curve and lo, hi its
+    t interval (n - 2 degrees of freedom; the points taken as independent around the line, as
+    an RL stage's per-step rewards are: each step draws its own prompts). None with fewer than 3
+    points or a single x."""
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    n = len(x)
+    sxx = float(((x - x.mean()) ** 2).sum()) if n else 0.0
+    if n < 3 or sxx == 0.0:
+        return None
+    b = float(((x - x.mean()) * (y - y.mean())).sum()) / sxx
+    resid = y - y.mean() - b * (x - x.mean())
+    se = math.sqrt(float((resid ** 2).sum()) / (n - 2) / sxx)
+    span = float(x.max() - x.min())
+    half = t_quantile(1 - (1 - confidence) / 2, n - 2) * se * span
+    return {"change": b * span, "lo": b * span - half, "hi": b * span + half, "n": n}

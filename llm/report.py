@@ -111,9 +111,11 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("dpo", "kl", "KL to SFT (nats / token)", "num"),
     ("ppo", "reward_start", "rollout reward, first steps", "num"),
     ("ppo", "reward_end", "rollout reward, last steps", "num"),
+    ("ppo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
     ("ppo", "math_exact_match", "validation math", "pct"),
     ("grpo", "reward_start", "rollout reward, first steps", "num"),
     ("grpo", "reward_end", "rollout reward, last steps", "num"),
+    ("grpo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
     ("grpo", "math_exact_match", "validation math", "pct"),
 )
 TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",
@@ -470,7 +472,8 @@ def stage_headline_rows(stages: dict[str, dict]) -> list[tuple[str, str, str]]:
     for st, key, label, kind in STAGE_HEADLINES:
         v = dig(stages.get(st, {}), key)
         if _isnum(v):
-            rows.append((st, label, fmt_value(v, kind)))
+            interval = fmt_interval(dig(stages.get(st, {}), f"{key}_lo"), dig(stages.get(st, {}), f"{key}_hi"), kind)
+            rows.append((st, label, f"{fmt_value(v, kind)} {interval}".strip()))
     return rows
 
 

@@ -55,6 +55,7 @@ from llm.fileio import read_jsonl, sha256_file
 from llm.loop import LoopResult, Updater, run_loop
 from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
+from llm.paired import linear_trend
 from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
 from llm.rollout import sampled_kl
 from llm.runtime import Runtime, all_gather_object, all_reduce
@@ -239,7 +240,10 @@ RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "rewa
 
 
 def summarize(result: LoopResult, *, window: int = 5) -> dict[str, Any]:
-    """Start-vs-end numbers and the time split from a run's histories (for metrics/<stage>.json)."""
+    """Start-vs-end numbers and the time split from a run's histories (for metrics/<stage>.json):
+    reward_start / reward_end (the means of the first and last `window` steps), reward_trend
+    (how much the least-squares line through every step's reward moves over the run, with its
+    95% interval: llm.paired.linear_trend), the held-out rows' first and last values."""
     h, v = result.history, result.val_history
     k = max(1, min(window, len(h) // 2 or 1))
 
@@ -251,6 +255,12 @@ def summarize(result: LoopResult, *, window: int = 5) -> dict[str, Any]:
                            "reward_end": mean(h[-k:], "reward")}
     if out["reward_start"] is not None and out["reward_end"] is not None:
         out["reward_delta"] = out["reward_end"] - out["reward_start"]
+    # the whole curve's trend, not only its two ends: each step draws its own prompts, so one
+    # step's mean reward is noisy and the first and last few steps can differ by chance
+    trend = linear_trend([r["step"] for r in h if r.get("reward") is not None],
+                         [r["reward"] for r in h if r.get("reward") is not None])
+    if trend is not None:
+        out.update({"reward_trend": trend["change"], "reward_trend_lo": trend["lo"], "reward_trend_hi": trend["hi"]})
     out["kl_train_end"] = mean(h[-k:], "kl")
     times = {key: sum(r.get(key, 0.0) for r in h) for key in ("rollout_s", "scoring_s", "update_s", "step_s")}
     out.update({f"{key}_total": t for key, t in times.items()})

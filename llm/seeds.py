@@ -46,14 +46,14 @@ from typing import Any
 
 import numpy as np
 
-from llm.paired import compare, mcnemar_exact, parse_items, read_items, rm_separation, skills
+from llm.paired import compare, mcnemar_exact, parse_items, read_items, rm_separation, skills, t_quantile
 
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
 # FILE:KEY in a run's metrics/: what the eval items do not hold (shown where every run has it)
 STAGE_METRICS = ("reward.json:accuracy", "dpo.json:rewards_accuracy", "dpo.json:ref_logp_accuracy",
-                 "ppo.json:reward_delta", "ppo.json:heldout_reward_delta", "grpo.json:reward_delta",
-                 "grpo.json:heldout_reward_delta", "eval/ppo.json:kl_to_sft_per_token",
+                 "ppo.json:reward_delta", "ppo.json:reward_trend", "ppo.json:heldout_reward_delta",
+                 "grpo.json:reward_delta", "grpo.json:reward_trend", "grpo.json:heldout_reward_delta", "eval/ppo.json:kl_to_sft_per_token",
                  "eval/grpo.json:kl_to_sft_per_token", "eval/dpo.json:kl_to_sft_per_token")
 
 
@@ -64,27 +64,6 @@ class Run:
     name: str
     items: dict[str, list[dict]]
     metrics: dict[str, Any] = field(default_factory=dict)
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p quantile (p > 0.5) of Student's t with df degrees of freedom: bisection on its CDF,
-    whose density is integrated by Simpson's rule (t(2) at 0.975 is 4.303, t(10) 2.228)."""
-    if df < 1 or not 0.5 < p < 1:
-        raise ValueError(f"t_quantile: need df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-
-    def cdf(x: float, n: int = 4000) -> float:  # P(T <= x) for x >= 0
-        h = x / n
-        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
-        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        hi *= 2
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 def _git(args: list[str], what: str) -> str:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from llm.paired import (bootstrap_binary, bootstrap_mean, compare, mcnemar_exact, read_items, rm_separation,
-                        separation, skills)
+from llm.paired import (bootstrap_binary, bootstrap_mean, compare, linear_trend, mcnemar_exact, read_items,
+                        rm_separation, separation, skills)
 
 
 @pytest.mark.parametrize("b,c,p", [(0, 5, 2 / 32), (1, 9, 2 * 11 / 1024), (5, 0, 2 / 32), (3, 3, 1.0), (0, 0, 1.0),
@@ -163,3 +163,22 @@ def test_rm_separation_joins_the_rm_scores_with_the_math_outcomes_by_id():
     assert r["mean_right"] == pytest.approx(1.3) and r["mean_wrong"] == pytest.approx(0.5 + 2 / 30)
     assert rm_separation([i for i in items if i["set"] != "rm"]) is None  # no reward model
     assert rm_separation([i for i in items if i["set"] != "math"]) is None
+
+
+def test_linear_trend_is_the_fitted_lines_change_with_a_t_interval():
+    from scipy import stats
+    g = _rng(2)
+    x = np.arange(1, 61)
+    y = 0.7 + 0.002 * x + g.normal(scale=0.05, size=60)
+    r = linear_trend(x, y)
+    fit = stats.linregress(x, y)
+    assert r["change"] == pytest.approx(fit.slope * 59, rel=1e-9) and r["n"] == 60
+    half = stats.t.ppf(0.975, 58) * fit.stderr * 59
+    assert (r["lo"], r["hi"]) == pytest.approx((fit.slope * 59 - half, fit.slope * 59 + half), abs=1e-4)
+    assert r["lo"] > 0  # 0.118 over the run against noise of 0.05 a step: found
+    flat = linear_trend(x, 0.7 + g.normal(scale=0.05, size=60))
+    assert flat["lo"] < 0 < flat["hi"]
+    exact = linear_trend([1, 2, 3, 4], [1.0, 3.0, 5.0, 7.0])  # on the line: no spread
+    assert exact == {"change": pytest.approx(6.0), "lo": pytest.approx(6.0), "hi": pytest.approx(6.0), "n": 4}
+    assert linear_trend([1, 2, np.nan, 4], [1.0, 3.0, 5.0, float("nan")]) is None  # 2 finite points
+    assert linear_trend([3, 3, 3], [1.0, 2.0, 3.0]) is None  # a single x

@@ -173,6 +173,7 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reward from the reward model" in p.stdout
     m = read_metrics(tmp_path / "metrics/ppo.json")  # with its run file (timings, samples)
+    assert m["reward_trend_lo"] <= m["reward_trend"] <= m["reward_trend_hi"]
     for k in ("reward_start", "reward_end", "final_kl", "kl_coef_final", "kl_alerts", "math_exact_match",
               "math_exact_match_start", "math_exact_match_delta", "heldout_reward", "heldout_reward_start",
               "heldout_reward_delta", "heldout_kl", "generation_fraction"):

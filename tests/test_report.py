@@ -13,8 +13,8 @@ import subprocess
 import pytest
 
 from llm.config import CommonConfig, ReportConfig
-from llm.report import (all_metric_rows, collect, paired_deltas, provenance, read_tsv, recorded_seconds, stage_summary,
-                        stage_times, summary_rows)
+from llm.report import (all_metric_rows, collect, paired_deltas, provenance, read_tsv, recorded_seconds,
+                        stage_headline_rows, stage_summary, stage_times, summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
 from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
 from stages.report import run
@@ -344,3 +344,12 @@ def test_a_stage_says_whether_the_rm_score_follows_correctness(metrics):
     _, rows = all_metric_rows(data["evals"])
     auc = [r for r in rows if r["label"] == "RM ranks its right math answers above its wrong ones (AUC)"]
     assert auc and auc[0]["cells"]["grpo"] == "0.469 [0.372, 0.569]" and auc[0]["cells"]["sft"] == "n/a"
+
+
+def test_stage_headlines_carry_their_intervals():
+    rows = stage_headline_rows({"ppo": {"reward_start": 0.9, "reward_end": 0.91, "reward_trend": 0.0061,
+                                        "reward_trend_lo": -0.0659, "reward_trend_hi": 0.0781},
+                                "reward": {"accuracy": 0.98}})
+    assert ("ppo", "rollout reward, change of the line fitted to every step", "0.006 [-0.066, 0.078]") in rows
+    assert ("ppo", "rollout reward, first steps", "0.900") in rows  # no interval: the value alone
+    assert ("reward", "held-out pairs ranked right", "98.0%") in rows
