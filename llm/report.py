@@ -115,7 +115,7 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("ppo", "math_exact_match", "validation math", "pct"),
     ("grpo", "reward_start", "rollout reward, first steps", "num"),
     ("grpo", "reward_end", "rollout reward, last steps", "num"),
-    ("grpo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
+    ("grpo", "reward_trend", "rollout reward, change of the line fitted to the steps after the curriculum", "num"),
     ("grpo", "math_exact_match", "validation math", "pct"),
 )
 TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",

@@ -239,11 +239,13 @@ RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "rewa
              ("held-out exact match", [("val", "math_exact_match", "math exact match (greedy)")])]
 
 
-def summarize(result: LoopResult, *, window: int = 5) -> dict[str, Any]:
+def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> dict[str, Any]:
     """Start-vs-end numbers and the time split from a run's histories (for metrics/<stage>.json):
     reward_start / reward_end (the means of the first and last `window` steps), reward_trend
     (how much the least-squares line through every step's reward moves over the run, with its
-    95% interval: llm.paired.linear_trend), the held-out rows' first and last values."""
+    95% interval: llm.paired.linear_trend) over the steps after `trend_after` (a curriculum's
+    easier first steps would otherwise read as a fall; reward_trend_first_step then says where it
+    starts), the held-out rows' first and last values."""
     h, v = result.history, result.val_history
     k = max(1, min(window, len(h) // 2 or 1))
 
@@ -257,10 +259,12 @@ def summarize(result: LoopResult, *, window: int = 5) -> dict[str, Any]:
         out["reward_delta"] = out["reward_end"] - out["reward_start"]
     # the whole curve's trend, not only its two ends: each step draws its own prompts, so one
     # step's mean reward is noisy and the first and last few steps can differ by chance
-    trend = linear_trend([r["step"] for r in h if r.get("reward") is not None],
-                         [r["reward"] for r in h if r.get("reward") is not None])
+    fit = [r for r in h if r.get("reward") is not None and r["step"] > trend_after]
+    trend = linear_trend([r["step"] for r in fit], [r["reward"] for r in fit])
     if trend is not None:
         out.update({"reward_trend": trend["change"], "reward_trend_lo": trend["lo"], "reward_trend_hi": trend["hi"]})
+        if trend_after:
+            out["reward_trend_first_step"] = fit[0]["step"]
     out["kl_train_end"] = mean(h[-k:], "kl")
     times = {key: sum(r.get(key, 0.0) for r in h) for key in ("rollout_s", "scoring_s", "update_s", "step_s")}
     out.update({f"{key}_total": t for key, t in times.items()})
@@ -378,13 +382,14 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
 
 def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
                     metrics: Path, plots: Path, extra_metrics: Callable[[LoopResult], dict[str, Any]],
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, trend_after: int = 0) -> dict[str, Any]:
     """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), apply the final-KL gate, then write
     the policy to `model`, the metrics to `metrics` and the curves to `plots`; returns the metrics.
 
-    The metrics are `summarize`'s, the final KL (held-out, else the last training steps') and
-    its gate, `extra_metrics(result)` (the algorithm's own numbers), the prompt counts, the
-    step resumed from and three held-out samples. A failed gate raises QualityGateError
+    The metrics are `summarize`'s (the reward's trend fitted after step `trend_after`), the
+    final KL (held-out, else the last training steps') and its gate, `extra_metrics(result)`
+    (the algorithm's own numbers), the prompt counts, the step resumed from and three held-out
+    samples. A failed gate raises QualityGateError
     before the model and the metrics are written. Under torchrun every rank trains and evaluates
     (a share of each held-out batch) and rank 0 alone writes."""
     stage = setup.stage
@@ -411,7 +416,7 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
         # so the samples come from one more (seeded, hence identical) evaluation of the final policy
         with rt.autocast():
             eval_fn(setup.policy)
-    out = summarize(result)
+    out = summarize(result, trend_after=trend_after)
     final_kl = result.val_history[-1]["kl"] if result.val_history else out["kl_train_end"]
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,

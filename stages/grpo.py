@@ -68,8 +68,11 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
         zero_std = [r["frac_reward_zero_std"] for r in result.history]
         return {"frac_reward_zero_std_mean": sum(zero_std) / max(len(zero_std), 1)}
 
+    # the reward's trend is fitted to the steps on grpo.levels: the curriculum's easier prompts
+    # before them would read as a fall
     return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model=model, metrics=metrics,
-                           plots=plots, extra_metrics=extra_metrics, progress=progress)
+                           plots=plots, extra_metrics=extra_metrics, progress=progress,
+                           trend_after=cfg.curriculum_steps if cfg.curriculum_steps < cfg.max_steps else 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -489,3 +489,17 @@ def test_grpo_stage_quality_gates_fail_without_writing_a_model(tmp_path):
     p = run_stage(tmp_path / "b", "grpo")
     assert p.returncode == 1 and "no informative group" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "b/models/grpo").exists()
+
+
+def test_the_reward_trend_is_fitted_after_the_curriculum():
+    """A curriculum's easy first steps would read as a fall: GRPO fits the trend after them."""
+    from llm.loop import LoopResult
+    from llm.rl import summarize
+    hist = [{"step": s, "reward": 0.9 if s <= 3 else 0.5 + 0.01 * s, "kl": 0.0} for s in range(1, 11)]
+    result = LoopResult(step=10, history=hist)
+    after = summarize(result, trend_after=3)
+    assert after["reward_trend"] == pytest.approx(0.06) and after["reward_trend_first_step"] == 4  # 0.54 -> 0.60
+    assert after["reward_trend_lo"] == pytest.approx(0.06) and after["reward_trend_hi"] == pytest.approx(0.06)
+    every = summarize(result)
+    assert every["reward_trend"] < 0 and "reward_trend_first_step" not in every
+    assert "reward_trend" not in summarize(result, trend_after=8)  # two steps left: no line
