@@ -24,9 +24,10 @@ Quality gates (the stage exits 1 with a message and writes no model): no informa
 for grpo.max_zero_std_steps consecutive steps; final held-out KL above grpo.max_kl.
 
 Writes the GRPO model directory (LM head only), its metrics (reward and exact match at start
-vs end with a 95% Wilson interval, final KL, time split), the curves (grpo{.tsv,_val.tsv,.png})
-and the run directory (checkpoints and TensorBoard events; a persisted DVC out, so a killed run
-resumes).
+vs end with a 95% Wilson interval, `reward_trend`: the change of the line fitted to the rewards
+of the steps after the curriculum, with its 95% interval, final KL, time split), the curves
+(grpo{.tsv,_val.tsv,.png}) and the run directory (checkpoints and TensorBoard events; a
+persisted DVC out, so a killed run resumes).
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ Quality gate (the stage exits 1 with a message and writes no model): final held-
 ppo.max_kl.
 
 Writes the PPO model directory (LM and value heads), its metrics (reward and exact match at
-start vs end, final KL, KL coefficient, alerts, time split), the curves
+start vs end, `reward_trend`: the change of the line fitted to every step's reward with its 95%
+interval, final KL, KL coefficient, alerts, time split), the curves
 (ppo{.tsv,_val.tsv,.png}) and the run directory (checkpoints and TensorBoard events; a
 persisted DVC out, so a killed run resumes).
 """
