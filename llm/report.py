@@ -112,10 +112,12 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("ppo", "reward_start", "rollout reward, first steps", "num"),
     ("ppo", "reward_end", "rollout reward, last steps", "num"),
     ("ppo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
+    ("ppo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
     ("ppo", "math_exact_match", "validation math", "pct"),
     ("grpo", "reward_start", "rollout reward, first steps", "num"),
     ("grpo", "reward_end", "rollout reward, last steps", "num"),
     ("grpo", "reward_trend", "rollout reward, change of the line fitted to the steps after the curriculum", "num"),
+    ("grpo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
     ("grpo", "math_exact_match", "validation math", "pct"),
 )
 TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -55,7 +56,7 @@ from llm.fileio import read_jsonl, sha256_file
 from llm.loop import LoopResult, Updater, run_loop
 from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
-from llm.paired import linear_trend
+from llm.paired import bootstrap_mean, linear_trend
 from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
 from llm.rollout import sampled_kl
 from llm.runtime import Runtime, all_gather_object, all_reduce
@@ -233,6 +234,36 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
     return out, ev["samples"]
 
 
+@torch.no_grad()
+def heldout_rewards(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequence[dict], *, max_new_tokens: int,
+                    temperature: float, seed: int, reward_fn: RewardFn, batch_size: int = 64,
+                    rt: Runtime | None = None) -> list[float]:
+    """The reward of `policy`'s sample for each held-out problem, in problem order: the samples
+    `heldout_eval` draws (the same seed and batches), so their mean is its `reward`."""
+    def score(ro, ix: list[int]) -> list[tuple[int, float]]:
+        r, _ = reward_fn(ro, [problems[i] for i in ix])
+        return list(zip(ix, r.double().tolist()))
+
+    kl = sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
+                    max_new_tokens=max_new_tokens, temperature=temperature,
+                    stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
+                    seed=derive_seed(seed, "heldout"), batch_size=batch_size, visit=score, rt=rt)
+    out = [0.0] * len(problems)
+    for i, r in (x for batch in kl.visits for x in batch):
+        out[i] = r
+    return out
+
+
+def heldout_reward_change(start: Sequence[float], end: Sequence[float], *, seed: int, confidence: float = 0.95,
+                          n_boot: int = 10000) -> dict[str, float]:
+    """The change of the mean held-out reward from `start` to `end` (per-problem rewards of the same
+    problems and sampling seed), with the percentile bootstrap interval of the paired mean
+    difference: {"delta", "lo", "hi"}."""
+    d = np.asarray(end, dtype=np.float64) - np.asarray(start, dtype=np.float64)
+    lo, hi = bootstrap_mean(d, confidence=confidence, n_boot=n_boot, rng=np.random.default_rng(seed))
+    return {"delta": float(d.mean()), "lo": lo, "hi": hi}
+
+
 RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "reward", "reward (held-out)")]),
              ("KL to the reference", [("train", "kl", "kl (train, per token)"),
                                       ("val", "kl", "kl (held-out, exact per token)")]),
@@ -389,8 +420,10 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     The metrics are `summarize`'s (the reward's trend fitted after step `trend_after`), the
     final KL (held-out, else the last training steps') and its gate, `extra_metrics(result)`
     (the algorithm's own numbers), the prompt counts, the step resumed from and three held-out
-    samples. A failed gate raises QualityGateError
-    before the model and the metrics are written. Under torchrun every rank trains and evaluates
+    samples; with a reward on held-out problems, each problem's reward at the start (the
+    reference's sample) and at the end, and the paired interval of the mean change
+    (heldout_reward_delta_lo / _hi). A failed gate raises QualityGateError before the model and
+    the metrics are written. Under torchrun every rank trains and evaluates
     (a share of each held-out batch) and rank 0 alone writes."""
     stage = setup.stage
     samples: list[dict] = []
@@ -417,6 +450,18 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
         with rt.autocast():
             eval_fn(setup.policy)
     out = summarize(result, trend_after=trend_after)
+    if setup.val and setup.reward_fn is not None:
+        # the held-out reward's change with an interval: each problem's reward under the final
+        # policy against under the reference (the start; the same seed, so the same draws as
+        # the first held-out evaluation), paired by problem
+        kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=setup.seed,
+                  reward_fn=setup.reward_fn, rt=rt)
+        with rt.autocast():
+            start = heldout_rewards(setup.ref, setup.ref, setup.tokenizer, setup.val, **kw)
+            end = heldout_rewards(setup.policy, setup.ref, setup.tokenizer, setup.val, **kw)
+        ch = heldout_reward_change(start, end, seed=derive_seed(setup.seed, "heldout_boot"))
+        out.update({"heldout_reward_delta_lo": ch["lo"], "heldout_reward_delta_hi": ch["hi"],
+                    "heldout_rewards_start": start, "heldout_rewards_end": end})  # lists: the run file
     final_kl = result.val_history[-1]["kl"] if result.val_history else out["kl_train_end"]
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,

@@ -503,3 +503,13 @@ def test_the_reward_trend_is_fitted_after_the_curriculum():
     every = summarize(result)
     assert every["reward_trend"] < 0 and "reward_trend_first_step" not in every
     assert "reward_trend" not in summarize(result, trend_after=8)  # two steps left: no line
+
+
+def test_the_held_out_rewards_change_is_paired_by_problem():
+    from llm.rl import heldout_reward_change
+    start = [0.0, 1.0, 1.0, 0.2, 1.2, 0.0] * 10
+    end = [x + 0.1 for x in start]  # every problem up by 0.1: no spread in the change
+    ch = heldout_reward_change(start, end, seed=0)
+    assert ch["delta"] == pytest.approx(0.1) and ch["lo"] == pytest.approx(0.1) and ch["hi"] == pytest.approx(0.1)
+    mixed = heldout_reward_change(start, start[1:] + start[:1], seed=0)  # shuffled: no change on average
+    assert mixed["delta"] == pytest.approx(0.0) and mixed["lo"] < 0 < mixed["hi"]

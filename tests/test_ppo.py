@@ -174,6 +174,12 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
     assert "reward from the reward model" in p.stdout
     m = read_metrics(tmp_path / "metrics/ppo.json")  # with its run file (timings, samples)
     assert m["reward_trend_lo"] <= m["reward_trend"] <= m["reward_trend_hi"]
+    # each held-out problem's reward at the start and the end: the same draws as the evaluations
+    start, end = m["heldout_rewards_start"], m["heldout_rewards_end"]
+    assert len(start) == len(end) > 0
+    assert sum(start) / len(start) == pytest.approx(m["heldout_reward_start"], abs=1e-9)
+    assert sum(end) / len(end) == pytest.approx(m["heldout_reward"], abs=1e-9)
+    assert m["heldout_reward_delta_lo"] <= m["heldout_reward_delta"] <= m["heldout_reward_delta_hi"]
     for k in ("reward_start", "reward_end", "final_kl", "kl_coef_final", "kl_alerts", "math_exact_match",
               "math_exact_match_start", "math_exact_match_delta", "heldout_reward", "heldout_reward_start",
               "heldout_reward_delta", "heldout_kl", "generation_fraction"):

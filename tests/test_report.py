@@ -348,8 +348,11 @@ def test_a_stage_says_whether_the_rm_score_follows_correctness(metrics):
 
 def test_stage_headlines_carry_their_intervals():
     rows = stage_headline_rows({"ppo": {"reward_start": 0.9, "reward_end": 0.91, "reward_trend": 0.0061,
-                                        "reward_trend_lo": -0.0659, "reward_trend_hi": 0.0781},
+                                        "reward_trend_lo": -0.0659, "reward_trend_hi": 0.0781,
+                                        "heldout_reward_delta": 0.0331, "heldout_reward_delta_lo": 0.0012,
+                                        "heldout_reward_delta_hi": 0.0702},
                                 "reward": {"accuracy": 0.98}})
     assert ("ppo", "rollout reward, change of the line fitted to every step", "0.006 [-0.066, 0.078]") in rows
+    assert ("ppo", "held-out reward, change on the same problems and draws", "0.033 [0.001, 0.070]") in rows
     assert ("ppo", "rollout reward, first steps", "0.900") in rows  # no interval: the value alone
     assert ("reward", "held-out pairs ranked right", "98.0%") in rows
