@@ -423,8 +423,8 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     samples; with a reward on held-out problems, each problem's reward at the start (the
     reference's sample) and at the end, and the paired interval of the mean change
     (heldout_reward_delta_lo / _hi). A failed gate raises QualityGateError before the model and
-    the metrics are written. Under torchrun every rank trains and evaluates
-    (a share of each held-out batch) and rank 0 alone writes."""
+    the metrics are written. Under torchrun every rank trains and evaluates (a share of each
+    held-out batch) and rank 0 alone writes."""
     stage = setup.stage
     samples: list[dict] = []
 
