@@ -30,8 +30,10 @@ when the runs agree closely; both are printed, with how many runs moved up.
 
 Per model the levels table gives each run's score, the mean and the worst run, and a third table
 whether the reward model's score follows correctness on that model's own greedy math answers (the
-AUC of right over wrong answers, llm/paired.py rm_separation). Outputs: a table on stdout, and
-with --json / --markdown the same as files.
+AUC of right over wrong answers, llm/paired.py rm_separation); where the runs' run files
+(metrics/run/ppo.json, grpo.json) keep each held-out problem's reward at the start and the end,
+the RL stages' held-out reward change per run and pooled. Outputs: a table on stdout, and with
+--json / --markdown the same as files.
 """
 from __future__ import annotations
 
@@ -110,7 +112,8 @@ def load_run(spec: str) -> Run:
             raise ValueError(f"{spec}: {EVAL_DIR}/ has no <model>_items.jsonl at {rev}; was its eval run?")
         items = {m: parse_items(_git(["show", f"{rev}:{EVAL_DIR}/{m}_items.jsonl"], spec),
                            f"{spec}:{EVAL_DIR}/{m}_items.jsonl") for m in models}
-        jsons = [p for p in paths if p.endswith(".json") and (p.count("/") == 1 or p.startswith(EVAL_DIR + "/"))]
+        jsons = [p for p in paths if p.endswith(".json")
+                 and (p.count("/") == 1 or p.startswith((EVAL_DIR + "/", "metrics/run/")))]
         metrics = {p[len("metrics/"):]: _json(_git(["show", f"{rev}:{p}"], spec), f"{spec}:{p}") for p in jsons}
         return Run(spec, items, {**_cached_metrics(rev, spec, skip=set(metrics)), **metrics})
     root = Path(spec)
@@ -120,7 +123,8 @@ def load_run(spec: str) -> Run:
     if not files:
         raise ValueError(f"{spec}: no {EVAL_DIR}/<model>_items.jsonl here (looked in {edir});"
                          f" run `dvc repro` there, or give the eval directory itself")
-    jsons = sorted(mdir.glob("*.json")) + sorted(mdir.glob("eval/*.json")) if mdir else []
+    jsons = sorted(mdir.glob("*.json")) + sorted(mdir.glob("eval/*.json")) + sorted(mdir.glob("run/*.json")) \
+        if mdir else []
     metrics = {f.relative_to(mdir).as_posix(): _json(f.read_text(encoding="utf-8"), str(f)) for f in jsons}
     return Run(spec, {f.name.removesuffix("_items.jsonl"): read_items(f) for f in files}, metrics)
 
@@ -137,7 +141,8 @@ def _cached_metrics(rev: str, spec: str, skip: set[str]) -> dict[str, Any]:
         return {}
     outs = {o.get("path", "") for st in (lock.get("stages") or {}).values() for o in st.get("outs") or []}
     out = {}
-    for p in sorted(o for o in outs if o.startswith("metrics/") and o.endswith(".json") and o.count("/") == 1):
+    for p in sorted(o for o in outs if o.startswith("metrics/") and o.endswith(".json")
+                    and (o.count("/") == 1 or o.startswith("metrics/run/"))):
         if p[len("metrics/"):] in skip:
             continue
         try:
@@ -255,6 +260,30 @@ def separations(runs: list[Run], model: str, *, confidence: float, n_boot: int, 
             "mean": sum(vals) / len(vals), "worst": min(vals)}
 
 
+def heldout_changes(runs: list[Run], stage: str, *, confidence: float = 0.95, n_boot: int = 10000,
+                    seed: int = 0) -> dict[str, Any] | None:
+    """An RL stage's change of the held-out reward, per run and pooled: each run's run/<stage>.json
+    keeps every held-out problem's reward at the start and the end (the same draws); per run the
+    mean change, pooled the mean of the runs' changes with a bootstrap that resamples each run's
+    problems within it. None unless every run has both lists."""
+    diffs = []
+    for run in runs:
+        info = run.metrics.get(f"run/{stage}.json") or {}
+        a, b = info.get("heldout_rewards_start"), info.get("heldout_rewards_end")
+        if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
+            return None
+        diffs.append(np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64))
+    rng = np.random.default_rng([seed, *f"heldout/{stage}".encode()])
+    boot = np.zeros(n_boot)
+    for d in diffs:
+        boot += d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(1)
+    a = (1 - confidence) / 2
+    lo, hi = (float(q) for q in np.quantile(boot / len(diffs), [a, 1 - a]))
+    deltas = [float(d.mean()) for d in diffs]
+    return {"deltas": deltas, "changed": [int((d != 0).sum()) for d in diffs], "n": [len(d) for d in diffs],
+            "mean": sum(deltas) / len(deltas), "lo": lo, "hi": hi}
+
+
 def metric_value(run: Run, name: str) -> float | None:
     """The number at FILE:KEY in the run's metrics/FILE (KEY dotted for nested objects), or None."""
     file, colon, key = name.partition(":")
@@ -312,6 +341,9 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
             "rm_separation": {m: sep for m in models
                               if (sep := separations(runs, m, confidence=confidence, n_boot=min(n_boot, 2000),
                                                      seed=seed)) is not None},
+            "heldout_reward": {st: ch for st in ("ppo", "grpo")
+                               if (ch := heldout_changes(runs, st, confidence=confidence, n_boot=n_boot,
+                                                         seed=seed)) is not None},
             "metrics": stage_metrics(runs, names, required=metrics is not None),
             "metrics_left_out": left_out}
 
@@ -357,6 +389,15 @@ def markdown(s: dict[str, Any]) -> list[str]:
             lines.append(f"| {m} | " + " | ".join(f"{a:.3f} [{lo:.3f}, {hi:.3f}]"
                                                  for a, lo, hi in zip(v["values"], v["lo"], v["hi"]))
                          + f" | {v['mean']:.3f} | {v['worst']:.3f} |")
+    if s.get("heldout_reward"):
+        lines += ["", f"The RL stages' reward on their held-out problems, start to end (the same problems and"
+                      f" draws; pooled = {pct}% interval, each run's problems resampled within it).", "",
+                  "| stage | " + " | ".join(runs) + f" | mean | pooled {pct}% | problems changed |",
+                  "|---|" + "---|" * (len(runs) + 3)]
+        for st, v in s["heldout_reward"].items():
+            lines.append(f"| {st} | " + " | ".join(f"{d:+.4f}" for d in v["deltas"])
+                         + f" | {v['mean']:+.4f} | [{v['lo']:+.4f}, {v['hi']:+.4f}] | "
+                         + " / ".join(f"{c} of {n}" for c, n in zip(v["changed"], v["n"])) + " |")
     if s["metrics"]:
         lines += ["", "| stage metric | " + " | ".join(runs) + " | mean | min | max |",
                   "|---|" + "---|" * (len(runs) + 3)]

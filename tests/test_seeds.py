@@ -241,3 +241,26 @@ def test_whether_the_rm_follows_correctness_is_given_per_run():
     # a run with no wrong answer among the scored ones: the model has no row
     c = _run("c", [1, 1, 1, 1], [1, 1, 1, 1], rm_parent=[1.0] * 4, rm_child=[1.0] * 4)
     assert summarize([a, c], n_boot=300)["rm_separation"] == {}
+
+
+def test_the_rl_stages_held_out_reward_change_is_pooled_from_the_run_files(tmp_path):
+    items = {"sft": _items([1, 0]), "grpo": _items([1, 1])}
+    start = [0.0, 1.0, 1.2, 0.2] * 25
+    a = Run("a", items, {"run/ppo.json": {"heldout_rewards_start": start,
+                                          "heldout_rewards_end": [x + 0.1 for x in start]}})
+    b = Run("b", items, {"run/ppo.json": {"heldout_rewards_start": start,
+                                          "heldout_rewards_end": start[:96] + [1.2] * 4}})
+    s = summarize([a, b], n_boot=500)
+    ppo = s["heldout_reward"]["ppo"]
+    assert ppo["deltas"] == pytest.approx([0.1, (1.2 + 0.2 + 1.0) / 100]) and ppo["changed"] == [100, 3]
+    assert ppo["mean"] == pytest.approx((0.1 + 0.024) / 2) and ppo["lo"] < ppo["mean"] < ppo["hi"]
+    assert "grpo" not in s["heldout_reward"]  # no run file for it
+    assert "| ppo | +0.1000 | +0.0240 | +0.0620 |" in "\n".join(markdown(s))
+    # a run without the lists: no row
+    assert summarize([a, Run("c", items, {"run/ppo.json": {"steps": 60}})], n_boot=200)["heldout_reward"] == {}
+    # a directory run reads metrics/run/*.json
+    _write_run(tmp_path / "r", [1, 0], [1, 1], 0.8)
+    (tmp_path / "r/metrics/run").mkdir()
+    (tmp_path / "r/metrics/run/ppo.json").write_text(json.dumps({"heldout_rewards_start": [0.0],
+                                                                 "heldout_rewards_end": [1.0]}))
+    assert load_run(str(tmp_path / "r")).metrics["run/ppo.json"]["heldout_rewards_end"] == [1.0]
