@@ -223,8 +223,15 @@ def _run_boot(run: Run, child: str, parent: str, key: str, r: dict, n_boot: int,
     theirs = {x["id"]: x for x in run.items[parent] if x["set"] == item_set and which(x)}
     diffs = np.array([float(x[field]) - float(theirs[x["id"]][field])
                       for x in run.items[child] if x["set"] == item_set and which(x) and x["id"] in theirs])
+    return _boot_means(diffs, n_boot, rng)
+
+
+def _boot_means(diffs: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_boot,) means of resamples of `diffs` with replacement, drawn in chunks of at most ~2M
+    indices (bounded memory)."""
+    n = len(diffs)
     out = np.empty(n_boot)
-    step = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at a time
+    step = max(1, 2_000_000 // n)
     for s in range(0, n_boot, step):
         k = min(step, n_boot - s)
         out[s:s + k] = diffs[rng.integers(0, n, size=(k, n))].mean(1)
@@ -269,16 +276,14 @@ def heldout_changes(runs: list[Run], stage: str, *, confidence: float = 0.95, n_
     diffs = []
     for run in runs:
         info = run.metrics.get(f"run/{stage}.json") or {}
-        a, b = info.get("heldout_rewards_start"), info.get("heldout_rewards_end")
-        if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
+        start, end = info.get("heldout_rewards_start"), info.get("heldout_rewards_end")
+        if not isinstance(start, list) or not isinstance(end, list) or len(start) != len(end) or not start:
             return None
-        diffs.append(np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64))
+        diffs.append(np.asarray(end, dtype=np.float64) - np.asarray(start, dtype=np.float64))
     rng = np.random.default_rng([seed, *f"heldout/{stage}".encode()])
-    boot = np.zeros(n_boot)
-    for d in diffs:
-        boot += d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(1)
-    a = (1 - confidence) / 2
-    lo, hi = (float(q) for q in np.quantile(boot / len(diffs), [a, 1 - a]))
+    boot = sum(_boot_means(d, n_boot, rng) for d in diffs) / len(diffs)
+    alpha = (1 - confidence) / 2
+    lo, hi = (float(q) for q in np.quantile(boot, [alpha, 1 - alpha]))
     deltas = [float(d.mean()) for d in diffs]
     return {"deltas": deltas, "changed": [int((d != 0).sum()) for d in diffs], "n": [len(d) for d in diffs],
             "mean": sum(deltas) / len(deltas), "lo": lo, "hi": hi}
