@@ -136,15 +136,21 @@ def bootstrap_binary(b: int, c: int, n: int, *, confidence: float, n_boot: int,
 def bootstrap_mean(diffs: np.ndarray, *, confidence: float, n_boot: int,
                    rng: np.random.Generator) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of per-item differences."""
-    n = len(diffs)
-    if n == 0:
+    if len(diffs) == 0:
         return 0.0, 0.0
+    return _quantiles(bootstrap_means(diffs, n_boot=n_boot, rng=rng), confidence)
+
+
+def bootstrap_means(diffs: np.ndarray, *, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_boot,) means of resamples of `diffs` with replacement, drawn in chunks of at most ~2M
+    indices (bounded memory)."""
+    n = len(diffs)
     means = np.empty(n_boot)
-    step = max(1, 2_000_000 // n)  # bounded memory: at most ~2M indices at a time
+    step = max(1, 2_000_000 // n)
     for s in range(0, n_boot, step):
         k = min(step, n_boot - s)
         means[s:s + k] = diffs[rng.integers(0, n, size=(k, n))].mean(1)
-    return _quantiles(means, confidence)
+    return means
 
 
 def compare(child: list[dict], parent: list[dict], *, confidence: float = 0.95, n_boot: int = 10000,
@@ -221,7 +227,7 @@ def separation(scores, right, *, confidence: float = 0.95, n_boot: int = 2000,
 
     point = float(auc(np.ones((1, n1)), np.ones((1, n0)))[0])
     boots = np.empty(n_boot)
-    step = max(1, 2_000_000 // (n1 + n0))  # bounded memory, as bootstrap_mean
+    step = max(1, 2_000_000 // (n1 + n0))  # bounded memory, as bootstrap_means
     for s in range(0, n_boot, step):
         k = min(step, n_boot - s)
         boots[s:s + k] = auc(rng.multinomial(n1, np.full(n1, 1 / n1), size=k),

@@ -472,9 +472,10 @@ def paired_rows(child: str, paired: dict) -> list[list[str]]:
 def stage_headline_rows(stages: dict[str, dict]) -> list[tuple[str, str, str]]:
     rows = []
     for st, key, label, kind in STAGE_HEADLINES:
-        v = dig(stages.get(st, {}), key)
+        m = stages.get(st, {})
+        v = dig(m, key)
         if _isnum(v):
-            interval = fmt_interval(dig(stages.get(st, {}), f"{key}_lo"), dig(stages.get(st, {}), f"{key}_hi"), kind)
+            interval = fmt_interval(dig(m, f"{key}_lo"), dig(m, f"{key}_hi"), kind)
             rows.append((st, label, f"{fmt_value(v, kind)} {interval}".strip()))
     return rows
 

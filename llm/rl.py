@@ -220,11 +220,8 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
         r, stats = reward_fn(ro, [problems[i] for i in ix])
         return float(r.double().sum()), len(ix), stats.get("rm_score")
 
-    kl = sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
-                    max_new_tokens=max_new_tokens, temperature=temperature,
-                    stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                    seed=derive_seed(seed, "heldout"), batch_size=batch_size,
-                    visit=score if reward_fn is not None else None, rt=rt)
+    kl = _heldout_samples(policy, ref, tokenizer, problems, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed, batch_size=batch_size, visit=score if reward_fn is not None else None, rt=rt)
     out["kl"] = kl.per_token
     if kl.visits:
         out["reward"] = sum(v[0] for v in kl.visits) / sum(v[1] for v in kl.visits)
@@ -232,6 +229,15 @@ def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequenc
         if with_rm:
             out["rm_score"] = sum(v[2] * v[1] for v in with_rm) / sum(v[1] for v in with_rm)
     return out, ev["samples"]
+
+
+def _heldout_samples(policy, ref, tokenizer, problems, *, max_new_tokens, temperature, seed, batch_size, visit, rt):
+    """The policy's samples for the held-out problems (one seed: the same draws every call for the
+    same policy) and the exact KL to `ref` at their states; `visit` sees each batch's rollouts."""
+    return sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
+                      max_new_tokens=max_new_tokens, temperature=temperature,
+                      stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
+                      seed=derive_seed(seed, "heldout"), batch_size=batch_size, visit=visit, rt=rt)
 
 
 @torch.no_grad()
@@ -244,10 +250,8 @@ def heldout_rewards(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequ
         r, _ = reward_fn(ro, [problems[i] for i in ix])
         return list(zip(ix, r.double().tolist()))
 
-    kl = sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
-                    max_new_tokens=max_new_tokens, temperature=temperature,
-                    stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                    seed=derive_seed(seed, "heldout"), batch_size=batch_size, visit=score, rt=rt)
+    kl = _heldout_samples(policy, ref, tokenizer, problems, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed, batch_size=batch_size, visit=score, rt=rt)
     out = [0.0] * len(problems)
     for i, r in (x for batch in kl.visits for x in batch):
         out[i] = r

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from llm.paired import compare, mcnemar_exact, parse_items, read_items, rm_separation, skills, t_quantile
+from llm.paired import (bootstrap_means, compare, mcnemar_exact, parse_items, read_items, rm_separation, skills,
+                        t_quantile)
 
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
@@ -223,19 +224,7 @@ def _run_boot(run: Run, child: str, parent: str, key: str, r: dict, n_boot: int,
     theirs = {x["id"]: x for x in run.items[parent] if x["set"] == item_set and which(x)}
     diffs = np.array([float(x[field]) - float(theirs[x["id"]][field])
                       for x in run.items[child] if x["set"] == item_set and which(x) and x["id"] in theirs])
-    return _boot_means(diffs, n_boot, rng)
-
-
-def _boot_means(diffs: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """(n_boot,) means of resamples of `diffs` with replacement, drawn in chunks of at most ~2M
-    indices (bounded memory)."""
-    n = len(diffs)
-    out = np.empty(n_boot)
-    step = max(1, 2_000_000 // n)
-    for s in range(0, n_boot, step):
-        k = min(step, n_boot - s)
-        out[s:s + k] = diffs[rng.integers(0, n, size=(k, n))].mean(1)
-    return out
+    return bootstrap_means(diffs, n_boot=n_boot, rng=rng)
 
 
 def levels(runs: list[Run], model: str, keys: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
@@ -281,7 +270,7 @@ def heldout_changes(runs: list[Run], stage: str, *, confidence: float = 0.95, n_
             return None
         diffs.append(np.asarray(end, dtype=np.float64) - np.asarray(start, dtype=np.float64))
     rng = np.random.default_rng([seed, *f"heldout/{stage}".encode()])
-    boot = sum(_boot_means(d, n_boot, rng) for d in diffs) / len(diffs)
+    boot = sum(bootstrap_means(d, n_boot=n_boot, rng=rng) for d in diffs) / len(diffs)
     alpha = (1 - confidence) / 2
     lo, hi = (float(q) for q in np.quantile(boot, [alpha, 1 - alpha]))
     deltas = [float(d.mean()) for d in diffs]
