@@ -1,0 +1,120 @@
+"""llm.average: the mean of a run's last checkpoints, written as a model directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm.artifacts import load_model_dir, save_model_dir
+from llm.average import average_run, average_states, main
+from llm.checkpoint import CheckpointError, save_checkpoint
+from llm.model import GPT, ModelConfig
+from llm.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, Path, list[dict[str, torch.Tensor]]]:
+    """A model directory (fingerprint "fp") and a run directory with three checkpoints of it
+    (steps 10, 20, 30), each with different weights; returns (run_dir, model_dir, states)."""
+    root = tmp_path_factory.mktemp("avg")
+    tok = Tokenizer.train(["abc abc abd abd abe, 12 + 7 = 19 " * 20], vocab_size=300, max_pairs=1000,
+                          min_frequency=1, jieba=False)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=16)
+    states = [GPT(cfg, seed=s).state_dict() for s in (1, 2, 3)]
+    for step, state in zip((10, 20, 30), states):
+        save_checkpoint(root / "run", step, model_state=state, train_state={"step": step}, fingerprint="fp", keep=3)
+    model = GPT(cfg, seed=0)
+    model.load_state_dict(states[-1])
+    like = save_model_dir(root / "sft", model, tok, {"stage": "sft", "fingerprint": "fp", "steps": 30})
+    return root / "run", like, states
+
+
+def test_average_states_is_the_elementwise_mean_in_each_dtype():
+    a = {"w": torch.tensor([1.0, 2.0]), "h": torch.tensor([1.0, 3.0], dtype=torch.bfloat16)}
+    b = {"w": torch.tensor([2.0, 5.0]), "h": torch.tensor([2.0, 4.0], dtype=torch.bfloat16)}
+    m = average_states([a, b])
+    assert torch.equal(m["w"], torch.tensor([1.5, 3.5]))
+    assert m["h"].dtype == torch.bfloat16 and torch.equal(m["h"], torch.tensor([1.5, 3.5], dtype=torch.bfloat16))
+    assert torch.equal(average_states([a])["w"], a["w"])
+
+
+@pytest.mark.parametrize("other, match", [
+    ({"v": torch.zeros(2)}, "other tensors"),
+    ({"w": torch.zeros(3)}, "shape or dtype"),
+    ({"w": torch.zeros(2, dtype=torch.float64)}, "shape or dtype"),
+])
+def test_average_states_refuses_states_that_do_not_line_up(other, match):
+    with pytest.raises(ValueError, match=match):
+        average_states([{"w": torch.zeros(2)}, other])
+
+
+def test_average_states_refuses_integers_and_nothing():
+    with pytest.raises(ValueError, match="only floating-point"):
+        average_states([{"n": torch.tensor([1, 2])}])
+    with pytest.raises(ValueError, match="no state dicts"):
+        average_states([])
+
+
+def test_the_last_two_checkpoints_averaged_into_a_model_directory(run, tmp_path):
+    run_dir, like, states = run
+    meta = average_run(run_dir, like, tmp_path / "avg")
+    model, tok, saved_meta = load_model_dir(tmp_path / "avg")
+    _, like_tok, _ = load_model_dir(like)
+    for k, v in model.state_dict().items():
+        want = ((states[1][k].double() + states[2][k].double()) / 2).to(v.dtype)
+        assert torch.equal(v, want), k
+    assert saved_meta["averaged_checkpoints"] == [20, 30] == meta["averaged_checkpoints"]
+    assert saved_meta["stage"] == "sft" and saved_meta["fingerprint"] == "fp" and saved_meta["steps"] == 30
+    assert tok.sha256() == like_tok.sha256()
+
+
+def test_last_three_and_the_command_line(run, tmp_path, capsys):
+    run_dir, like, states = run
+    assert main([str(run_dir), str(like), str(tmp_path / "avg3"), "--last", "3"]) == 0
+    assert "steps 10, 20, 30" in capsys.readouterr().out
+    model, _, _ = load_model_dir(tmp_path / "avg3")
+    k = "lm_head.weight" if "lm_head.weight" in states[0] else next(iter(states[0]))
+    want = (sum(s[k].double() for s in states) / 3).to(states[0][k].dtype)
+    assert torch.equal(model.state_dict()[k], want)
+
+
+def test_refusals_name_what_to_do(run, tmp_path, capsys):
+    run_dir, like, _ = run
+    with pytest.raises(ValueError, match=r"3 checkpoint\(s\).*fewer than --last 4.*keep_checkpoints"):
+        average_run(run_dir, like, tmp_path / "x", last=4)
+    with pytest.raises(ValueError, match="would replace"):
+        average_run(run_dir, like, like)
+    with pytest.raises(FileNotFoundError, match="no run directory"):
+        average_run(tmp_path / "nowhere", like, tmp_path / "x")
+    assert main([str(tmp_path / "nowhere"), str(like), str(tmp_path / "x")]) == 1
+    assert "average: " in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_checkpoints_of_other_params_are_refused(run, tmp_path):
+    run_dir, like, states = run
+    other = tmp_path / "other"
+    for step in (1, 2):
+        save_checkpoint(other, step, model_state=states[0], train_state={}, fingerprint="another", keep=2)
+    with pytest.raises(CheckpointError, match="other params or inputs"):
+        average_run(other, like, tmp_path / "x")
+
+
+def test_a_corrupt_checkpoint_is_refused_before_anything_is_written(run, tmp_path):
+    import shutil
+
+    run_dir, like, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    f = copy / "ckpt-00000030" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        average_run(copy, like, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    assert json.loads((like / "meta.json").read_text())["fingerprint"] == "fp"
