@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable
 
 import torch
 
@@ -36,37 +36,46 @@ from llm.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 KEPT_META = ("stage", "fingerprint", "inputs", "parent", "steps")
 
 
-def average_states(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The elementwise mean of state dicts with the same names, shapes and dtypes."""
-    if not states:
+def average_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The elementwise mean of state dicts with the same names, shapes and dtypes. `states` may be
+    a generator: one state is held at a time, beside a float64 running sum."""
+    total: dict[str, torch.Tensor] = {}
+    like: dict[str, torch.Tensor] = {}
+    n = 0
+    for s in states:
+        if n == 0:
+            ints = [k for k, t in s.items() if not t.is_floating_point()]
+            if ints:
+                raise ValueError(f"average_states: {ints[:8]} are not floating point; only floats can be averaged")
+            like = {k: t.detach() for k, t in s.items()}
+            total = {k: t.detach().to(torch.float64) for k, t in s.items()}
+        else:
+            if s.keys() != like.keys():
+                diff = sorted(set(s) ^ set(like))
+                raise ValueError(f"average_states: state {n} has other tensors than state 0: {diff[:8]}")
+            bad = [k for k in like if s[k].shape != like[k].shape or s[k].dtype != like[k].dtype]
+            if bad:
+                raise ValueError(f"average_states: state {n} differs from state 0 in shape or dtype at {bad[:8]}")
+            for k in total:
+                total[k] += s[k].detach().to(torch.float64)
+        n += 1
+    if n == 0:
         raise ValueError("average_states: no state dicts to average")
-    first = states[0]
-    for i, s in enumerate(states[1:], 1):
-        if s.keys() != first.keys():
-            diff = sorted(set(s) ^ set(first))
-            raise ValueError(f"average_states: state {i} has other tensors than state 0: {diff[:8]}")
-        bad = [k for k in first if s[k].shape != first[k].shape or s[k].dtype != first[k].dtype]
-        if bad:
-            raise ValueError(f"average_states: state {i} differs from state 0 in shape or dtype at {bad[:8]}")
-    out = {}
-    for k, t in first.items():
-        if not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"average_states: {k} is {t.dtype}; only floating-point tensors can be averaged")
-        total = sum(s[k].detach().to(torch.float64) for s in states)
-        out[k] = (total / len(states)).to(t.dtype)
-    return out
+    return {k: (t / n).to(like[k].dtype) for k, t in total.items()}
 
 
 def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: int = 2) -> dict:
     """Write the mean of the last `last` checkpoints of `run_dir` as a model directory `out`
-    shaped like `like`; returns the new directory's meta."""
+    shaped like `like`; returns the new directory's meta. The checkpoints are read one at a
+    time, each verified (llm.checkpoint.load_checkpoint) and checked against `like`'s
+    fingerprint; nothing is written unless all of them pass."""
     from llm.artifacts import load_model_dir, save_model_dir
 
     run_dir, like, out = Path(run_dir), Path(like), Path(out)
     if last < 1:
         raise ValueError(f"--last must be at least 1, got {last}")
     if out.resolve() == like.resolve():
-        raise ValueError(f"{out}: the output would replace {like}, which DVC tracks; write elsewhere")
+        raise ValueError(f"{out}: the output would overwrite the stage's model directory {like}; write elsewhere")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no run directory here (run the stage first, e.g. `dvc repro sft`)")
     model, tokenizer, meta = load_model_dir(like)
@@ -74,20 +83,23 @@ def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: in
     if len(found) < last:
         raise ValueError(f"{run_dir}: {len(found)} checkpoint(s) ({', '.join(p.name for _, p in found) or 'none'}),"
                          f" fewer than --last {last}; lower --last, or keep more (<stage>.keep_checkpoints)")
-    ckpts = [load_checkpoint(p) for _, p in found[:last]]
-    want = meta.get("fingerprint")
-    other = [c.path.name for c in ckpts if c.fingerprint != want]
-    if other:
-        raise CheckpointError(f"{run_dir}: {', '.join(other)} come from other params or inputs than {like}"
-                              f" (fingerprint {str(want)[:12]}); average the run that wrote {like}")
-    names = set(model.state_dict())
-    states = [{k: v for k, v in c.model_state.items() if k in names} for c in ckpts]
-    missing = sorted(names - set(states[0]))
-    if missing:
-        raise CheckpointError(f"{ckpts[0].path}: lacks {missing[:8]}, which {like} has")
-    model.load_state_dict(average_states(states), strict=True)
+    want, names, steps = meta.get("fingerprint"), set(model.state_dict()), []
+
+    def states():
+        for _, path in found[:last]:
+            c = load_checkpoint(path)
+            if c.fingerprint != want:
+                raise CheckpointError(f"{path}: comes from other params or inputs than {like} (fingerprint"
+                                      f" {c.fingerprint[:12]}, not {str(want)[:12]}); average the run that wrote {like}")
+            missing = sorted(names - set(c.model_state))
+            if missing:
+                raise CheckpointError(f"{path}: lacks {missing[:8]}, which {like} has")
+            steps.append(c.step)
+            yield {k: v for k, v in c.model_state.items() if k in names}
+
+    model.load_state_dict(average_states(states()), strict=True)
     new_meta = {k: meta[k] for k in KEPT_META if k in meta}
-    new_meta["averaged_checkpoints"] = sorted(c.step for c in ckpts)
+    new_meta["averaged_checkpoints"] = sorted(steps)
     new_meta["averaged_from"] = str(run_dir)
     save_model_dir(out, model, tokenizer, new_meta)
     return new_meta

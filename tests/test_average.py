@@ -53,7 +53,7 @@ def test_average_states_refuses_states_that_do_not_line_up(other, match):
 
 
 def test_average_states_refuses_integers_and_nothing():
-    with pytest.raises(ValueError, match="only floating-point"):
+    with pytest.raises(ValueError, match="only floats can be averaged"):
         average_states([{"n": torch.tensor([1, 2])}])
     with pytest.raises(ValueError, match="no state dicts"):
         average_states([])
@@ -86,7 +86,7 @@ def test_refusals_name_what_to_do(run, tmp_path, capsys):
     run_dir, like, _ = run
     with pytest.raises(ValueError, match=r"3 checkpoint\(s\).*fewer than --last 4.*keep_checkpoints"):
         average_run(run_dir, like, tmp_path / "x", last=4)
-    with pytest.raises(ValueError, match="would replace"):
+    with pytest.raises(ValueError, match="would overwrite the stage.s model directory"):
         average_run(run_dir, like, like)
     with pytest.raises(FileNotFoundError, match="no run directory"):
         average_run(tmp_path / "nowhere", like, tmp_path / "x")
