@@ -40,20 +40,20 @@ def average_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch
     """The elementwise mean of state dicts with the same names, shapes and dtypes. `states` may be
     a generator: one state is held at a time, beside a float64 running sum."""
     total: dict[str, torch.Tensor] = {}
-    like: dict[str, torch.Tensor] = {}
+    like: dict[str, tuple[torch.Size, torch.dtype]] = {}  # state 0's shapes and dtypes, not its tensors
     n = 0
     for s in states:
         if n == 0:
             ints = [k for k, t in s.items() if not t.is_floating_point()]
             if ints:
                 raise ValueError(f"average_states: {ints[:8]} are not floating point; only floats can be averaged")
-            like = {k: t.detach() for k, t in s.items()}
+            like = {k: (t.shape, t.dtype) for k, t in s.items()}
             total = {k: t.detach().to(torch.float64) for k, t in s.items()}
         else:
             if s.keys() != like.keys():
                 diff = sorted(set(s) ^ set(like))
                 raise ValueError(f"average_states: state {n} has other tensors than state 0: {diff[:8]}")
-            bad = [k for k in like if s[k].shape != like[k].shape or s[k].dtype != like[k].dtype]
+            bad = [k for k in like if (s[k].shape, s[k].dtype) != like[k]]
             if bad:
                 raise ValueError(f"average_states: state {n} differs from state 0 in shape or dtype at {bad[:8]}")
             for k in total:
@@ -61,7 +61,7 @@ def average_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch
         n += 1
     if n == 0:
         raise ValueError("average_states: no state dicts to average")
-    return {k: (t / n).to(like[k].dtype) for k, t in total.items()}
+    return {k: (t / n).to(like[k][1]) for k, t in total.items()}
 
 
 def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: int = 2) -> dict:
