@@ -20,7 +20,9 @@ they take any other.
     out       the new model directory (written atomically); its meta.json names the steps
               averaged and keeps the stage's provenance
 
-The pipeline itself does not average: `dvc repro` writes what the stage trained.
+SFT averages within its stage when `sft.average_last` is above 1 (the `cpu` profile: its last 4
+checkpoints, 100 steps apart); this tool gives another N, or another stage's run, as a model
+directory of its own.
 """
 from __future__ import annotations
 
@@ -64,11 +66,43 @@ def average_states(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch
     return {k: (t / n).to(like[k][1]) for k, t in total.items()}
 
 
+def average_checkpoints(run_dir: str | Path, last: int, *, fingerprint: str, names: Iterable[str],
+                        source: str = "this run") -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The mean of the model weights `names` at the newest `last` checkpoints of `run_dir`, and
+    their steps (ascending). The checkpoints are read one at a time, each verified
+    (llm.checkpoint.load_checkpoint) and required to carry `fingerprint` (`source` names where
+    that fingerprint comes from, for the error)."""
+    run_dir, names = Path(run_dir), set(names)
+    if last < 1:
+        raise ValueError(f"--last must be at least 1, got {last}")
+    found = list_checkpoints(run_dir)  # newest first
+    if len(found) < last:
+        raise ValueError(f"{run_dir}: {len(found)} checkpoint(s) ({', '.join(p.name for _, p in found) or 'none'}),"
+                         f" fewer than the {last} to average; average fewer (--last, or sft.average_last), or keep"
+                         f" more (<stage>.keep_checkpoints)")
+    steps: list[int] = []
+
+    def states():
+        for _, path in found[:last]:
+            c = load_checkpoint(path)
+            if c.fingerprint != fingerprint:
+                raise CheckpointError(f"{path}: comes from other params or inputs than {source} (fingerprint"
+                                      f" {c.fingerprint[:12]}, not {str(fingerprint)[:12]}); average the run that"
+                                      f" wrote {source}")
+            missing = sorted(names - set(c.model_state))
+            if missing:
+                raise CheckpointError(f"{path}: lacks {missing[:8]}, which {source} has")
+            steps.append(c.step)
+            yield {k: v for k, v in c.model_state.items() if k in names}
+
+    state = average_states(states())
+    return state, sorted(steps)
+
+
 def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: int = 2) -> dict:
     """Write the mean of the last `last` checkpoints of `run_dir` as a model directory `out`
-    shaped like `like`; returns the new directory's meta. The checkpoints are read one at a
-    time, each verified (llm.checkpoint.load_checkpoint) and checked against `like`'s
-    fingerprint; nothing is written unless all of them pass."""
+    shaped like `like`; returns the new directory's meta. The checkpoints must carry `like`'s
+    fingerprint; nothing is written unless all of them pass (average_checkpoints)."""
     from llm.artifacts import load_model_dir, save_model_dir
 
     run_dir, like, out = Path(run_dir), Path(like), Path(out)
@@ -79,27 +113,11 @@ def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: in
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no run directory here (run the stage first, e.g. `dvc repro sft`)")
     model, tokenizer, meta = load_model_dir(like)
-    found = list_checkpoints(run_dir)  # newest first
-    if len(found) < last:
-        raise ValueError(f"{run_dir}: {len(found)} checkpoint(s) ({', '.join(p.name for _, p in found) or 'none'}),"
-                         f" fewer than --last {last}; lower --last, or keep more (<stage>.keep_checkpoints)")
-    want, names, steps = meta.get("fingerprint"), set(model.state_dict()), []
-
-    def states():
-        for _, path in found[:last]:
-            c = load_checkpoint(path)
-            if c.fingerprint != want:
-                raise CheckpointError(f"{path}: comes from other params or inputs than {like} (fingerprint"
-                                      f" {c.fingerprint[:12]}, not {str(want)[:12]}); average the run that wrote {like}")
-            missing = sorted(names - set(c.model_state))
-            if missing:
-                raise CheckpointError(f"{path}: lacks {missing[:8]}, which {like} has")
-            steps.append(c.step)
-            yield {k: v for k, v in c.model_state.items() if k in names}
-
-    model.load_state_dict(average_states(states()), strict=True)
+    state, steps = average_checkpoints(run_dir, last, fingerprint=meta.get("fingerprint"),
+                                       names=model.state_dict(), source=str(like))
+    model.load_state_dict(state, strict=True)
     new_meta = {k: meta[k] for k in KEPT_META if k in meta}
-    new_meta["averaged_checkpoints"] = sorted(steps)
+    new_meta["averaged_checkpoints"] = steps
     new_meta["averaged_from"] = str(run_dir)
     save_model_dir(out, model, tokenizer, new_meta)
     return new_meta

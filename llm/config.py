@@ -358,6 +358,21 @@ class SFTConfig(TrainConfig):
     min_source_examples: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="a source (the records' `source` field) with fewer"
                                   " training conversations than this is repeated whole until it has at least"
                                   " this many; 0: each conversation once")
+    average_last: int = _f(1, lo=1, hi=1000, added=True, doc="the model written is the mean of the weights at the"
+                           " run's last this many checkpoints (the final step's among them; checkpoint_every"
+                           " apart); 1: the final weights")
+
+    def check(self, key: str) -> list[str]:
+        out = super().check(key)
+        if self.average_last > self.keep_checkpoints:
+            out.append(f"{key}.average_last: {self.average_last} checkpoints to average, but keep_checkpoints="
+                       f"{self.keep_checkpoints} keeps fewer; raise keep_checkpoints to at least {self.average_last}")
+        written = -(-self.max_steps // self.checkpoint_every)  # the multiples of checkpoint_every, and the last step
+        if self.average_last > written:
+            out.append(f"{key}.average_last: {self.average_last} checkpoints to average, but max_steps={self.max_steps}"
+                       f" with checkpoint_every={self.checkpoint_every} writes {written}; lower checkpoint_every"
+                       f" or average_last")
+        return out
 
 
 @dataclass(kw_only=True)

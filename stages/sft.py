@@ -19,16 +19,23 @@ rose together, so the `cpu` profile takes 200 with lr 2e-3 (docs/log.md). The lo
 llm/trainer.py's, with the same checkpoints, resume, non-finite policy and `torchrun` support
 as pretrain.
 
+With `sft.average_last` above 1 the model written is the mean of the weights at the run's last
+that many checkpoints (llm/average.py): a model at the end of training depends on its last few
+batches, and the mean of the last ones scored better on held-out math (docs/log.md); its
+metrics then give the validation loss of both.
+
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
 held-out math exact match with a 95% interval), the curves (sft{.tsv,_val.tsv,.png}) and the
 run directory (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from llm.average import average_checkpoints
 from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate, upsample_sources
 from llm.chat import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
@@ -37,7 +44,7 @@ from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
-from llm.trainer import lm_loss, supervised_lm_loss, train
+from llm.trainer import evaluate, lm_loss, supervised_lm_loss, train
 
 STAGE = "sft"
 INPUTS = {"base": "the pretrained model directory", "data": "cleaned conversations: train.jsonl, val.jsonl",
@@ -115,9 +122,24 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     if not rt.is_main:
         return None
     out_model = GPT(gpt.config, seed=0)
-    out_model.load_state_dict(state)
+    m = dict(result.metrics)
+    averaged = None
+    if cfg.average_last > 1:
+        # the written model is the mean of the last checkpoints (the final step's among them):
+        # it depends less on the last few batches than the final weights do (docs/log.md)
+        state, averaged = average_checkpoints(run_dir, cfg.average_last, fingerprint=fp, names=state,
+                                              source=f"this {STAGE} run")
+        out_model.load_state_dict(state)
+        m["val_loss_last"] = m.get("val_loss")
+        if val_batches:  # the validation loss of the model written; one process reads it
+            m.update(evaluate(out_model.to(rt.device), val_batches, loss_fn, replace(rt, rank=0, world_size=1)))
+        losses = (f" (val loss {m['val_loss']:.4f}; the final weights' {m['val_loss_last']:.4f})"
+                  if val_batches else "")
+        print(f"{STAGE}: the model is the mean of the weights at steps {', '.join(map(str, averaged))}{losses}",
+              flush=True)
+    else:
+        out_model.load_state_dict(state)
     out_model.eval()
-    m = result.metrics
     out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
         "assistant_tokens_trained": int(sum(r.get("weight", 0) for r in result.train_history)),
@@ -128,6 +150,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     }
     if upsampled:  # only then, so that a run repeating nothing writes what it wrote before the option
         out.update(train_records=n_records, sources_upsampled=len(upsampled))
+    if averaged:
+        out.update(averaged_steps=averaged, val_loss_last=m["val_loss_last"])
     if cfg.eval_math_problems:
         problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
         ev = math_eval(out_model.to(rt.device), tok, problems, max_new_tokens=cfg.max_new_tokens,
@@ -135,7 +159,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         out.update({k: v for k, v in ev.items() if k != "samples"})
         out["math_samples"] = ev["samples"][:3]
     save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                 "parent": str(base), "steps": result.step})
+                                                 "parent": str(base), "steps": result.step,
+                                                 **({"averaged_checkpoints": averaged} if averaged else {})})
     publish_curves(curves, plots, STAGE)
     write_metrics(metrics, out)
     return out

@@ -84,7 +84,7 @@ def test_last_three_and_the_command_line(run, tmp_path, capsys):
 
 def test_refusals_name_what_to_do(run, tmp_path, capsys):
     run_dir, like, _ = run
-    with pytest.raises(ValueError, match=r"3 checkpoint\(s\).*fewer than --last 4.*keep_checkpoints"):
+    with pytest.raises(ValueError, match=r"3 checkpoint\(s\).*fewer than the 4 to average.*keep_checkpoints"):
         average_run(run_dir, like, tmp_path / "x", last=4)
     with pytest.raises(ValueError, match="would overwrite the stage.s model directory"):
         average_run(run_dir, like, like)
@@ -118,3 +118,97 @@ def test_a_corrupt_checkpoint_is_refused_before_anything_is_written(run, tmp_pat
         average_run(copy, like, tmp_path / "x")
     assert not (tmp_path / "x").exists()
     assert json.loads((like / "meta.json").read_text())["fingerprint"] == "fp"
+
+
+# ---------------------------------------------------------------------------
+# SFT's own averaging (sft.average_last)
+
+def _sft_section(**over) -> dict:
+    sec = dict(bucket_width=8, eval_math_problems=2, max_new_tokens=8, min_source_examples=0, max_steps=6,
+               batch_size=4, grad_accum=1, distributed="ddp", lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.0,
+               beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=3, eval_batches=2, log_every=1, checkpoint_every=2,
+               keep_checkpoints=3, nonfinite_policy="raise", nonfinite_budget=0, activation_checkpointing=False,
+               compile=False, average_last=1)
+    sec.update(over)
+    return sec
+
+
+@pytest.fixture(scope="module")
+def sft_workspace(tmp_path_factory) -> Path:
+    """models/base (a tiny GPT), data/clean_sft/{train,val}.jsonl and data/prepared/rl/val.jsonl."""
+    import random
+
+    from llm.generators import math_problem
+
+    ws = tmp_path_factory.mktemp("sft")
+    rng = random.Random(0)
+    problems = [math_problem(rng, 1, "en") for _ in range(40)]
+    convs = [{"id": f"m{i}", "source": "generated/math_en", "messages": [
+        {"role": "user", "content": p.question}, {"role": "assistant", "content": p.solution}]} for i, p in enumerate(problems)]
+    for name, recs in (("data/clean_sft/train.jsonl", convs[:32]), ("data/clean_sft/val.jsonl", convs[32:]),
+                       ("data/prepared/rl/val.jsonl", [{"id": f"v{i}", "question": p.question, "answer": str(p.answer)}
+                                                        for i, p in enumerate(problems[32:])])):
+        (ws / name).parent.mkdir(parents=True, exist_ok=True)
+        (ws / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = Tokenizer.train([p.question + " " + p.solution for p in problems] * 2, vocab_size=320, max_pairs=5000,
+                          min_frequency=2, required_tokens=["####"], jieba=False)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, seq_len=128, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    save_model_dir(ws / "models/base", GPT(cfg, seed=1), tok, {"stage": "pretrain", "fingerprint": "base-fp"})
+    return ws
+
+
+def _run_sft(ws: Path, name: str, **over) -> tuple[dict, Path]:
+    """The sft stage as dvc.yaml runs it, its outputs under `name`/; returns (metrics, model dir)."""
+    import yaml
+
+    import stages.sft
+    from llm.metrics import read_metrics
+    from tests.conftest import common_params, dvc_command
+
+    out = ws / name
+    out.mkdir()
+    (out / "params.yaml").write_text(yaml.safe_dump({"common": common_params(), "sft": _sft_section(**over)}))
+    argv = dvc_command("sft")[3:]  # after `python -m stages.sft`
+    outputs = {"--run-dir", "--model", "--metrics", "--plots"}
+    argv = [a if a.startswith("--") else str((out if prev in outputs else ws) / a) for prev, a in zip([""] + argv, argv)]
+    assert stages.sft.main([*argv, "--params", str(out / "params.yaml"), "--no-progress"]) == 0
+    return read_metrics(out / "metrics/sft.json"), out / "models/sft"
+
+
+def test_sft_writes_the_mean_of_its_last_checkpoints(sft_workspace):
+    from llm.checkpoint import load_checkpoint
+
+    plain, plain_dir = _run_sft(sft_workspace, "plain")
+    avg, avg_dir = _run_sft(sft_workspace, "avg", average_last=3)
+    assert "averaged_steps" not in plain and "val_loss_last" not in plain
+    assert avg["averaged_steps"] == [2, 4, 6]
+    # training is the same: the final weights of the averaging run are the plain run's model
+    final = load_checkpoint(sft_workspace / "avg/runs/sft/ckpt-00000006").model_state
+    plain_model, _, _ = load_model_dir(plain_dir)
+    for k, v in plain_model.state_dict().items():
+        assert torch.equal(final[k], v), k
+    assert avg["val_loss_last"] == plain["val_loss"]
+    # the model written is the mean of steps 2, 4 and 6, and its val loss is its own
+    model, _, meta = load_model_dir(avg_dir)
+    states = [load_checkpoint(sft_workspace / f"avg/runs/sft/ckpt-0000000{s}").model_state for s in (2, 4, 6)]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, (sum(s[k].double() for s in states) / 3).to(v.dtype)), k
+    assert meta["averaged_checkpoints"] == [2, 4, 6] and meta["steps"] == 6
+    assert avg["val_loss"] != avg["val_loss_last"]
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(average_last=4, keep_checkpoints=3), r"sft.average_last: 4 .*keep_checkpoints=3.*at least 4"),
+    (dict(average_last=3, keep_checkpoints=3, checkpoint_every=3), r"sft.average_last: 3 .*max_steps=6 with"
+                                                                     r" checkpoint_every=3 writes 2"),
+])
+def test_sft_average_last_that_cannot_be_met_is_refused_by_the_params_check(tmp_path, over, match):
+    import yaml
+
+    from llm.config import ConfigError, load_sections
+    from tests.conftest import common_params
+
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump({"common": common_params(), "sft": _sft_section(**over)}))
+    with pytest.raises(ConfigError, match=match):
+        load_sections(["common", "sft"], p)
