@@ -38,6 +38,7 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
                                                     temperature, not 48 calls (221 s at 77m)
     eval_every, checkpoint_every, log_every 1;      evaluation and checkpointing run once, on
       eval_batches 1                                the single step
+    sft.average_last 1                              one step writes one checkpoint to average
     *.max_new_tokens 8                              generation proves the KV-cache path in 8 steps
     sft.eval_math_problems, *.eval_problems,        one problem or prompt each
       *.kl_prompts, eval.* counts 1; pairs.n_prompts 16 (pairs for DPO's train and val
@@ -77,7 +78,7 @@ CUTS: dict[str, dict] = {
                 "task_val": 20, "task_test": 3, "arithmetic_test": 14, "arithmetic_train": 40, "pref_train": 200, "pref_val": 40},
     "tokenizer": {"min_frequency": 1},
     "pretrain": STEPS,
-    "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8},
+    "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8, "average_last": 1},
     "reward": {**STEPS, "min_accuracy": 0.0},
     "pairs": {"n_prompts": 16, "batch_size": 16, "max_new_tokens": 8},
     "dpo": {**STEPS, "kl_prompts": 1, "max_new_tokens": 8, "max_kl": 1e9},

@@ -103,6 +103,7 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("clean_sft", "train.kept", "conversations kept", "int"),
     ("clean_sft", "train.dropped_total", "conversations dropped", "int"),
     ("sft", "val_loss", "held-out loss", "num"),
+    ("sft", "val_loss_last", "held-out loss of the final weights (the model is the mean of the last checkpoints)", "num"),
     ("sft", "math_exact_match", "validation math", "pct"),
     ("reward", "accuracy", "held-out pairs ranked right", "pct"),
     ("pairs", "pairs", "preference pairs", "int"),

@@ -356,3 +356,10 @@ def test_stage_headlines_carry_their_intervals():
     assert ("ppo", "held-out reward, change on the same problems and draws", "0.033 [0.001, 0.070]") in rows
     assert ("ppo", "rollout reward, first steps", "0.900") in rows  # no interval: the value alone
     assert ("reward", "held-out pairs ranked right", "98.0%") in rows
+
+
+def test_an_averaged_sft_shows_the_loss_of_its_final_weights_beside_its_own():
+    rows = stage_headline_rows({"sft": {"val_loss": 0.071, "val_loss_last": 0.083}})
+    assert ("sft", "held-out loss", "0.071") in rows
+    assert ("sft", "held-out loss of the final weights (the model is the mean of the last checkpoints)", "0.083") in rows
+    assert not [r for r in stage_headline_rows({"sft": {"val_loss": 0.071}}) if "final weights" in r[1]]
