@@ -463,16 +463,19 @@ def test_any_edit_of_params_is_refused_cleanly_or_loads_in_bounds(tmp_path_facto
 
 
 def test_a_key_added_at_its_neutral_default_leaves_the_fingerprint_as_before():
-    """`sft.min_source_examples` came after SFT runs were made without it: at 0 (each
-    conversation once, what those runs did) the fingerprint is the one of the config without
-    the key, so their checkpoints resume; at any other value it is a different run."""
+    """`sft.min_source_examples` and `sft.average_last` came after SFT runs were made without
+    them: at 0 and 1 (each conversation once, the final weights: what those runs did) the
+    fingerprint is the one of the config without the keys, so their checkpoints resume; at any
+    other value it is a different run."""
     from llm.config import fingerprint, to_dict
     sections = load_sections(["common", "sft"], ROOT / "params.yaml")
-    common, sft = sections["common"], dataclasses.replace(sections["sft"], min_source_examples=0)
-    before = {k: v for k, v in to_dict(sft).items() if k != "min_source_examples"}
+    common, sft = sections["common"], dataclasses.replace(sections["sft"], min_source_examples=0, average_last=1)
+    added = {f.name for f in dataclasses.fields(sft) if f.metadata.get("added")}  # average_last came later still
+    assert {"min_source_examples", "average_last"} <= added
+    before = {k: v for k, v in to_dict(sft).items() if k not in added}
     assert fingerprint(common, sft, {"base": "x"}) == fingerprint(common, before, {"base": "x"})
-    more = dataclasses.replace(sft, min_source_examples=500)
-    assert fingerprint(common, more, {"base": "x"}) != fingerprint(common, sft, {"base": "x"})
+    for more in (dataclasses.replace(sft, min_source_examples=500), dataclasses.replace(sft, average_last=4)):
+        assert fingerprint(common, more, {"base": "x"}) != fingerprint(common, sft, {"base": "x"})
 
 
 def test_an_added_key_inside_a_nested_section_is_left_out_at_its_default_too():
