@@ -166,7 +166,7 @@ def _run_sft(ws: Path, name: str, **over) -> tuple[dict, Path]:
     from tests.conftest import common_params, dvc_command
 
     out = ws / name
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     (out / "params.yaml").write_text(yaml.safe_dump({"common": common_params(), "sft": _sft_section(**over)}))
     argv = dvc_command("sft")[3:]  # after `python -m stages.sft`
     outputs = {"--run-dir", "--model", "--metrics", "--plots"}
@@ -195,6 +195,21 @@ def test_sft_writes_the_mean_of_its_last_checkpoints(sft_workspace):
         assert torch.equal(v, (sum(s[k].double() for s in states) / 3).to(v.dtype)), k
     assert meta["averaged_checkpoints"] == [2, 4, 6] and meta["steps"] == 6
     assert avg["val_loss"] != avg["val_loss_last"]
+
+
+def test_sft_rerun_after_its_last_step_writes_the_same_mean(sft_workspace):
+    """A stage stopped after its last step but before its model was written resumes at its final
+    checkpoint, trains nothing, and averages the same checkpoints into the same bytes."""
+    import shutil
+
+    first, model_dir = _run_sft(sft_workspace, "again", average_last=2)
+    before = {f.name: f.read_bytes() for f in model_dir.iterdir() if f.is_file()}
+    shutil.rmtree(model_dir)
+    second, model_dir = _run_sft(sft_workspace, "again", average_last=2)
+    assert {f.name: f.read_bytes() for f in model_dir.iterdir() if f.is_file()} == before
+    assert second["averaged_steps"] == first["averaged_steps"] == [4, 6]
+    assert second["val_loss"] == first["val_loss"] and second["val_loss_last"] == first["val_loss_last"]
+    assert second["train_time_s"] == first["train_time_s"]  # restored from the final checkpoint: no step ran
 
 
 @pytest.mark.parametrize("over, match", [
