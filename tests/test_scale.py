@@ -314,7 +314,8 @@ def _fsdp_workspace(root: Path, stage: str) -> Path:
         _write_jsonl(ws / "data/prepared/rl/val.jsonl", rl[:4])
     p = params()
     # the task kinds have about 6 conversations each here: below 8 they are repeated (both sides)
-    p["sft"] = {**tcfg(), "bucket_width": 16, "eval_math_problems": 4, "max_new_tokens": 8, "min_source_examples": 8}
+    p["sft"] = {**tcfg(), "bucket_width": 16, "eval_math_problems": 4, "max_new_tokens": 8, "min_source_examples": 8,
+                "average_last": 2}
     p["dpo"]["trainable"] = ["norm_f.weight", "blocks.1.*"]  # FSDP with frozen parameters
     p[stage].update(grad_accum=2, distributed="fsdp")
     (ws / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
@@ -325,7 +326,8 @@ def _fsdp_workspace(root: Path, stage: str) -> Path:
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
 def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, stage):
     """`<stage>.distributed: fsdp` with common.nproc 2 (parameters, gradients and AdamW moments
-    sharded; DPO's frozen reference is never wrapped): the losses and the model of one process."""
+    sharded; DPO's frozen reference is never wrapped): the losses and the model of one process.
+    SFT writes the mean of its last two checkpoints, which rank 0 reads back alone."""
     from llm.artifacts import load_model_dir
     src = _fsdp_workspace(tmp_path / "src", stage)
     runs = {}
@@ -339,6 +341,8 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, stage):
         assert "repeated 2x (fewer than min_source_examples=8)" in r.stdout, r.stdout
         m = json.loads((runs[2] / "metrics/sft.json").read_text())
         assert m["sources_upsampled"] > 0 and m["train_conversations"] > m["train_records"] == 50
+        assert "the model is the mean of the weights at steps 2, 4" in r.stdout, r.stdout
+        assert m["val_loss"] != m["val_loss_last"]
     one, two = _curve(runs[1], stage), _curve(runs[2], stage)
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
