@@ -106,8 +106,6 @@ def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: in
     from llm.artifacts import load_model_dir, save_model_dir
 
     run_dir, like, out = Path(run_dir), Path(like), Path(out)
-    if last < 1:
-        raise ValueError(f"--last must be at least 1, got {last}")
     if out.resolve() == like.resolve():
         raise ValueError(f"{out}: the output would overwrite the stage's model directory {like}; write elsewhere")
     if not run_dir.is_dir():

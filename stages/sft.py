@@ -129,7 +129,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         # the written model is the mean of the last checkpoints (the final step's among them)
         state, averaged = average_checkpoints(run_dir, cfg.average_last, fingerprint=fp, names=state,
                                               source=f"this {STAGE} run")
-        out_model.load_state_dict(state)
+    out_model.load_state_dict(state)
+    if averaged:
         m["val_loss_last"] = m.get("val_loss")
         if val_batches:  # the validation loss of the model written; one process reads it
             m.update(evaluate(out_model.to(rt.device), val_batches, loss_fn, replace(rt, rank=0, world_size=1)))
@@ -137,8 +138,6 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
                   if val_batches else "")
         print(f"{STAGE}: the model is the mean of the weights at steps {', '.join(map(str, averaged))}{losses}",
               flush=True)
-    else:
-        out_model.load_state_dict(state)
     out_model.eval()
     out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),

@@ -86,6 +86,8 @@ def test_refusals_name_what_to_do(run, tmp_path, capsys):
     run_dir, like, _ = run
     with pytest.raises(ValueError, match=r"3 checkpoint\(s\).*fewer than the 4 to average.*keep_checkpoints"):
         average_run(run_dir, like, tmp_path / "x", last=4)
+    with pytest.raises(ValueError, match="--last must be at least 1, got 0"):
+        average_run(run_dir, like, tmp_path / "x", last=0)
     with pytest.raises(ValueError, match="would overwrite the stage.s model directory"):
         average_run(run_dir, like, like)
     with pytest.raises(FileNotFoundError, match="no run directory"):
