@@ -167,6 +167,9 @@ class PrepareConfig:
     math_pretrain_docs: int = _f(lo=0, hi=MAX_COUNT, doc="generated math problems added to the pretraining text")
     task_train: int = _f(lo=0, hi=MAX_COUNT)
     task_val: int = _f(lo=0, hi=MAX_COUNT)
+    task_weights: list[float] = _f([], lo=0.0, hi=1e6, added=True, doc="relative share of each instruction task"
+                                   " kind among task_train and task_val, in the order reverse, uppercase, sort,"
+                                   " count_words, last_word, repeat, max; [] draws them evenly")
     task_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only instruction tasks per kind, none a training prompt"
                         " (a kind with fewer unseen prompts gets fewer)")
     arithmetic_test: int = _f(lo=0, hi=MAX_COUNT, doc="evaluation-only bare calculations (\"What is 7 + 5?\"), none a"

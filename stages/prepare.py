@@ -117,6 +117,18 @@ def _arithmetic_conversations(cfg, seed: int, asked: set[str]) -> list[dict]:
         for i, q in enumerate(questions)]
 
 
+def _task_weights(cfg) -> list[float] | None:
+    """`prepare.task_weights` checked against the task kinds; None draws the kinds evenly (with
+    one `rng.choice`, as every run before the key did, so their data stays byte for byte)."""
+    w = cfg.task_weights
+    if not w:
+        return None
+    if len(w) != len(TASK_KINDS) or not sum(w) > 0:
+        raise DataError(f"prepare.task_weights: expected {len(TASK_KINDS)} weights, one per task kind in the order"
+                        f" {', '.join(TASK_KINDS)}, not all zero (or [] for even shares); got {w}")
+    return list(w)
+
+
 def _bare_calculations(rng: random.Random, cfg, key: str, skip, where: str) -> list:
     """`cfg.<key>` distinct bare calculations (by question) for which `skip` is false."""
     n = getattr(cfg, key)
@@ -172,13 +184,16 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
                 data["sft"][split].append({"id": rid, "source": f"generated/math_{p.lang}", "messages": [
                     {"role": "user", "content": p.question}, {"role": "assistant", "content": p.solution}]})
 
-    # Instruction tasks (prompts already used for val are not reused for train).
+    # Instruction tasks (prompts already used for val are not reused for train), of kinds drawn
+    # evenly or in the shares of `task_weights`. A kind with few distinct prompts (reverse,
+    # repeat) runs out early and leaves its share to the others.
     seen_tasks: set[str] = set()
+    weights = _task_weights(cfg)
     for split, n in (("val", cfg.task_val), ("train", cfg.task_train)):
         count, attempts = 0, 0
         while count < n and attempts < 50 * n + 1000:
             attempts += 1
-            t = task(rng)
+            t = task(rng, rng.choices(TASK_KINDS, weights)[0] if weights else None)
             if t.prompt in seen_tasks:
                 continue
             seen_tasks.add(t.prompt)

@@ -103,6 +103,22 @@ def test_bare_calculations_for_sft_are_appended_and_never_asked_by_eval(tmp_path
     assert metrics["by_source"]["sft/train"]["generated/arithmetic"] == 600
 
 
+def test_task_weights_set_each_kinds_share(tmp_path):
+    """prepare.task_weights draws the instruction task kinds in the given shares (a zero weight
+    none at all); a list that is not one weight per kind is refused, naming the key and the order."""
+    r = _run_prepare(tmp_path, task_train=3000, task_test=0, task_weights=[0, 0, 3, 1, 0, 0, 0])
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads((tmp_path / "metrics" / "prepare.json").read_text())
+    tasks = {k.removeprefix("generated/task_"): n for k, n in metrics["by_source"]["sft/train"].items()
+             if k.startswith("generated/task_")}
+    assert set(tasks) == {"sort", "count_words"}
+    assert 2.5 < tasks["sort"] / tasks["count_words"] < 3.5 and sum(tasks.values()) >= 3000
+    (tmp_path / "bad").mkdir()
+    r = _run_prepare(tmp_path / "bad", task_weights=[1, 2, 3])
+    assert r.returncode == 1 and not (tmp_path / "bad" / "data").exists()
+    assert "prepare.task_weights: expected 7 weights" in r.stderr and "reverse, uppercase, sort" in r.stderr
+
+
 def test_prepare_is_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
