@@ -209,6 +209,9 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
                     data["sft"][split].append({**rec, "id": rec["id"] + "-para", "messages": [
                         rec["messages"][0],
                         {"role": "assistant", "content": paraphrase_answer(rng, t.answer)}]})
+        if count < n:
+            raise DataError(f"prepare.task_{split}={n}: only {count} distinct task prompts could be drawn (the kinds"
+                            f" weighted in prepare.task_weights have too few); lower it, or weight other kinds")
 
     # Preference pairs: 3 math pairs for each task pair; never on an eval question.
     for split, n in (("val", cfg.pref_val), ("train", cfg.pref_train)):

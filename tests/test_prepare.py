@@ -117,6 +117,8 @@ def test_task_weights_set_each_kinds_share(tmp_path):
     r = _run_prepare(tmp_path / "bad", task_weights=[1, 2, 3])
     assert r.returncode == 1 and not (tmp_path / "bad" / "data").exists()
     assert "prepare.task_weights: expected 7 weights" in r.stderr and "reverse, uppercase, sort" in r.stderr
+    r = _run_prepare(tmp_path / "bad", task_train=100, task_weights=[1, 0, 0, 0, 0, 0, 0])  # 60 reverse prompts
+    assert r.returncode == 1 and "prepare.task_train=100: only" in r.stderr and "lower it" in r.stderr
 
 
 def test_prepare_is_deterministic(tmp_path):
