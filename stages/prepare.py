@@ -117,18 +117,6 @@ def _arithmetic_conversations(cfg, seed: int, asked: set[str]) -> list[dict]:
         for i, q in enumerate(questions)]
 
 
-def _task_weights(cfg) -> list[float] | None:
-    """`prepare.task_weights` checked against the task kinds; None draws the kinds evenly (with
-    one `rng.choice`, as every run before the key did, so their data stays byte for byte)."""
-    w = cfg.task_weights
-    if not w:
-        return None
-    if len(w) != len(TASK_KINDS) or not sum(w) > 0:
-        raise DataError(f"prepare.task_weights: expected {len(TASK_KINDS)} weights, one per task kind in the order"
-                        f" {', '.join(TASK_KINDS)}, not all zero (or [] for even shares); got {w}")
-    return list(w)
-
-
 def _bare_calculations(rng: random.Random, cfg, key: str, skip, where: str) -> list:
     """`cfg.<key>` distinct bare calculations (by question) for which `skip` is false."""
     n = getattr(cfg, key)
@@ -188,7 +176,7 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # evenly or in the shares of `task_weights`. A kind with few distinct prompts (reverse,
     # repeat) runs out early and leaves its share to the others.
     seen_tasks: set[str] = set()
-    weights = _task_weights(cfg)
+    weights = cfg.task_weights or None  # None: one `rng.choice`, as runs before the key drew (same bytes)
     for split, n in (("val", cfg.task_val), ("train", cfg.task_train)):
         count, attempts = 0, 0
         while count < n and attempts < 50 * n + 1000:
