@@ -118,7 +118,8 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def _quantiles(x: np.ndarray, confidence: float) -> tuple[float, float]:
+def percentile_interval(x: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The central `confidence` interval of bootstrap draws `x` (the percentile method)."""
     a = (1 - confidence) / 2
     lo, hi = np.quantile(x, [a, 1 - a])
     return float(lo), float(hi)
@@ -130,7 +131,7 @@ def bootstrap_binary(b: int, c: int, n: int, *, confidence: float, n_boot: int,
     if n == 0:
         return 0.0, 0.0
     counts = rng.multinomial(n, [b / n, c / n, 1 - (b + c) / n], size=n_boot)  # (n_boot, 3)
-    return _quantiles((counts[:, 0] - counts[:, 1]) / n, confidence)
+    return percentile_interval((counts[:, 0] - counts[:, 1]) / n, confidence)
 
 
 def bootstrap_mean(diffs: np.ndarray, *, confidence: float, n_boot: int,
@@ -138,7 +139,7 @@ def bootstrap_mean(diffs: np.ndarray, *, confidence: float, n_boot: int,
     """Percentile bootstrap interval of the mean of per-item differences."""
     if len(diffs) == 0:
         return 0.0, 0.0
-    return _quantiles(bootstrap_means(diffs, n_boot=n_boot, rng=rng), confidence)
+    return percentile_interval(bootstrap_means(diffs, n_boot=n_boot, rng=rng), confidence)
 
 
 def bootstrap_means(diffs: np.ndarray, *, n_boot: int, rng: np.random.Generator) -> np.ndarray:
@@ -232,7 +233,7 @@ def separation(scores, right, *, confidence: float = 0.95, n_boot: int = 2000,
         k = min(step, n_boot - s)
         boots[s:s + k] = auc(rng.multinomial(n1, np.full(n1, 1 / n1), size=k),
                              rng.multinomial(n0, np.full(n0, 1 / n0), size=k))
-    lo, hi = _quantiles(boots, confidence)
+    lo, hi = percentile_interval(boots, confidence)
     return {"auc": point, "lo": lo, "hi": hi, "mean_right": float(pos.mean()), "mean_wrong": float(neg.mean()),
             "n_right": n1, "n_wrong": n0}
 

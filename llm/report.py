@@ -41,6 +41,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
+from llm.config import TASK_KINDS
 from llm.metrics import join_metrics, run_info_path
 from llm.paired import compare, read_items
 
@@ -79,7 +80,7 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("math_pass_at_k", "math pass@k", "pct"),
     ("task_exact_match", "instruction tasks", "pct"),
     *((f"task_exact_match_{k}", f"task: {k.replace('_', ' ')}", "pct")
-      for k in ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")),
+      for k in TASK_KINDS),
     ("arithmetic_exact_match", "bare arithmetic", "pct"),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),

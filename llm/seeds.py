@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from llm.paired import (_quantiles, bootstrap_means, compare, mcnemar_exact, parse_items, read_items, rm_separation,
-                        skills, t_quantile)
+from llm.paired import (bootstrap_means, compare, mcnemar_exact, parse_items, percentile_interval, read_items,
+                        rm_separation, skills, t_quantile)
 
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
@@ -195,7 +195,7 @@ def pooled(runs: list[Run], child: str, parent: str, *, confidence: float = 0.95
         boot = np.zeros(n_boot)
         for run, r in zip(runs, rs):   # resample each run's items within that run
             boot += _run_boot(run, child, parent, key, r, n_boot, rng)
-        res["lo"], res["hi"] = _quantiles(boot / len(runs), confidence)
+        res["lo"], res["hi"] = percentile_interval(boot / len(runs), confidence)
         test_says = None
         if res["type"] == "rate":
             b, c = sum(r["wins"] for r in rs), sum(r["losses"] for r in rs)
@@ -270,7 +270,7 @@ def heldout_changes(runs: list[Run], stage: str, *, confidence: float = 0.95, n_
         diffs.append(np.asarray(end, dtype=np.float64) - np.asarray(start, dtype=np.float64))
     rng = np.random.default_rng([seed, *f"heldout/{stage}".encode()])
     boot = sum(bootstrap_means(d, n_boot=n_boot, rng=rng) for d in diffs) / len(diffs)
-    lo, hi = _quantiles(boot, confidence)
+    lo, hi = percentile_interval(boot, confidence)
     deltas = [float(d.mean()) for d in diffs]
     return {"deltas": deltas, "changed": [int((d != 0).sum()) for d in diffs], "n": [len(d) for d in diffs],
             "mean": sum(deltas) / len(deltas), "lo": lo, "hi": hi}
