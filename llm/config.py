@@ -411,6 +411,10 @@ class PairsConfig:
     tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
                                                        " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
+    verify_tasks: bool = _f(False, added=True, doc="score the generated instruction tasks and bare calculations"
+                            " (SFT records from generated/task_* and generated/arithmetic) against their"
+                            " reference answers, as the evaluation does, instead of with the reward model;"
+                            " other task prompts stay with the reward model")
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,7 @@ from llm.generate import generate
 from llm.reward_model import reward
 from llm.rollout import sampled_kl
 from llm.runtime import sharded_map
-from llm.rewards import is_correct, parse_answer
+from llm.rewards import is_correct, parse_answer, task_correct
 
 _Z = {0.9: 1.6448536269514722, 0.95: 1.959963984540054, 0.99: 2.5758293035489004}
 
@@ -180,12 +180,6 @@ def score_math(problems: Sequence[dict], answers: Sequence[str], confidence: flo
     out["samples"] = [{"question": p["question"], "answer": p["answer"], "response": a, "correct": c}
                       for p, a, c in list(zip(problems, answers, correct))[:n_samples_kept]]
     return out
-
-
-def task_correct(response: str, answer: str) -> bool:
-    """An instruction task is done when the response is exactly the answer (surrounding
-    whitespace aside): the SFT data answers with nothing else."""
-    return response.strip() == answer.strip()
 
 
 def score_tasks(tasks: Sequence[dict], responses: Sequence[str], confidence: float = 0.95) -> tuple[dict, list[bool]]:

@@ -12,8 +12,11 @@
 2. Samples: for each temperature, samples_per_temperature responses per prompt from the SFT
    model (batched `llm.generate.generate` with the KV cache, prompts batched by length).
 3. Scores: math with the verifier (`llm.rewards.math_reward`: 1.0 correct + 0.2 formatted),
-   tasks with the reward model. The RM also scores the math responses, only to report how
-   often it agrees with the verifier.
+   tasks with the reward model. With `verify_tasks`, the generated instruction tasks and bare
+   calculations are checked against the reference answers of their SFT conversations instead
+   (a task: 1.2 for exactly the reference, else 0, as the evaluation scores it; a calculation:
+   the math verifier on the reference's number). The RM scores every response, for the
+   others only to report how often it agrees with the verifier.
 4. Pairs: chosen = the best response, rejected = the worst (`choose_pair`); a prompt whose best
    and worst differ by at most `tie_epsilon` (or are the same text) is a tie: dropped and
    counted. `preference_score = sigmoid(r_chosen - r_rejected)`, strictly inside (0.5, 1), on
@@ -37,7 +40,7 @@ import torch
 from llm.batching import derive_seed
 from llm.config import PairsConfig
 from llm.fileio import DataError, read_jsonl
-from llm.rewards import math_reward, parse_answer, to_number
+from llm.rewards import math_reward, parse_answer, task_correct, to_number
 from llm.runtime import sharded_map
 
 CORRECT, FORMAT = 1.0, 0.2  # the verifier's rewards (llm.rewards.math_reward defaults)
@@ -47,8 +50,24 @@ def is_math_source(source: str) -> bool:
     return "math" in source.lower()
 
 
+def reference_check(source: str, reference: str) -> tuple[str | None, str | None]:
+    """(answer, check) for an SFT conversation's task prompt: how its responses can be verified.
+
+    generated/task_*: the reference text itself, matched exactly ("exact"); generated/arithmetic:
+    the number of its `#### N` line, for the math verifier ("math"); anything else, or a
+    reference without a number: (None, None), scored by the reward model."""
+    if source.startswith("generated/task_"):
+        return reference, "exact"
+    if source == "generated/arithmetic":
+        value, formatted = parse_answer(reference)
+        if value is not None and formatted:
+            return str(value), "math"
+    return None, None
+
+
 def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path) -> list[dict]:
-    """The prompts: {"id", "prompt": [messages], "answer": str | None, "source", "kind"}."""
+    """The prompts: {"id", "prompt": [messages], "answer": str | None, "check": "math" | "exact" |
+    None, "source", "kind"}; a prompt with a check is scored by the verifier, else by the RM."""
     rng = random.Random(derive_seed(seed, "prompts"))
     n_math = round(cfg.n_prompts * cfg.math_fraction)
     math = [r for r in read_jsonl(math_path) if r.get("question") and r.get("answer") is not None]
@@ -64,8 +83,9 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
             continue
         seen.add(key)
         src = str(r.get("source", "sft"))
-        tasks.append({"id": str(r.get("id", f"sft-{len(tasks)}")), "prompt": prompt, "answer": None,
-                      "source": src, "kind": src.rsplit("/", 1)[-1]})
+        answer, check = reference_check(src, str(msgs[last].get("content", ""))) if cfg.verify_tasks else (None, None)
+        tasks.append({"id": str(r.get("id", f"sft-{len(tasks)}")), "prompt": prompt, "answer": answer,
+                      "check": check, "source": src, "kind": src.rsplit("/", 1)[-1]})
     n_task = cfg.n_prompts - n_math
     if len(math) < n_math:
         raise DataError(f"{math_path}: {len(math)} math questions, pairs.n_prompts * pairs.math_fraction ="
@@ -76,7 +96,7 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
                         f" pairs.math_fraction, or give SFT more task prompts (prepare.task_train or"
                         f" prepare.sft_sources)")
     out = [{"id": str(r.get("id", f"math-{i}")), "prompt": [{"role": "user", "content": r["question"]}],
-            "answer": str(r["answer"]), "source": str(r.get("source", "math")), "kind": "math"}
+            "answer": str(r["answer"]), "check": "math", "source": str(r.get("source", "math")), "kind": "math"}
            for i, r in enumerate(rng.sample(math, n_math))]
     return out + rng.sample(tasks, n_task)
 
@@ -121,8 +141,8 @@ def sample_responses(policy, tok, prompt_ids: list[list[int]], cfg: PairsConfig,
 
 def score_samples(samples: list[list[dict]], prompts: list[dict], prompt_ids: list[list[int]],
                   rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> None:
-    """Add "rm", "verifier" (math prompts, else None) and "score" (the verifier's for math, else
-    the RM's) to every sample, in place. rm_score(token lists) -> the RM's scores."""
+    """Add "rm", "verifier" (prompts with a check, else None) and "score" (the verifier's where
+    there is one, else the RM's) to every sample, in place. rm_score(token lists) -> the RM's scores."""
     from llm.preference import encode_response
 
     flat = [(i, k) for i in range(len(prompts)) for k in range(len(samples[i]))]
@@ -130,9 +150,20 @@ def score_samples(samples: list[list[dict]], prompts: list[dict], prompt_ids: li
     for (i, k), r in zip(flat, rm_score(seqs)):
         smp = samples[i][k]
         smp["rm"] = r
-        ans = prompts[i]["answer"]
-        smp["verifier"] = math_reward(smp["text"], ans, CORRECT, FORMAT) if ans is not None else None
-        smp["score"] = smp["verifier"] if ans is not None else r
+        smp["verifier"] = verify(smp["text"], prompts[i])
+        smp["score"] = r if smp["verifier"] is None else smp["verifier"]
+
+
+def verify(text: str, prompt: dict) -> float | None:
+    """The verifier's score of a response to `prompt`, or None where the prompt has no check:
+    math (and bare calculations) `math_reward`; an instruction task CORRECT + FORMAT when the
+    response is exactly the reference (surrounding whitespace aside), else 0."""
+    check, ans = prompt.get("check", "math" if prompt["answer"] is not None else None), prompt["answer"]
+    if check == "math":
+        return math_reward(text, ans, CORRECT, FORMAT)
+    if check == "exact":
+        return CORRECT + FORMAT if task_correct(text, ans) else 0.0
+    return None
 
 
 @torch.no_grad()
@@ -203,7 +234,7 @@ def adversarial_pairs(prompts: list[dict], prompt_ids: list[list[int]], samples:
 
     tied = set(tied_prompts)
     candidates = [i for i in tied_prompts + [i for i in range(len(prompts)) if i not in tied]
-                  if prompts[i]["answer"] is not None]
+                  if prompts[i]["kind"] == "math" and prompts[i]["answer"] is not None]
     out = []
     for i in candidates:
         if len(out) >= wanted:
@@ -257,12 +288,15 @@ def summarize(prompts: list[dict], samples: list[list[dict]], pairs: list[dict],
     natural_v = [r for r in pairs if r["scorer"] == "verifier" and not r["adversarial"]]
     by_temp = {}
     for temp in temperatures:
-        smp = [x for i in range(len(prompts)) for x in samples[i] if x["temperature"] == temp]
-        m_smp = [x for x in smp if x["verifier"] is not None]
+        at = [(p, x) for p, ss in zip(prompts, samples) for x in ss if x["temperature"] == temp]
+        smp = [x for _, x in at]
+        m_smp = [x for p, x in at if p["kind"] == "math" and x["verifier"] is not None]
+        v_smp = [x for p, x in at if p["kind"] != "math" and x["verifier"] is not None]
         t_smp = [x for x in smp if x["verifier"] is None]
         by_temp[str(temp)] = {
             "math_correct": _mean(x["verifier"] >= CORRECT for x in m_smp),
             "math_formatted": _mean(x["verifier"] in (FORMAT, CORRECT + FORMAT) for x in m_smp),
+            **({"task_correct": _mean(x["verifier"] >= CORRECT for x in v_smp)} if v_smp else {}),
             "task_rm_mean": _mean(x["rm"] for x in t_smp),
             "mean_tokens": _mean(x["tokens"] for x in smp), "truncated": _mean(not x["stopped"] for x in smp)}
     return {

@@ -12,6 +12,10 @@ The RL stages score a batch of rollouts with a `RewardFn` (rollout, problems) ->
 statistics): `verifier_reward` (math_reward of each decoded response), `rm_reward` (a reward
 model's score, llm/reward_model.py) or `rm_verifier_reward` (their sum).
 
+`task_correct(response, answer)` is the instruction tasks' check: exactly the reference
+answer, surrounding whitespace aside (the evaluation's, and the pairs stage's with
+`pairs.verify_tasks`).
+
 The final answer is the number on the last `####` line if there is one, else the last
 number anywhere in the response. Parsing is regular expressions and `Decimal` only:
 model output is never evaluated as code.
@@ -88,6 +92,12 @@ def is_correct(response: str, answer: str) -> bool:
     value, _ = parse_answer(response)
     target = to_number(answer)
     return value is not None and target is not None and value == target
+
+
+def task_correct(response: str, answer: str) -> bool:
+    """An instruction task is done when the response is exactly the answer (surrounding
+    whitespace aside): the SFT data answers with nothing else."""
+    return response.strip() == answer.strip()
 
 
 def math_reward(response: str, answer: str, correct_reward: float = 1.0, format_reward: float = 0.2) -> float:

@@ -4,7 +4,9 @@
 
 Reads the `common` and `pairs` sections of params.yaml, the SFT model (writes the responses),
 the reward model (scores task responses), math questions with their answers (scored by the
-verifier) and the SFT conversations (the prompts of non-math sources are the task prompts).
+verifier) and the SFT conversations (the prompts of non-math sources are the task prompts;
+with pairs.verify_tasks the generated tasks and bare calculations among them are checked
+against the conversations' reference answers instead of scored by the reward model).
 The procedure, seeded from (common.seed, "pairs"), is llm/pairs.py's: prompts, samples at
 several temperatures, scores, best vs worst per prompt (ties dropped), adversarial
 format-broken pairs, a split by prompt. With `common.nproc` > 1 it runs under torchrun: each

@@ -101,7 +101,9 @@ def _check_outputs(ws, cfg: dict) -> tuple[dict, list[dict], list[dict]]:
         assert 0.5 < r["preference_score"] < 1.0
         assert r["reward_chosen"] - r["reward_rejected"] > cfg["tie_epsilon"]  # ties never make it out
         assert r["preference_score"] == pytest.approx(1 / (1 + math.exp(r["reward_rejected"] - r["reward_chosen"])))
-        assert (r["scorer"] == "verifier") == (r["kind"] in ("math", "adversarial_format"))
+        verified = r["kind"] in ("math", "adversarial_format") or (cfg.get("verify_tasks")
+                                                                    and r["source"].startswith("generated/"))
+        assert (r["scorer"] == "verifier") == verified
     assert not {r["prompt_id"] for r in train} & {r["prompt_id"] for r in val}  # split by prompt
     natural = m["pairs"] - m["adversarial"]
     assert natural + m["ties_dropped"] == m["prompts"]  # every prompt gives one pair or one tie
@@ -123,10 +125,11 @@ def test_pairs_stage_drops_ties_and_keeps_scores_in_the_open_interval(tmp_path):
     assert m["preference_score"]["min"] > 0.5 and m["preference_score"]["max"] < 1.0
 
 
-def _fake_generate(tok, solutions: dict[str, tuple[str, str]]):
+def _fake_generate(tok, solutions: dict[str, tuple[str, str]], references: dict[str, str] | None = None):
     """A stand-in for llm.generate.generate: math prompts get the right solution at temperature
     0.7, and at 1.1 the right one for even-answer questions and a wrong one otherwise; task
-    prompts get a temperature-dependent word."""
+    prompts get a temperature-dependent word, or with `references` their reference answer at
+    0.7."""
     def gen(model, prompts, max_new_tokens, *, temperature, stop_ids, pad_id, generator, **kw):
         texts = []
         for ids in prompts:
@@ -135,6 +138,8 @@ def _fake_generate(tok, solutions: dict[str, tuple[str, str]]):
                 sol, ans = solutions[q]
                 right = temperature < 1.0 or int(ans) % 2 == 0
                 texts.append(sol if right else sol.rsplit("#### ", 1)[0] + f"#### {int(ans) + 1}")
+            elif references and temperature < 1.0:
+                texts.append(references[q])
             else:
                 texts.append("castle" if temperature < 1.0 else "garden garden")
         rows = [tok.encode(t) + [tok.end_id] for t in texts]
@@ -186,6 +191,58 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
     # tied prompts are used first: adversarial prompts come from even answers, not from the natural pairs
     assert not {r["prompt_id"] for r in adv} & {r["prompt_id"] for r in math_recs}
     assert m["rm_accuracy_on_adversarial_pairs"] is not None
+
+
+def test_reference_check_verifies_generated_tasks_and_calculations_only():
+    from llm.pairs import reference_check, verify
+    assert reference_check("generated/task_reverse", "eltsac") == ("eltsac", "exact")
+    assert reference_check("generated/arithmetic", "12 * 5 = 60\n#### 60") == ("60", "math")
+    assert reference_check("generated/arithmetic", "12 * 5 = 60") == (None, None)  # no #### line: the RM's
+    assert reference_check("my_chats", "Hello!") == (None, None)
+    task = {"answer": "2, 5, 58", "check": "exact"}
+    assert verify(" 2, 5, 58\n", task) == 1.2 and verify("2, 58, 5", task) == 0.0
+    assert verify("12 * 5 = 60\n#### 60", {"answer": "60", "check": "math"}) == 1.2
+    assert verify("Hi", {"answer": None, "check": None}) is None
+
+
+def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, monkeypatch):
+    import stages.pairs as pairs_stage
+    from llm.artifacts import load_model_dir
+    ws = make_workspace(tmp_path, reward_model=True)
+    _, tok, _ = load_model_dir(ws / "models/sft")
+    rl = [json.loads(x) for x in (ws / "data/prepared/rl/train.jsonl").read_text().splitlines()]
+    solutions = {r["question"]: (f"{r['answer']} = {r['answer']}\n#### {r['answer']}", r["answer"]) for r in rl}
+    convs = [json.loads(x) for x in (ws / "data/clean_sft/train.jsonl").read_text().splitlines()]
+    references = {c["messages"][0]["content"]: c["messages"][1]["content"] for c in convs}
+    monkeypatch.setattr("llm.generate.generate", _fake_generate(tok, solutions, references))
+    runs = {}
+    for verify_tasks in (False, True):
+        p = params(pairs={"n_prompts": 30, "math_fraction": 0.4, "adversarial_fraction": 0.2, "val_fraction": 0.2,
+                          "verify_tasks": verify_tasks})
+        out = ws / f"pairs-{verify_tasks}"
+        runs[verify_tasks] = pairs_stage.run(
+            CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
+            rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
+            sft_data=ws / "data/clean_sft/train.jsonl", out=out, metrics=ws / "metrics/pairs.json",
+            plots=ws / "metrics/plots", progress=False)
+        recs = [json.loads(x) for f in ("train", "val") for x in (out / f"{f}.jsonl").read_text().splitlines()]
+        tasks = [r for r in recs if r["kind"].startswith("task_")]
+        assert tasks
+        if verify_tasks:
+            # the reference (sampled at 0.7) against "garden garden" (1.1), every one by the verifier
+            for r in tasks:
+                assert r["scorer"] == "verifier" and r["chosen"] == references[r["prompt"][0]["content"]]
+                assert (r["reward_chosen"], r["reward_rejected"]) == (1.2, 0.0)
+            assert runs[True]["by_temperature"]["0.7"]["task_correct"] == 1.0
+            assert runs[True]["by_temperature"]["1.1"]["task_correct"] == 0.0
+        else:
+            assert all(r["scorer"] == "rm" for r in tasks)
+            assert "task_correct" not in runs[False]["by_temperature"]["0.7"]
+        assert all(r["kind"] == "adversarial_format" or r["kind"] in ("math",) or r["kind"].startswith("task_")
+                   for r in recs)
+        assert all(r["prompt"][0]["content"] in solutions for r in recs if r["adversarial"])  # math prompts only
+    # math is scored the same either way
+    assert runs[False]["by_temperature"]["1.1"]["math_correct"] == runs[True]["by_temperature"]["1.1"]["math_correct"]
 
 
 @pytest.mark.parametrize("pairs, expected", [
