@@ -256,9 +256,11 @@ def adversarial_wanted(fraction: float, n_pairs: int, n_prompts: int) -> int:
     return round(fraction * n_pairs / (1 - fraction)) if fraction < 1 else n_prompts
 
 
-def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int, *, verify_tasks: bool = False
+                    ) -> tuple[list[dict], list[dict]]:
     """(train, val) with every pair of one prompt on the same side; ids pairs-<split>-<i> assigned.
-    Raises DataError when the pairs are too few for the split."""
+    Raises DataError when the pairs are too few for the split (`verify_tasks`: the message says
+    what that setting does to a weak model's pairs)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for rec in pairs:
         groups[rec["prompt_id"]].append(rec)
@@ -271,8 +273,11 @@ def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int) -> tuple[
     for k in keys:
         (val if len(val) < n_val_target else train).extend(groups[k])
     if not train or (val_fraction > 0 and not val):
+        weak = (" With pairs.verify_tasks every prompt whose samples are all right or all wrong is a tie, so a"
+                " model that gets no task right gives no task pair; pairs.verify_tasks: false lets the reward"
+                " model rank them.") if verify_tasks else ""
         raise DataError(f"pairs: {len(pairs)} pairs are too few for a train/val split; raise pairs.n_prompts, add"
-                        f" temperatures or samples, or lower pairs.tie_epsilon")
+                        f" temperatures or samples, or lower pairs.tie_epsilon.{weak}")
     for split, recs in (("train", train), ("val", val)):
         for j, rec in enumerate(recs):
             rec["id"] = f"pairs-{split}-{j}"

@@ -43,6 +43,9 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
     sft.eval_math_problems, *.eval_problems,        one problem or prompt each
       *.kl_prompts, eval.* counts 1; pairs.n_prompts 16 (pairs for DPO's train and val
       splits); eval.sample_prompts its first
+    pairs.verify_tasks false                        a one-step model gets no task right: every
+                                                    verified prompt would tie and leave DPO no
+                                                    pairs; the reward model ranks them instead
     reward.min_accuracy 0, *.max_kl 1e9,            quality gates off: a one-step model is
       grpo.max_zero_std_steps 1000                  not meant to pass them
     pretrain/sft/reward/dpo.compile false           torch.compile on a CPU costs minutes, and
@@ -80,7 +83,7 @@ CUTS: dict[str, dict] = {
     "pretrain": STEPS,
     "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8, "average_last": 1},
     "reward": {**STEPS, "min_accuracy": 0.0},
-    "pairs": {"n_prompts": 16, "batch_size": 16, "max_new_tokens": 8},
+    "pairs": {"n_prompts": 16, "batch_size": 16, "max_new_tokens": 8, "verify_tasks": False},
     "dpo": {**STEPS, "kl_prompts": 1, "max_new_tokens": 8, "max_kl": 1e9},
     "ppo": {**RL, "rollout_prompts": 1},
     "grpo": {**RL, "prompts_per_step": 1, "group_size": 2, "max_zero_std_steps": 1000},

@@ -89,7 +89,7 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, rm: Path, 
                                         rng=random.Random(derive_seed(seed, "adversarial")), rm_score=rm_score,
                                         tok=tok, seq_len=seq_len)
     pairs += adversarial
-    train, val = lib.split_by_prompt(pairs, cfg.val_fraction, seed)
+    train, val = lib.split_by_prompt(pairs, cfg.val_fraction, seed, verify_tasks=cfg.verify_tasks)
 
     m = {"prompts_too_long": too_long, **lib.summarize(prompts, samples, pairs, adversarial, ties, cfg.temperatures),
          "train_pairs": len(train), "val_pairs": len(val), "adversarial_wanted": wanted,

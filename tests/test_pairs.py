@@ -245,6 +245,16 @@ def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, mon
     assert runs[False]["by_temperature"]["1.1"]["math_correct"] == runs[True]["by_temperature"]["1.1"]["math_correct"]
 
 
+def test_too_few_pairs_is_an_error_that_names_what_to_change():
+    from llm.fileio import DataError
+    from llm.pairs import split_by_prompt
+    with pytest.raises(DataError, match="raise pairs.n_prompts") as plain:
+        split_by_prompt([], 0.2, 0)
+    assert "verify_tasks" not in str(plain.value)
+    with pytest.raises(DataError, match="pairs.verify_tasks: false lets the reward model rank them"):
+        split_by_prompt([], 0.2, 0, verify_tasks=True)
+
+
 @pytest.mark.parametrize("pairs, expected", [
     ({"n_prompts": 100000, "math_fraction": 0.0}, ["data/clean_sft/train.jsonl:", "unique non-math prompts",
                                                     "prepare.task_train"]),
