@@ -158,11 +158,10 @@ def verify(text: str, prompt: dict) -> float | None:
     """The verifier's score of a response to `prompt`, or None where the prompt has no check:
     math (and bare calculations) `math_reward`; an instruction task CORRECT + FORMAT when the
     response is exactly the reference (surrounding whitespace aside), else 0."""
-    check, ans = prompt.get("check", "math" if prompt["answer"] is not None else None), prompt["answer"]
-    if check == "math":
-        return math_reward(text, ans, CORRECT, FORMAT)
-    if check == "exact":
-        return CORRECT + FORMAT if task_correct(text, ans) else 0.0
+    if prompt["check"] == "math":
+        return math_reward(text, prompt["answer"], CORRECT, FORMAT)
+    if prompt["check"] == "exact":
+        return CORRECT + FORMAT if task_correct(text, prompt["answer"]) else 0.0
     return None
 
 

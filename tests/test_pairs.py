@@ -154,8 +154,17 @@ def _fake_generate(tok, solutions: dict[str, tuple[str, str]], references: dict[
     return gen
 
 
-def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
+def _run_pairs(ws, p: dict, out) -> dict:
+    """The pairs stage in this process (so a monkeypatched generate applies) on the workspace's
+    models and data with params `p`, its pairs written to `out`; returns its metrics."""
     import stages.pairs as pairs_stage
+    return pairs_stage.run(CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
+                           rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
+                           sft_data=ws / "data/clean_sft/train.jsonl", out=out, metrics=ws / "metrics/pairs.json",
+                           plots=ws / "metrics/plots", progress=False)
+
+
+def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
     from llm.artifacts import load_model_dir
     ws = make_workspace(tmp_path, reward_model=True)
     _, tok, _ = load_model_dir(ws / "models/sft")
@@ -166,11 +175,7 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
         solutions[r["question"]] = (f"{a} = {a}\n#### {a}", r["answer"])
     monkeypatch.setattr("llm.generate.generate", _fake_generate(tok, solutions))
     p = params(pairs={"n_prompts": 30, "math_fraction": 0.6, "adversarial_fraction": 0.2, "val_fraction": 0.2})
-    cfg = PairsConfig(**p["pairs"])
-    m = pairs_stage.run(CommonConfig(**p["common"]), cfg, "cpu", sft=ws / "models/sft", rm=ws / "models/reward",
-                        math=ws / "data/prepared/rl/train.jsonl", sft_data=ws / "data/clean_sft/train.jsonl",
-                        out=ws / "data/pairs", metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots",
-                        progress=False)
+    m = _run_pairs(ws, p, ws / "data/pairs")
     m2, train, val = _check_outputs(ws, p["pairs"])
     assert m2 == json.loads(json.dumps(m))
     recs = train + val
@@ -206,7 +211,6 @@ def test_reference_check_verifies_generated_tasks_and_calculations_only():
 
 
 def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, monkeypatch):
-    import stages.pairs as pairs_stage
     from llm.artifacts import load_model_dir
     ws = make_workspace(tmp_path, reward_model=True)
     _, tok, _ = load_model_dir(ws / "models/sft")
@@ -220,11 +224,7 @@ def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, mon
         p = params(pairs={"n_prompts": 30, "math_fraction": 0.4, "adversarial_fraction": 0.2, "val_fraction": 0.2,
                           "verify_tasks": verify_tasks})
         out = ws / f"pairs-{verify_tasks}"
-        runs[verify_tasks] = pairs_stage.run(
-            CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
-            rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
-            sft_data=ws / "data/clean_sft/train.jsonl", out=out, metrics=ws / "metrics/pairs.json",
-            plots=ws / "metrics/plots", progress=False)
+        runs[verify_tasks] = _run_pairs(ws, p, out)
         recs = [json.loads(x) for f in ("train", "val") for x in (out / f"{f}.jsonl").read_text().splitlines()]
         tasks = [r for r in recs if r["kind"].startswith("task_")]
         assert tasks
@@ -262,15 +262,10 @@ def test_too_few_pairs_is_an_error_that_names_what_to_change():
                                                     "lower pairs.n_prompts"]),
 ])
 def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_path, pairs, expected):
-    import stages.pairs as pairs_stage
     from llm.fileio import DataError
     ws = make_workspace(tmp_path, reward_model=True)
-    p = params(pairs=pairs)
     with pytest.raises(DataError) as e:
-        pairs_stage.run(CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
-                        rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
-                        sft_data=ws / "data/clean_sft/train.jsonl", out=ws / "data/pairs",
-                        metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
+        _run_pairs(ws, params(pairs=pairs), ws / "data/pairs")
     for text in expected:
         assert text in str(e.value)
     assert not (ws / "data/pairs").exists()  # nothing written
