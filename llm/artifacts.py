@@ -53,6 +53,10 @@ TOKENIZER_META = f"{TOKENIZER_DIR}/tokenizer_meta.json"
 MAX_JSON_BYTES = 16 << 20     # config.json, meta.json: a few KB
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header (the format's own limit)
 MAX_FILES = 64                # files in a model directory: it holds 5
+# no trained weight comes near this (the largest in the committed models is 2.8, a final norm's
+# gain); a value far beyond it is an edit or corruption that the hashes did not catch (they were
+# recomputed), and in float32 it overflows the forward pass to NaN (a norm gain of 1e21 does)
+MAX_WEIGHT = 1e4
 
 
 class ArtifactError(ValueError):
@@ -245,7 +249,7 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     Checks, in order, before any tensor is read or any real module built: meta.json, the
     config's types and bounds, every file's sha256, the safetensors header (names, dtypes,
     shapes and offsets) against the shapes the config implies; then the tensors are read and
-    checked finite, and the tokenizer is loaded and checked against the config's vocabulary.
+    checked finite and within MAX_WEIGHT, and the tokenizer is loaded and checked against the config's vocabulary.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -297,6 +301,10 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     for k, t in tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ArtifactError(f"{f}: tensor {k!r} holds non-finite values (NaN/Inf)")
+        if t.is_floating_point() and t.numel() and (big := float(t.abs().max())) > MAX_WEIGHT:
+            raise ArtifactError(f"{f}: tensor {k!r} holds a weight of magnitude {big:.3g}, beyond any trained"
+                                f" weight (limit {MAX_WEIGHT:g}): the file was edited or corrupted; re-run the"
+                                f" stage that writes it")
 
     model = GPT(cfg, heads=want)
     model.load_state_dict({k: tensors[k] for k in _stored(model)}, strict=False)

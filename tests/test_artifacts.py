@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,22 @@ def test_a_header_that_claims_more_than_the_file_holds_is_refused(saved, tmp_pat
     rehash(d)
     with bounded(seconds=5, memory=256 << 20), pytest.raises(ArtifactError, match="tensor 'wte.weight': bad dtype,"
                                                                                   " shape or offsets"):
+        load_model_dir(d)
+
+
+@pytest.mark.parametrize("value, fragment", [(float("nan"), "non-finite values"),
+                                             (1.18e21, "magnitude 1.18e+21, beyond any trained weight")])
+def test_a_weight_that_would_break_the_forward_pass_is_refused(saved, tmp_path, value, fragment):
+    """A rehashed file whose one norm gain is NaN, or finite but huge (1e21 made every logit NaN:
+    an overwritten byte found by the property test below), is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    d = _copy(saved, tmp_path)
+    f = d / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(f)).items()}
+    tensors["blocks.1.norm_1.weight"][9] = value
+    save_file(tensors, str(f))
+    rehash(d)
+    with pytest.raises(ArtifactError, match=f"tensor 'blocks.1.norm_1.weight' holds .*{re.escape(fragment)}"):
         load_model_dir(d)
 
 
