@@ -102,6 +102,12 @@ def _files(path: Path) -> dict[str, Path]:
     return out
 
 
+def is_model_dir(path: Path) -> bool:
+    """Whether `path` holds a model directory's entries and nothing else (what save_model_dir writes)."""
+    names = {p.name for p in path.iterdir()}
+    return {META_FILE, MODEL_FILE} <= names <= {META_FILE, MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR}
+
+
 def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str, Any]) -> Path:
     """Write a model directory atomically. `meta` carries provenance (stage, fingerprint,
     inputs); format_version, n_params and the sha256 of every other file are added here."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +44,6 @@ def test_a_killed_write_leaves_a_temp_that_the_next_successful_write_removes(tmp
     target = tmp_path / ("prepared" if kind == "dir" else "out.txt")
     code = textwrap.dedent(f"""
         import os, signal
-        from pathlib import Path
         from llm.fileio import atomic_dir, atomic_file
         if {kind!r} == "dir":
             with atomic_dir({str(target)!r}) as t:
@@ -115,6 +115,91 @@ def test_atomic_dir_replaces_existing(tmp_path):
     with atomic_dir(d) as t:
         (t / "b").write_text("2")
     assert sorted(p.name for p in d.iterdir()) == ["b"]
+
+
+def tree_digest(root) -> str:
+    """sha256 of every name under `root` (hidden ones included) and every file's bytes: equal
+    before and after a command means it changed, added and removed nothing there."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def temps_under(root) -> list[str]:
+    """Temp entries atomic writes leave when they fail (`.<name>.*.tmp`, `.<name>.old-*`)."""
+    return sorted(str(p) for p in Path(root).rglob(".*") if p.name.endswith(".tmp") or ".old-" in p.name)
+
+
+def test_a_swap_that_fails_leaves_no_temp_dir_and_the_target_as_it_was(tmp_path, monkeypatch):
+    """The current directory cannot be renamed away: the build succeeds, the swap fails, and
+    what was built beside it goes."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    before = tree_digest(tmp_path)
+    with pytest.raises(OSError):
+        with atomic_dir(Path(".")) as t:
+            (t / "w.bin").write_bytes(b"x" * 1000)
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
+def test_a_swap_interrupted_after_moving_the_old_dir_puts_it_back(tmp_path, monkeypatch):
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "w.bin").write_bytes(b"v1")
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(a)
+        if len(calls) == 2:  # old -> trash went through; the new dir's rename is interrupted
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(d) as t:
+            (t / "w.bin").write_bytes(b"v2")
+    monkeypatch.setattr(os, "replace", real)
+    assert (d / "w.bin").read_bytes() == b"v1" and temps_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("target, force, says", [
+    ("notes", False, "notes: exists and is not empty (a.txt); name a new directory, or pass --force"),
+    ("notes", True, "notes: is not a model (it holds a.txt), so --force will not replace it"),
+    ("file.txt", True, "file.txt: exists and is not a directory"),
+    (".", True, ".: is the current directory or one above it"),
+    ("..", True, "..: is the current directory or one above it"),
+    ("in", True, "in: is the input in,"),
+    ("in/sub", True, "in/sub: lies inside the input in,"),
+])
+def test_check_target_refuses_what_a_write_would_destroy(tmp_path, monkeypatch, target, force, says):
+    from llm.fileio import TargetError, check_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "in").mkdir()
+    with pytest.raises(TargetError) as e:
+        check_target(target, inputs=["in"], force=force, kind="model", replaceable=lambda p: False)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_check_target_allows_a_new_or_empty_dir_and_with_force_a_replaceable_one(tmp_path, monkeypatch):
+    from llm.fileio import check_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "w.bin").write_text("x")
+    for target, force in (("new", False), ("empty", False), ("old", True)):
+        check_target(target, inputs=[], force=force, kind="model", replaceable=lambda p: p.name == "old")
 
 
 def _write(tmp_path, data: bytes):
