@@ -35,6 +35,7 @@ from typing import Iterable
 import torch
 
 from llm.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from llm.errors import DiskFullError
 
 KEPT_META = ("stage", "fingerprint", "inputs", "parent", "steps")
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         meta = average_run(args.run_dir, args.like, args.out, last=args.last, force=args.force)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (FileNotFoundError, ValueError, CheckpointError, DiskFullError) as e:
         print(f"average: {e}", file=sys.stderr)
         return 1
     steps = meta["averaged_checkpoints"]

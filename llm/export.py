@@ -54,6 +54,7 @@ import torch
 
 from llm.chat import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
+from llm.errors import DiskFullError
 from llm.model import GPT, NORM_EPS, format_count, mlp_hidden
 
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         dropped = [h for h in model.head_names if h != "lm"]
         export_hf(model, tokenizer, args.out_dir, name=Path(args.model_dir).resolve().name, meta=meta,
                   metrics=metrics)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, DiskFullError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1
     note = f" (left out heads {dropped}: not part of a causal LM)" if dropped else ""

@@ -36,9 +36,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from llm.errors import DiskFullError, is_disk_full
+
 
 class DataError(ValueError):
     """A problem with an input file that the user can fix; the message names path and line."""
+
+
+@contextlib.contextmanager
+def naming_full_disk(*outputs: str | Path) -> Iterator[None]:
+    """A full disk (or quota) inside the block becomes one DiskFullError naming the file the
+    error names, or else `outputs`; one raised by an atomic write below, which names its
+    target, passes unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        name = getattr(e, "filename", None)
+        raise DiskFullError(name or ", ".join(map(str, outputs)),
+                            "while writing it" if name else "while writing one of these") from None
+
+
+@contextlib.contextmanager
+def _full_disk_as(path: Path) -> Iterator[None]:
+    """A full disk while writing `path` (its temp sibling, or a nested atomic write into that
+    temp) is reported as `path`, the name the user knows."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(path) from None
 
 
 # ---------------------------------------------------------------------------
@@ -137,22 +168,24 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
-    """Stream into a temp file that replaces `path` only if the block completes."""
+    """Stream into a temp file that replaces `path` only if the block completes (a full disk:
+    DiskFullError naming `path`, which is left as it was)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        _public(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _full_disk_as(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
+        try:
+            kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+            with os.fdopen(fd, mode, **kwargs) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            _public(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     _fsync_dir(path.parent)
     _remove_leftovers(path)
 
@@ -179,21 +212,22 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Build a directory in a temp sibling; on success it replaces `path` in one rename.
 
     If the block or the swap raises (KeyboardInterrupt included), `path` is as it was and the
-    temp dir is removed; if the process is killed, the temp dir stays until the next successful write of `path` removes it.
+    temp dir is removed; a full disk is reported as DiskFullError naming `path`; if the process is killed, the temp dir stays until the next successful write of `path` removes it.
     The swap of an existing directory is two renames (old -> trash, new -> path); a crash
     between them leaves `path` missing but the complete old copy in `.<name>.old-*`, and
     the next successful write removes it.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
-    _public(tmp, directory=True)
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _full_disk_as(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
+        _public(tmp, directory=True)
+        try:
+            yield tmp
+            _fsync_tree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     old = None
     try:
         if path.exists() or path.is_symlink():

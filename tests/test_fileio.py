@@ -1,8 +1,10 @@
 """Atomic writes and strict reads."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llm.fileio import (DataError, atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, read_text,
+from llm.fileio import (DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
                         write_jsonl)
 
 
@@ -200,6 +202,53 @@ def test_check_target_allows_a_new_or_empty_dir_and_with_force_a_replaceable_one
     (tmp_path / "old" / "w.bin").write_text("x")
     for target, force in (("new", False), ("empty", False), ("old", True)):
         check_target(target, inputs=[], force=force, kind="model", replaceable=lambda p: p.name == "old")
+
+
+def _enospc(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    from llm.errors import DiskFullError
+
+    target = tmp_path / "out.json"
+    atomic_write_json(target, {"v": 1})
+    monkeypatch.setattr(os, "fsync", _enospc)  # where a delayed-allocation file system reports it
+    with pytest.raises(DiskFullError) as e:
+        atomic_write_json(target, {"v": 2})
+    assert str(e.value).startswith(f"{target}: no space left on the device while writing it; free space")
+    assert json.loads(target.read_text()) == {"v": 1} and temps_under(tmp_path) == []
+
+
+def test_a_full_disk_inside_a_directory_names_the_directory(tmp_path):
+    """A nested write into the temp dir, or a library's own error (safetensors reports the
+    errno only in its message), is reported as the directory the user asked for."""
+    from safetensors import SafetensorError
+
+    from llm.errors import DiskFullError
+
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "w.bin").write_bytes(b"v1")
+    before = tree_digest(tmp_path)
+    for error in (OSError(errno.EDQUOT, "Disk quota exceeded"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")):
+        with pytest.raises(DiskFullError, match=f"^{re.escape(str(d))}: no space left on the device"):
+            with atomic_dir(d) as t:
+                with atomic_file(t / "inner.txt") as f:
+                    f.write("x")
+                    raise error
+        assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
+def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path):
+    from safetensors import SafetensorError
+
+    for error in (OSError(errno.EACCES, "Permission denied"), ValueError("bad line: (os error 28)"),
+                  SafetensorError("header too large")):
+        with pytest.raises(type(error)):
+            with atomic_dir(tmp_path / "d"):
+                raise error
 
 
 def _write(tmp_path, data: bytes):
