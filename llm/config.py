@@ -75,6 +75,11 @@ MAX_BATCH = 65536          # sequences in one batch, minibatch or generation bat
 MAX_STEPS = 10 ** 8        # optimizer steps, and step counts and intervals
 MAX_COUNT = 10 ** 7        # records, problems, prompts or samples a stage generates or reads
 MAX_WORKERS = 1024         # processes, threads
+# The same for floats without a natural range: each bound is a typo guard (`lr: 1.0e21`,
+# `kl_target: 8` for 0.08 reads fine to YAML), set far above every value a profile uses.
+MAX_LR = 10.0              # learning rates; AdamW is used here between 1e-6 and 1e-2
+MAX_COEF = 1000.0          # loss coefficients, weight decay, rewards, margins, KL coefficients
+MAX_LIMIT = 1e6            # a gradient-norm clip or a KL limit, where a large value means "no limit"
 
 # ---------------------------------------------------------------------------
 # Sections. Field names are the params.yaml keys, the variable names in code and
@@ -283,13 +288,13 @@ class ModelConfig:
 class LoopConfig:
     """The knobs of the run skeleton (llm/loop.py), the same names in every training section."""
     max_steps: int = _f(lo=1, hi=MAX_STEPS)
-    lr: float = _f(lo=0.0, lo_open=True)
-    min_lr: float = _f(lo=0.0, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
+    lr: float = _f(lo=0.0, hi=MAX_LR, lo_open=True)
+    min_lr: float = _f(lo=0.0, hi=MAX_LR, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
     warmup_steps: int = _f(lo=0, hi=MAX_STEPS)
-    weight_decay: float = _f(lo=0.0)
+    weight_decay: float = _f(lo=0.0, hi=MAX_COEF)
     beta1: float = _f(lo=0.0, hi=1.0)
     beta2: float = _f(lo=0.0, hi=1.0)
-    grad_clip: float = _f(lo=0.0, doc="max global grad norm; 0 = no clipping")
+    grad_clip: float = _f(lo=0.0, hi=MAX_LIMIT, doc="max global grad norm; 0 = no clipping")
     eval_every: int = _f(lo=1, hi=MAX_STEPS)
     checkpoint_every: int = _f(lo=1, hi=MAX_STEPS)
     keep_checkpoints: int = _f(lo=2, hi=1000)
@@ -390,7 +395,7 @@ class SFTConfig(TrainConfig):
 class RewardConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
     label_smoothing: float = _f(lo=0.0, hi=0.5)
-    margin: float = _f(lo=0.0)
+    margin: float = _f(lo=0.0, hi=MAX_COEF)
     min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
     logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
                                    " trunk's LM head to the head's reward (llm/reward_model.py)")
@@ -407,7 +412,7 @@ class PairsConfig:
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     adversarial_fraction: float = _f(lo=0.0, hi=1.0)
-    tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    tie_epsilon: float = _f(lo=0.0, hi=MAX_COEF, doc="pairs whose rewards differ by at most this are ties and dropped")
     tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
                                                        " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
@@ -420,10 +425,10 @@ class PairsConfig:
 @dataclass(kw_only=True)
 class DPOConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
-    beta: float = _f(lo=0.0, lo_open=True)
+    beta: float = _f(lo=0.0, hi=MAX_COEF, lo_open=True)
     loss_type: Literal["sigmoid", "ipo"] = _f()
     label_smoothing: float = _f(lo=0.0, hi=0.5, doc="> 0 with sigmoid = conservative DPO (cDPO)")
-    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
+    max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate on KL to the SFT model")
     kl_prompts: int = _f(lo=1, hi=MAX_COUNT, doc="held-out prompts the KL to the SFT model is measured on")
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN, doc="response length sampled from the policy for the KL")
     trainable: list[str] = _f(doc="names of the parameters DPO trains, as globs (fnmatch): ['*'] = all,"
@@ -446,28 +451,28 @@ class RLConfig(LoopConfig):
     temperature: float = _f(lo=1e-3, hi=100.0)
     levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum")
     eval_problems: int = _f(lo=0, hi=MAX_COUNT)
-    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
-    correct_reward: float = _f(lo=0.0, doc="verifier reward for a correct final answer")
-    format_reward: float = _f(lo=0.0, doc="verifier reward for ending with a `#### N` line")
+    max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
+    correct_reward: float = _f(lo=0.0, hi=MAX_COEF, doc="verifier reward for a correct final answer")
+    format_reward: float = _f(lo=0.0, hi=MAX_COEF, doc="verifier reward for ending with a `#### N` line")
 
 
 @dataclass(kw_only=True)
 class PPOConfig(RLConfig):
     rollout_prompts: int = _f(lo=1, hi=MAX_BATCH, doc="prompts (= rollouts) per PPO step")
     reward_source: Literal["rm", "verifier", "rm+verifier"] = _f()
-    vf_coef: float = _f(lo=0.0)
-    value_clip: float = _f(lo=0.0)
-    ent_coef: float = _f(lo=0.0)
+    vf_coef: float = _f(lo=0.0, hi=MAX_COEF)
+    value_clip: float = _f(lo=0.0, hi=MAX_LIMIT)
+    ent_coef: float = _f(lo=0.0, hi=MAX_COEF)
     gamma: float = _f(lo=0.0, hi=1.0)
     lam: float = _f(lo=0.0, hi=1.0)
     whiten_advantages: bool = _f()
     kl_estimator: Literal["k1", "k3"] = _f()
-    init_kl_coef: float = _f(lo=0.0)
+    init_kl_coef: float = _f(lo=0.0, hi=MAX_COEF)
     adaptive_kl: bool = _f()
-    kl_target: float = _f(lo=0.0)
+    kl_target: float = _f(lo=0.0, hi=MAX_LIMIT)
     kl_horizon: int = _f(lo=1, hi=MAX_STEPS)
-    kl_alert_low: float = _f(lo=0.0)
-    kl_alert_high: float = _f(lo=0.0)
+    kl_alert_low: float = _f(lo=0.0, hi=MAX_LIMIT)
+    kl_alert_high: float = _f(lo=0.0, hi=MAX_LIMIT)
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         return _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
@@ -490,7 +495,7 @@ class PPOConfig(RLConfig):
 class GRPOConfig(RLConfig):
     prompts_per_step: int = _f(lo=1, hi=MAX_BATCH)
     group_size: int = _f(lo=2, hi=1024)
-    beta: float = _f(lo=0.0, doc="k3 KL coefficient")
+    beta: float = _f(lo=0.0, hi=MAX_COEF, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
     curriculum_levels: list[int] = _f(lo=1, hi=4)

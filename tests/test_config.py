@@ -87,7 +87,7 @@ def test_all_problems_reported_at_once():
         load_params_text(_dump(d))
     msg = str(e.value)
     for needle in ("common.seed: expected an int in [0, 4294967295], got True (bool)",
-                   "sft.lr: expected a float > 0.0, got 'fast' (str)",
+                   "sft.lr: expected a float in (0.0, 10.0], got 'fast' (str)",
                    "pretrain.model.norm: expected one of 'rmsnorm', 'layernorm', got 'batchnorm'",
                    "dpo.beta: missing key",
                    "grpo.clip_epsilon: expected a float in [0.0, 1.0], got 1.5"):
@@ -269,6 +269,30 @@ def test_every_int_has_an_upper_bound_and_one_above_it_is_refused():
         assert f"{key}: expected an int" in str(e.value) and f", {f.metadata['hi']}], got" in str(e.value), key
 
 
+def test_every_float_has_an_upper_bound_and_one_above_it_is_refused():
+    floats = _leaf_fields(float)
+    assert all(f.metadata.get("hi") is not None for _, f in floats), \
+        [k for k, f in floats if f.metadata.get("hi") is None]
+    d = _base()
+    for key, f in floats:
+        _set(d, key, f.metadata["hi"] * 2)
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    for key, f in floats:
+        assert re.search(rf"{re.escape(key)}: expected a float in [\[(][^,]+, {re.escape(str(float(f.metadata['hi'])))}\],"
+                         rf" got", str(e.value)), key
+
+
+def test_a_runaway_learning_rate_is_refused_with_key_and_line():
+    text = (ROOT / "params.yaml").read_text()
+    line = _line_of(text, "lr:", after="sft:")
+    lines = text.splitlines()
+    lines[line - 1] = re.sub(r":.*$", ": 1.0e21", lines[line - 1])
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    assert e.value.problems == [f"params.yaml:{line}: sft.lr: expected a float in (0.0, 10.0], got 1e+21"]
+
+
 @pytest.mark.parametrize("key,value,bound", [
     ("pretrain.model.seq_len", 100000, "[8, 16384]"),
     ("pretrain.batch_size", 10 ** 12, "[1, 65536]"),
@@ -340,7 +364,7 @@ def test_a_mapping_or_list_for_a_scalar_is_shown_as_such():
         load_params_text(_dump(d))
     msg = str(e.value)
     assert "_Loc" not in msg and "object at 0x" not in msg
-    assert "sft.lr: expected a float > 0.0, got a mapping (1 keys)" in msg
+    assert "sft.lr: expected a float in (0.0, 10.0], got a mapping (1 keys)" in msg
     assert "sft.max_steps: expected an int in [1, 100000000], got a list (2 items)" in msg
     assert "sft.nonfinite_policy: expected one of 'raise', 'skip', got a mapping (1 keys)" in msg
 
