@@ -21,7 +21,8 @@ Where PyYAML (YAML 1.1) and DVC (YAML 1.2) read a plain scalar differently, the
 stages must see what DVC sees: a float without a dot, such as `3e-4` or the `3e-06`
 that `dvc exp run -S dpo.lr=3.0e-6` writes back, is a string to PyYAML and a float
 to DVC, so it is read as that float; `yes`/`no`/`on`/`off` (booleans to PyYAML,
-strings to DVC) are refused (write `true`/`false`).
+strings to DVC) are refused (write `true`/`false`), and so are integers with a leading zero
+(`0300` is octal 192 to PyYAML, 300 to DVC) and `0o` octals (a string to PyYAML).
 
 Library code (`llm/`) takes these dataclasses as arguments and never reads
 params.yaml itself; only `stages/` call `load_params`.
@@ -624,6 +625,23 @@ def _ambiguity(node: yaml.ScalarNode) -> str | None:
         return f"{v!r} is a boolean to PyYAML but a string to DVC; write true/false, or quote it"
     if re.match(r"^[-+]?[0-9]+(:[0-5]?[0-9])+$", v):
         return f"{v!r} is a base-60 number to PyYAML; quote it"
+    dvc = _int_12_differs(node)
+    if dvc is not None:
+        octal = re.match(r"^[-+]?0[0-7]+$", v)
+        ours = f"{int(v, 8)} (octal)" if octal else "a string"
+        return f"{v!r} is {ours} to PyYAML but {dvc} to DVC; write {dvc}"
+    return None
+
+
+def _int_12_differs(node: yaml.ScalarNode) -> int | None:
+    """The int DVC (YAML 1.2) reads from a plain scalar that PyYAML reads otherwise: a leading
+    zero (`0300`: octal 192 to PyYAML, `09`: a string) or a `0o` octal (a string to PyYAML)."""
+    if node.style is not None:
+        return None
+    if m := re.match(r"^([-+]?)0([0-9]+)$", node.value):
+        return int(m[1] + m[2])
+    if m := re.match(r"^([-+]?)0o([0-7]+)$", node.value):
+        return int(m[1] + m[2], 8)
     return None
 
 
@@ -639,7 +657,7 @@ class _Tree:
         self.problems, self.where, self.left = problems, where, MAX_NODES
         self.constructor = yaml.SafeLoader("")
 
-    def to_loc(self, node: yaml.Node, depth: int = 0) -> _Loc:
+    def to_loc(self, node: yaml.Node, depth: int = 0, key: str = "") -> _Loc:
         line = node.start_mark.line + 1
         self.left -= 1
         if self.left < 0:
@@ -651,18 +669,20 @@ class _Tree:
         if isinstance(node, yaml.MappingNode):
             out: dict[str, _Loc] = {}
             for k, v in node.value:
-                key = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<a {k.id} as a key>"
-                if key in out:
-                    self.problems.append(f"{self.where}:{k.start_mark.line + 1}: duplicate key {key!r}")
-                out[key] = self.to_loc(v, depth + 1)
+                name = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<a {k.id} as a key>"
+                if name in out:
+                    self.problems.append(f"{self.where}:{k.start_mark.line + 1}: duplicate key {name!r}")
+                out[name] = self.to_loc(v, depth + 1, f"{key}.{name}" if key else name)
             return _Loc(out, line)
         if isinstance(node, yaml.SequenceNode):
-            return _Loc([self.to_loc(v, depth + 1) for v in node.value], line)
+            return _Loc([self.to_loc(v, depth + 1, f"{key}[{i}]") for i, v in enumerate(node.value)], line)
         msg = _ambiguity(node)
         if msg:
-            self.problems.append(f"{self.where}:{line}: {msg}")
+            self.problems.append(f"{self.where}:{line}: {key + ': ' if key else ''}{msg}")
         if _float_12_only(node):  # e.g. 3e-06, as `dvc exp run -S` writes floats: read it as DVC does
             return _Loc(float(node.value), line)
+        if (dvc := _int_12_differs(node)) is not None:  # refused above; checked further as DVC reads it
+            return _Loc(dvc, line)
         # compose() has already resolved the node's tag; construct the plain value safely.
         try:
             return _Loc(self.constructor.construct_object(node, deep=True), line)

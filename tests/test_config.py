@@ -155,12 +155,29 @@ def test_dvc_exp_run_set_param_round_trip(tmp_path):
 @pytest.mark.parametrize("scalar,fragment", [
     ("yes", "boolean to PyYAML but a string to DVC"),
     ("off", "boolean to PyYAML but a string to DVC"),
+    ("0300", "pretrain.lr: '0300' is 192 (octal) to PyYAML but 300 to DVC; write 300"),
+    ("09", "pretrain.lr: '09' is a string to PyYAML but 9 to DVC; write 9"),
+    ("-012", "pretrain.lr: '-012' is -10 (octal) to PyYAML but -12 to DVC; write -12"),
+    ("0o14", "pretrain.lr: '0o14' is a string to PyYAML but 12 to DVC; write 12"),
 ])
 def test_yaml_1_1_vs_1_2_ambiguous_scalars_are_rejected(scalar, fragment):
     text, n = re.subn(r"^  lr: .*$", f"  lr: {scalar}", (ROOT / "params.yaml").read_text(), count=1, flags=re.M)
     assert n == 1
-    with pytest.raises(ConfigError, match=fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         load_params_text(text)
+
+
+def test_a_leading_zero_integer_is_refused_with_key_line_and_what_to_write():
+    """DVC (YAML 1.2) reads `max_steps: 0300` as 300, PyYAML as octal 192: the stage would train
+    for another number of steps than `dvc params diff` shows."""
+    text = (ROOT / "params.yaml").read_text()
+    line = _line_of(text, "max_steps:", after="sft:")
+    lines = text.splitlines()
+    lines[line - 1] = re.sub(r":.*$", ": 0300", lines[line - 1])
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    assert e.value.problems == [f"params.yaml:{line}: sft.max_steps: '0300' is 192 (octal) to PyYAML but 300 to DVC;"
+                                f" write 300"]
 
 
 def test_quoted_ambiguous_scalar_is_a_plain_string():
