@@ -170,14 +170,9 @@ def test_yaml_1_1_vs_1_2_ambiguous_scalars_are_rejected(scalar, fragment):
 def test_a_leading_zero_integer_is_refused_with_key_line_and_what_to_write():
     """DVC (YAML 1.2) reads `max_steps: 0300` as 300, PyYAML as octal 192: the stage would train
     for another number of steps than `dvc params diff` shows."""
-    text = (ROOT / "params.yaml").read_text()
-    line = _line_of(text, "max_steps:", after="sft:")
-    lines = text.splitlines()
-    lines[line - 1] = re.sub(r":.*$", ": 0300", lines[line - 1])
-    with pytest.raises(ConfigError) as e:
-        load_params_text("\n".join(lines) + "\n", "params.yaml")
-    assert e.value.problems == [f"params.yaml:{line}: sft.max_steps: '0300' is 192 (octal) to PyYAML but 300 to DVC;"
-                                f" write 300"]
+    problems, line = _problems_with("sft", "max_steps", "0300")
+    assert problems == [f"params.yaml:{line}: sft.max_steps: '0300' is 192 (octal) to PyYAML but 300 to DVC;"
+                        f" write 300"]
 
 
 def test_quoted_ambiguous_scalar_is_a_plain_string():
@@ -260,6 +255,17 @@ def _line_of(text: str, needle: str, after: str | None = None) -> int:
     return next(i for i in range(start, len(lines)) if lines[i].strip().startswith(needle)) + 1
 
 
+def _problems_with(section: str, leaf: str, value: str) -> tuple[list[str], int]:
+    """The problems of params.yaml with `leaf` of `section` set to the text `value`, and its line."""
+    text = (ROOT / "params.yaml").read_text()
+    line = _line_of(text, f"{leaf}:", after=f"{section}:")
+    lines = text.splitlines()
+    lines[line - 1] = re.sub(r":.*$", f": {value}", lines[line - 1])
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    return e.value.problems, line
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_every_float_refuses_nan_and_infinities(bad):
     """A range check is a comparison, which NaN passes; every float is checked finite first."""
@@ -301,13 +307,8 @@ def test_every_float_has_an_upper_bound_and_one_above_it_is_refused():
 
 
 def test_a_runaway_learning_rate_is_refused_with_key_and_line():
-    text = (ROOT / "params.yaml").read_text()
-    line = _line_of(text, "lr:", after="sft:")
-    lines = text.splitlines()
-    lines[line - 1] = re.sub(r":.*$", ": 1.0e21", lines[line - 1])
-    with pytest.raises(ConfigError) as e:
-        load_params_text("\n".join(lines) + "\n", "params.yaml")
-    assert e.value.problems == [f"params.yaml:{line}: sft.lr: expected a float in (0.0, 10.0], got 1e+21"]
+    problems, line = _problems_with("sft", "lr", "1.0e21")
+    assert problems == [f"params.yaml:{line}: sft.lr: expected a float in (0.0, 10.0], got 1e+21"]
 
 
 @pytest.mark.parametrize("key,value,bound", [
