@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, CheckpointError, DiskFullError) as e:
         print(f"average: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # atomic_dir has removed its temp dir; out is as it was
+        print(f"average: interrupted; {args.out} is as it was", file=sys.stderr)
+        return 130
     steps = meta["averaged_checkpoints"]
     print(f"average: steps {', '.join(map(str, steps))} of {args.run_dir} -> {args.out}")
     return 0

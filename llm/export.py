@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, DiskFullError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # atomic_dir has removed its temp dir; out_dir is as it was
+        print(f"export: interrupted; {args.out_dir} is as it was", file=sys.stderr)
+        return 130
     note = f" (left out heads {dropped}: not part of a causal LM)" if dropped else ""
     print(f"export: {args.model_dir} -> {args.out_dir} as LlamaForCausalLM, {model.summary()}{note}")
     return 0

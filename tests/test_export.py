@@ -322,6 +322,23 @@ def test_export_never_replaces_what_it_did_not_write(workspace, monkeypatch, cap
     assert tree_digest(workspace) == before and temps_under(workspace) == []
 
 
+def test_ctrl_c_while_writing_leaves_the_earlier_export_and_no_temp(tmp_path, tok, capsys, monkeypatch):
+    import llm.export
+    from tests.test_fileio import temps_under, tree_digest
+
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 0
+    before = tree_digest(tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.export, "model_card", interrupted)  # after the weights are written
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--force"]) == 130
+    assert capsys.readouterr().err.strip().endswith(f"export: interrupted; {tmp_path / 'hf'} is as it was")
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
 def test_export_replaces_an_earlier_export_only_with_force(tmp_path, tok, capsys):
     save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 0
