@@ -20,8 +20,9 @@ checkout` brings back the committed ones.)
 Loading reads only safetensors and JSON (never pickle) and trusts none of it: config.json
 passes the same type and bound checks as params.yaml (so `n_layer: 1000000` or
 `vocab_size: 10**12` is refused before anything is allocated), every file must match
-meta.json's sha256 and no unlisted file may be there, and the safetensors header's names,
-dtypes, shapes and offsets must match the config before a tensor is read or a real module
+meta.json's sha256 and no unlisted file may be there (sizes are checked before anything is
+hashed: a sparse file of 100 GB costs no disk, but hashing reads every byte), and the safetensors header's
+names, dtypes, shapes and offsets must match the config before a tensor is read or a real module
 built. meta.json's hashes catch corruption and stray edits, not an attacker (who can
 recompute them); the bound and shape checks are what keep a hostile directory from
 allocating without limit. Errors are `ArtifactError`, naming the file and what is wrong.
@@ -102,6 +103,12 @@ def _files(path: Path) -> dict[str, Path]:
     return out
 
 
+def is_model_dir(path: Path) -> bool:
+    """Whether `path` holds a model directory's entries and nothing else (what save_model_dir writes)."""
+    names = {p.name for p in path.iterdir()}
+    return {META_FILE, MODEL_FILE} <= names <= {META_FILE, MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR}
+
+
 def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str, Any]) -> Path:
     """Write a model directory atomically. `meta` carries provenance (stage, fingerprint,
     inputs); format_version, n_params and the sha256 of every other file are added here."""
@@ -171,9 +178,14 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+_TORCH_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
 def read_safetensors_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (dtype, shape)} from a safetensors file's header, checked against the file:
-    a bounded header, known dtypes, and every tensor's bytes inside the file. Reads the header only."""
+    a bounded header, known dtypes, every tensor's bytes inside the file, and the file exactly as
+    long as the header says (8 + header + the last tensor's end), so that a file padded to any
+    size is refused before anything hashes it. Reads the header only."""
     size = f.stat().st_size
     with open(f, "rb") as fh:
         head = fh.read(8)
@@ -187,12 +199,13 @@ def read_safetensors_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise ArtifactError(f"{f}: not a readable safetensors file (header: {str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise ArtifactError(f"{f}: not a readable safetensors file (header is not a JSON object)")
-    out = {}
+    out, end = {}, 0
     data_bytes = size - 8 - n
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        ok = (isinstance(e, dict) and e.get("dtype") in _DTYPE_BYTES and isinstance(e.get("shape"), list)
+        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in _DTYPE_BYTES
+              and isinstance(e.get("shape"), list)
               and len(e["shape"]) <= 8 and all(type(d) is int and 0 <= d < 2 ** 40 for d in e["shape"])
               and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
               and all(type(o) is int for o in e["data_offsets"]))
@@ -203,7 +216,19 @@ def read_safetensors_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise ArtifactError(f"{f}: not a readable safetensors file (tensor {name[:80]!r}: bad dtype, shape or"
                                 f" offsets for a file of {size} bytes)")
         out[name] = (e["dtype"], tuple(e["shape"]))
+        end = max(end, e["data_offsets"][1])
+    if end != data_bytes:
+        raise ArtifactError(f"{f}: {size} bytes, but its header describes {8 + n + end} (8 + a header of {n} +"
+                            f" tensors of {end}); the file was truncated, padded or corrupted (re-run the stage that"
+                            f" writes it)")
     return out
+
+
+def _max_bytes() -> dict[str, int]:
+    from llm.tokenizer import MAX_FILE_BYTES, MAX_META_BYTES
+
+    return {f"{TOKENIZER_DIR}/tokenizer.txt": MAX_FILE_BYTES, TOKENIZER_META: MAX_META_BYTES}  # config.json:
+    # read_config bounds it first; model.safetensors: read_safetensors_header
 
 
 def _verify_files(path: Path, meta: dict) -> None:
@@ -215,6 +240,11 @@ def _verify_files(path: Path, meta: dict) -> None:
         raise ArtifactError(f"{path / META_FILE}: 'files' must map each file name to its sha256 (re-run the stage"
                             f" that writes {path})")
     present = _files(path)
+    for name, f in present.items():  # before hashing: a sparse file of 100 GB would be read in full
+        limit = _max_bytes().get(name)
+        if limit is not None and (size := f.stat().st_size) > limit:
+            raise ArtifactError(f"{f}: {size} bytes, more than such a file holds (at most {limit}); the file was"
+                                f" padded or replaced (re-run the stage that writes {path})")
     if meta["format_version"] >= 2:
         unlisted, gone = sorted(set(present) - set(files)), sorted(set(files) - set(present))
         if gone:
@@ -247,9 +277,10 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     saved there (attach a new head with model.add_head(name)).
 
     Checks, in order, before any tensor is read or any real module built: meta.json, the
-    config's types and bounds, every file's sha256, the safetensors header (names, dtypes,
-    shapes and offsets) against the shapes the config implies; then the tensors are read and
-    checked finite and within MAX_WEIGHT, and the tokenizer is loaded and checked against the config's vocabulary.
+    config's types and bounds, the safetensors header (and the file's size against it), every
+    file's size bound and then its sha256, the header's names, shapes and dtypes against those the
+    config implies; then the tensors are read and checked finite and within MAX_WEIGHT, and the
+    tokenizer is loaded and checked against the config's vocabulary.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -277,15 +308,16 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     f = path / MODEL_FILE
     if not f.is_file():
         raise MissingArtifactError(f"{f}: missing; the model directory is incomplete (re-run the stage that writes it)")
+    header = read_safetensors_header(f)  # its size too, before the hashes read every byte
     _verify_files(path, meta)
 
     # The shapes the config implies, from a model on the meta device: no memory, and the config
     # is bounded already, so building it is quick. Compared with the header before reading tensors.
     try:
-        expected = {k: tuple(v.shape) for k, v in _stored(GPT(cfg, heads=saved_heads, device="meta")).items()}
+        like = _stored(GPT(cfg, heads=saved_heads, device="meta"))
     except ValueError as e:  # GPT's own checks (e.g. the heads a reward feature needs)
         raise ArtifactError(f"{path / CONFIG_FILE}: {e}") from None
-    header = read_safetensors_header(f)
+    expected = {k: tuple(v.shape) for k, v in like.items()}
     missing = sorted(set(expected) - set(header))
     unexpected = sorted(set(header) - set(expected))
     if missing or unexpected:
@@ -294,6 +326,12 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     bad_shapes = [f"{k}: file {header[k][1]} vs config {v}" for k, v in expected.items() if header[k][1] != v]
     if bad_shapes:
         raise ArtifactError(f"{f}: tensor shapes do not match {CONFIG_FILE}: " + "; ".join(bad_shapes[:8]))
+    # an integer tensor passes the finite and magnitude checks below and load_state_dict casts it
+    bad_dtypes = [f"{k} is {header[k][0]}, not {_TORCH_DTYPES.get(v.dtype, v.dtype)}" for k, v in like.items()
+                  if header[k][0] != _TORCH_DTYPES.get(v.dtype)]
+    if bad_dtypes:
+        raise ArtifactError(f"{f}: tensor dtypes do not match the model's: " + "; ".join(bad_dtypes[:8])
+                            + " (the file was edited or corrupted; re-run the stage that writes it)")
     try:
         tensors = load_file(str(f))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

@@ -18,7 +18,8 @@ model directory like the one the stage wrote, so `python -m stages.eval`, `llm.c
     like      the model directory the stage wrote from that run (models/sft): its config,
               heads and tokenizer are kept; the checkpoints must carry its fingerprint (the
               same params and inputs), so a run directory from other params is refused
-    out       the new model directory (written atomically); its meta.json names the steps
+    out       the new model directory (written atomically; an existing one only with --force, and
+              never an input or a directory holding one); its meta.json names the steps
               averaged and keeps the stage's provenance
 
 SFT itself writes such a mean when `sft.average_last` is above 1 (the `cpu` profile keeps the
@@ -34,6 +35,7 @@ from typing import Iterable
 import torch
 
 from llm.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from llm.errors import DiskFullError
 
 KEPT_META = ("stage", "fingerprint", "inputs", "parent", "steps")
 
@@ -99,15 +101,17 @@ def average_checkpoints(run_dir: str | Path, last: int, *, fingerprint: str, nam
     return state, sorted(steps)
 
 
-def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: int = 2) -> dict:
+def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: int = 2, force: bool = False) -> dict:
     """Write the mean of the last `last` checkpoints of `run_dir` as a model directory `out`
     shaped like `like`; returns the new directory's meta. The checkpoints must carry `like`'s
-    fingerprint; nothing is written unless all of them pass (average_checkpoints)."""
-    from llm.artifacts import load_model_dir, save_model_dir
+    fingerprint; nothing is written unless all of them pass (average_checkpoints). `out` must be
+    new or empty, or (`force`) a model directory; never one of the inputs, inside one or above one
+    (llm.fileio.check_target)."""
+    from llm.artifacts import is_model_dir, load_model_dir, save_model_dir
+    from llm.fileio import check_target
 
     run_dir, like, out = Path(run_dir), Path(like), Path(out)
-    if out.resolve() == like.resolve():
-        raise ValueError(f"{out}: the output would overwrite the stage's model directory {like}; write elsewhere")
+    check_target(out, inputs=[run_dir, like], force=force, kind="model directory", replaceable=is_model_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no run directory here (run the stage first, e.g. `dvc repro sft`)")
     model, tokenizer, meta = load_model_dir(like)
@@ -129,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("like", type=Path, help="the model directory the stage wrote from it, e.g. models/sft")
     ap.add_argument("out", type=Path, help="the averaged model directory to write, e.g. models/sft_avg")
     ap.add_argument("--last", type=int, default=2, help="how many of the newest checkpoints (default: %(default)s)")
+    ap.add_argument("--force", action="store_true",
+                    help="replace `out` if it is a model directory (never the run's or `like`, nor a directory of"
+                         " other things); the new one is written beside it and swapped in")
     args = ap.parse_args(argv)
     try:
-        meta = average_run(args.run_dir, args.like, args.out, last=args.last)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+        meta = average_run(args.run_dir, args.like, args.out, last=args.last, force=args.force)
+    except (FileNotFoundError, ValueError, CheckpointError, DiskFullError) as e:
         print(f"average: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # atomic_dir has removed its temp dir; out is as it was
+        print(f"average: interrupted; {args.out} is as it was", file=sys.stderr)
+        return 130
     steps = meta["averaged_checkpoints"]
     print(f"average: steps {', '.join(map(str, steps))} of {args.run_dir} -> {args.out}")
     return 0

@@ -283,6 +283,19 @@ temperature_arg = checked_arg(lambda t: sampling_problem(temperature=t), float)
 top_k_arg = checked_arg(lambda k: sampling_problem(top_k=k), int)
 top_p_arg = checked_arg(lambda p: sampling_problem(top_p=p), float)
 positive_int_arg = checked_arg(lambda n: None if n >= 1 else f"must be >= 1, got {n}", int)
+seed_arg = checked_arg(lambda n: None if 0 <= n < 2 ** 64 else f"must be in [0, 2**64 - 1] (torch's seed range),"
+                       f" got {n}", int)
+
+
+def text_arg(text: str) -> str:
+    """An argparse type for message text: Python hands over argv bytes that are not UTF-8 as lone
+    surrogates (surrogateescape), which the tokenizer cannot encode; refuse them by byte and offset."""
+    raw = text.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at offset {e.start});"
+                                         f" pass the text in UTF-8") from None
 
 
 def device_problem(name: str) -> str | None:
@@ -331,9 +344,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Inside the chat: " + ", ".join(COMMANDS) + ". When stdin is not a terminal, each line is a"
                ' user turn and stdout is JSON Lines: {"line", "user", "assistant", "finish"} per turn.')
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
-    ap.add_argument("--prompt", default=None, metavar="TEXT", help="answer this one message, print the answer and exit"
+    ap.add_argument("--prompt", type=text_arg, default=None, metavar="TEXT", help="answer this one message, print the answer and exit"
                     " (default: none, chat)")
-    ap.add_argument("--system", default=None, metavar="TEXT", help="system message at the start of every conversation"
+    ap.add_argument("--system", type=text_arg, default=None, metavar="TEXT", help="system message at the start of every conversation"
                     " (default: none)")
     ap.add_argument("--temperature", type=temperature_arg, default=0.7, metavar="T",
                     help="sampling temperature; 0 = greedy (default: %(default)s)")
@@ -345,7 +358,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=positive_int_arg, default=None, metavar="N",
                     help="longest answer in tokens; the earliest turns are forgotten when the conversation"
                          " and the answer do not fit the context (default: half the model's context)")
-    ap.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling generator (default: %(default)s)")
+    ap.add_argument("--seed", type=seed_arg, default=0, metavar="N", help="seed of the sampling generator (default: %(default)s)")
     ap.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device, e.g. cuda (default: %(default)s)")
     return ap
 

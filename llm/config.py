@@ -21,7 +21,8 @@ Where PyYAML (YAML 1.1) and DVC (YAML 1.2) read a plain scalar differently, the
 stages must see what DVC sees: a float without a dot, such as `3e-4` or the `3e-06`
 that `dvc exp run -S dpo.lr=3.0e-6` writes back, is a string to PyYAML and a float
 to DVC, so it is read as that float; `yes`/`no`/`on`/`off` (booleans to PyYAML,
-strings to DVC) are refused (write `true`/`false`).
+strings to DVC) are refused (write `true`/`false`), and so are integers with a leading zero
+(`0300` is octal 192 to PyYAML, 300 to DVC) and `0o` octals (a string to PyYAML).
 
 Library code (`llm/`) takes these dataclasses as arguments and never reads
 params.yaml itself; only `stages/` call `load_params`.
@@ -75,6 +76,11 @@ MAX_BATCH = 65536          # sequences in one batch, minibatch or generation bat
 MAX_STEPS = 10 ** 8        # optimizer steps, and step counts and intervals
 MAX_COUNT = 10 ** 7        # records, problems, prompts or samples a stage generates or reads
 MAX_WORKERS = 1024         # processes, threads
+# The same for floats without a natural range: each bound is a typo guard (`lr: 1.0e21`,
+# `kl_target: 8` for 0.08 reads fine to YAML), set far above every value a profile uses.
+MAX_LR = 10.0              # learning rates; AdamW is used here between 1e-6 and 1e-2
+MAX_COEF = 1000.0          # loss coefficients, weight decay, rewards, margins, KL coefficients
+MAX_LIMIT = 1e6            # a gradient-norm clip or a KL limit, where a large value means "no limit"
 
 # ---------------------------------------------------------------------------
 # Sections. Field names are the params.yaml keys, the variable names in code and
@@ -283,13 +289,13 @@ class ModelConfig:
 class LoopConfig:
     """The knobs of the run skeleton (llm/loop.py), the same names in every training section."""
     max_steps: int = _f(lo=1, hi=MAX_STEPS)
-    lr: float = _f(lo=0.0, lo_open=True)
-    min_lr: float = _f(lo=0.0, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
+    lr: float = _f(lo=0.0, hi=MAX_LR, lo_open=True)
+    min_lr: float = _f(lo=0.0, hi=MAX_LR, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
     warmup_steps: int = _f(lo=0, hi=MAX_STEPS)
-    weight_decay: float = _f(lo=0.0)
+    weight_decay: float = _f(lo=0.0, hi=MAX_COEF)
     beta1: float = _f(lo=0.0, hi=1.0)
     beta2: float = _f(lo=0.0, hi=1.0)
-    grad_clip: float = _f(lo=0.0, doc="max global grad norm; 0 = no clipping")
+    grad_clip: float = _f(lo=0.0, hi=MAX_LIMIT, doc="max global grad norm; 0 = no clipping")
     eval_every: int = _f(lo=1, hi=MAX_STEPS)
     checkpoint_every: int = _f(lo=1, hi=MAX_STEPS)
     keep_checkpoints: int = _f(lo=2, hi=1000)
@@ -390,7 +396,7 @@ class SFTConfig(TrainConfig):
 class RewardConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
     label_smoothing: float = _f(lo=0.0, hi=0.5)
-    margin: float = _f(lo=0.0)
+    margin: float = _f(lo=0.0, hi=MAX_COEF)
     min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
     logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
                                    " trunk's LM head to the head's reward (llm/reward_model.py)")
@@ -407,7 +413,7 @@ class PairsConfig:
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     adversarial_fraction: float = _f(lo=0.0, hi=1.0)
-    tie_epsilon: float = _f(lo=0.0, doc="pairs whose rewards differ by at most this are ties and dropped")
+    tie_epsilon: float = _f(lo=0.0, hi=MAX_COEF, doc="pairs whose rewards differ by at most this are ties and dropped")
     tie_break: Literal["first", "likelihood"] = _f(doc="among equally scored best (worst) samples take the first, or"
                                                        " the one the SFT model finds most likely (hard negatives)")
     val_fraction: float = _f(lo=0.0, hi=0.5)
@@ -420,10 +426,10 @@ class PairsConfig:
 @dataclass(kw_only=True)
 class DPOConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
-    beta: float = _f(lo=0.0, lo_open=True)
+    beta: float = _f(lo=0.0, hi=MAX_COEF, lo_open=True)
     loss_type: Literal["sigmoid", "ipo"] = _f()
     label_smoothing: float = _f(lo=0.0, hi=0.5, doc="> 0 with sigmoid = conservative DPO (cDPO)")
-    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate on KL to the SFT model")
+    max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate on KL to the SFT model")
     kl_prompts: int = _f(lo=1, hi=MAX_COUNT, doc="held-out prompts the KL to the SFT model is measured on")
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN, doc="response length sampled from the policy for the KL")
     trainable: list[str] = _f(doc="names of the parameters DPO trains, as globs (fnmatch): ['*'] = all,"
@@ -446,28 +452,28 @@ class RLConfig(LoopConfig):
     temperature: float = _f(lo=1e-3, hi=100.0)
     levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum")
     eval_problems: int = _f(lo=0, hi=MAX_COUNT)
-    max_kl: float = _f(lo=0.0, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
-    correct_reward: float = _f(lo=0.0, doc="verifier reward for a correct final answer")
-    format_reward: float = _f(lo=0.0, doc="verifier reward for ending with a `#### N` line")
+    max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
+    correct_reward: float = _f(lo=0.0, hi=MAX_COEF, doc="verifier reward for a correct final answer")
+    format_reward: float = _f(lo=0.0, hi=MAX_COEF, doc="verifier reward for ending with a `#### N` line")
 
 
 @dataclass(kw_only=True)
 class PPOConfig(RLConfig):
     rollout_prompts: int = _f(lo=1, hi=MAX_BATCH, doc="prompts (= rollouts) per PPO step")
     reward_source: Literal["rm", "verifier", "rm+verifier"] = _f()
-    vf_coef: float = _f(lo=0.0)
-    value_clip: float = _f(lo=0.0)
-    ent_coef: float = _f(lo=0.0)
+    vf_coef: float = _f(lo=0.0, hi=MAX_COEF)
+    value_clip: float = _f(lo=0.0, hi=MAX_LIMIT)
+    ent_coef: float = _f(lo=0.0, hi=MAX_COEF)
     gamma: float = _f(lo=0.0, hi=1.0)
     lam: float = _f(lo=0.0, hi=1.0)
     whiten_advantages: bool = _f()
     kl_estimator: Literal["k1", "k3"] = _f()
-    init_kl_coef: float = _f(lo=0.0)
+    init_kl_coef: float = _f(lo=0.0, hi=MAX_COEF)
     adaptive_kl: bool = _f()
-    kl_target: float = _f(lo=0.0)
+    kl_target: float = _f(lo=0.0, hi=MAX_LIMIT)
     kl_horizon: int = _f(lo=1, hi=MAX_STEPS)
-    kl_alert_low: float = _f(lo=0.0)
-    kl_alert_high: float = _f(lo=0.0)
+    kl_alert_low: float = _f(lo=0.0, hi=MAX_LIMIT)
+    kl_alert_high: float = _f(lo=0.0, hi=MAX_LIMIT)
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         return _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
@@ -490,7 +496,7 @@ class PPOConfig(RLConfig):
 class GRPOConfig(RLConfig):
     prompts_per_step: int = _f(lo=1, hi=MAX_BATCH)
     group_size: int = _f(lo=2, hi=1024)
-    beta: float = _f(lo=0.0, doc="k3 KL coefficient")
+    beta: float = _f(lo=0.0, hi=MAX_COEF, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
     curriculum_levels: list[int] = _f(lo=1, hi=4)
@@ -619,6 +625,23 @@ def _ambiguity(node: yaml.ScalarNode) -> str | None:
         return f"{v!r} is a boolean to PyYAML but a string to DVC; write true/false, or quote it"
     if re.match(r"^[-+]?[0-9]+(:[0-5]?[0-9])+$", v):
         return f"{v!r} is a base-60 number to PyYAML; quote it"
+    dvc = _int_12_differs(node)
+    if dvc is not None:
+        octal = re.match(r"^[-+]?0[0-7]+$", v)
+        ours = f"{int(v, 8)} (octal)" if octal else "a string"
+        return f"{v!r} is {ours} to PyYAML but {dvc} to DVC; write {dvc}"
+    return None
+
+
+def _int_12_differs(node: yaml.ScalarNode) -> int | None:
+    """The int DVC (YAML 1.2) reads from a plain scalar that PyYAML reads otherwise: a leading
+    zero (`0300`: octal 192 to PyYAML, `09`: a string) or a `0o` octal (a string to PyYAML)."""
+    if node.style is not None:
+        return None
+    if m := re.match(r"^([-+]?)0([0-9]+)$", node.value):
+        return int(m[1] + m[2])
+    if m := re.match(r"^([-+]?)0o([0-7]+)$", node.value):
+        return int(m[1] + m[2], 8)
     return None
 
 
@@ -634,7 +657,7 @@ class _Tree:
         self.problems, self.where, self.left = problems, where, MAX_NODES
         self.constructor = yaml.SafeLoader("")
 
-    def to_loc(self, node: yaml.Node, depth: int = 0) -> _Loc:
+    def to_loc(self, node: yaml.Node, depth: int = 0, key: str = "") -> _Loc:
         line = node.start_mark.line + 1
         self.left -= 1
         if self.left < 0:
@@ -646,18 +669,20 @@ class _Tree:
         if isinstance(node, yaml.MappingNode):
             out: dict[str, _Loc] = {}
             for k, v in node.value:
-                key = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<a {k.id} as a key>"
-                if key in out:
-                    self.problems.append(f"{self.where}:{k.start_mark.line + 1}: duplicate key {key!r}")
-                out[key] = self.to_loc(v, depth + 1)
+                name = str(k.value) if isinstance(k, yaml.ScalarNode) else f"<a {k.id} as a key>"
+                if name in out:
+                    self.problems.append(f"{self.where}:{k.start_mark.line + 1}: duplicate key {name!r}")
+                out[name] = self.to_loc(v, depth + 1, f"{key}.{name}" if key else name)
             return _Loc(out, line)
         if isinstance(node, yaml.SequenceNode):
-            return _Loc([self.to_loc(v, depth + 1) for v in node.value], line)
+            return _Loc([self.to_loc(v, depth + 1, f"{key}[{i}]") for i, v in enumerate(node.value)], line)
         msg = _ambiguity(node)
         if msg:
-            self.problems.append(f"{self.where}:{line}: {msg}")
+            self.problems.append(f"{self.where}:{line}: {key + ': ' if key else ''}{msg}")
         if _float_12_only(node):  # e.g. 3e-06, as `dvc exp run -S` writes floats: read it as DVC does
             return _Loc(float(node.value), line)
+        if (dvc := _int_12_differs(node)) is not None:  # refused above; checked further as DVC reads it
+            return _Loc(dvc, line)
         # compose() has already resolved the node's tag; construct the plain value safely.
         try:
             return _Loc(self.constructor.construct_object(node, deep=True), line)

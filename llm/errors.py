@@ -13,10 +13,22 @@ them. These are raised from several places, and every stage reports them the sam
   too long). The message says which gate, the numbers and what to change; no model is written.
 - `CheckpointError`: a checkpoint that cannot be trusted (llm/checkpoint.py): a bad manifest,
   a hash that does not match, a non-finite tensor.
+- `DiskFullError`: the disk or the user's quota filled up while an output was written. The
+  atomic writes of llm/fileio.py raise it naming the output (what it replaced is left as it
+  was); a write elsewhere that fills the disk is named by llm/stage.py from the error's file
+  name or the stage's outputs. Libraries report a full disk in their own words (safetensors:
+  "... No space left on device (os error 28)", not an OSError), so `is_disk_full` reads that
+  message as well as the errno.
 
-Stages turn both into a one-line message and exit status 1 (llm/stage.py).
+Stages turn each into a one-line message and exit status 1 (llm/stage.py).
 """
 from __future__ import annotations
+
+import errno
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how Rust's std::io::Error ends its message (safetensors is written in Rust)
+_RUST_DISK_FULL = tuple(f"(os error {n})" for n in DISK_FULL_ERRNOS)
 
 
 class NonFiniteError(FloatingPointError):
@@ -29,3 +41,20 @@ class QualityGateError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted; the message names the directory and the reason."""
+
+
+class DiskFullError(OSError):
+    """No space (or quota) left while writing an output; the message names the path and says to free space."""
+
+    def __init__(self, path: object, what: str = "while writing it") -> None:
+        super().__init__(f"{path}: no space left on the device {what}; free space on that disk (or raise the"
+                         f" quota) and run it again (an output that was there before is left as it was)")
+        self.errno = errno.ENOSPC
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e` reports a full disk or quota: an OSError with that errno, or a library's
+    error that ends with Rust's form of that errno (safetensors, whose errors are not OSError)."""
+    if isinstance(e, OSError):
+        return e.errno in DISK_FULL_ERRNOS
+    return type(e).__name__ == "SafetensorError" and str(e).rstrip().endswith(_RUST_DISK_FULL)

@@ -4,7 +4,8 @@
 
     python -m llm.export models/sft exported/sft --metrics metrics/sft.json --metrics metrics/eval/sft.json
 
-writes, atomically, into <out_dir> (every file with the usual umask-derived mode, 0644 under umask 022):
+writes, atomically, into <out_dir>, a new or empty directory (--force replaces an earlier export,
+and nothing else: never a directory of other files, nor one holding the model it reads) (every file with the usual umask-derived mode, 0644 under umask 022):
     model.safetensors        weights under HF Llama names (model.layers.{i}.self_attn.q_proj.weight, ...)
     config.json              a LlamaForCausalLM config; eos = [<|end|>, <|endoftext|>], the tokens our
                              generation stops at (llm/chat.py)
@@ -53,6 +54,7 @@ import torch
 
 from llm.chat import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
+from llm.errors import DiskFullError
 from llm.model import GPT, NORM_EPS, format_count, mlp_hidden
 
 
@@ -295,6 +297,17 @@ def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path, *, name: str | No
     return out_dir
 
 
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "README.md")
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether `path` holds an export and nothing else: the only directory --force may replace."""
+    names = {p.name for p in path.iterdir()}
+    return ({"model.safetensors", "config.json"} <= names <= set(EXPORT_FILES)
+            and all((path / n).is_file() and not (path / n).is_symlink() for n in names))
+
+
 def read_metrics(paths: list[str]) -> dict[str, dict]:
     """file name -> its JSON object, for the model card; a missing or malformed file is an error."""
     out = {}
@@ -315,22 +328,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m llm.export",
                                  description="Export models/<stage> to Hugging Face Llama format.")
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
-    ap.add_argument("out_dir", help="where to write the HF files (replaced atomically)")
+    ap.add_argument("out_dir", help="a new directory for the HF files, e.g. exported/sft")
+    ap.add_argument("--force", action="store_true",
+                    help="replace out_dir if it holds an earlier export (and nothing else); the new files are"
+                         " written beside it and swapped in, so a failed export leaves it as it was")
     ap.add_argument("--metrics", action="append", default=[], metavar="FILE",
                     help="a metrics JSON (e.g. metrics/eval/sft.json) whose numbers go into the model card;"
                          " repeatable (default: none, and the card says so)")
     args = ap.parse_args(argv)
     from llm.artifacts import load_model_dir
+    from llm.fileio import check_target
 
     try:
+        check_target(args.out_dir, inputs=[args.model_dir, *args.metrics], force=args.force,
+                     kind="Hugging Face export", replaceable=is_export_dir)
         metrics = read_metrics(args.metrics)
         model, tokenizer, meta = load_model_dir(args.model_dir)
         dropped = [h for h in model.head_names if h != "lm"]
         export_hf(model, tokenizer, args.out_dir, name=Path(args.model_dir).resolve().name, meta=meta,
                   metrics=metrics)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, DiskFullError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # atomic_dir has removed its temp dir; out_dir is as it was
+        print(f"export: interrupted; {args.out_dir} is as it was", file=sys.stderr)
+        return 130
     note = f" (left out heads {dropped}: not part of a causal LM)" if dropped else ""
     print(f"export: {args.model_dir} -> {args.out_dir} as LlamaForCausalLM, {model.summary()}{note}")
     return 0

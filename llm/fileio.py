@@ -36,9 +36,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from llm.errors import DiskFullError, is_disk_full
+
 
 class DataError(ValueError):
     """A problem with an input file that the user can fix; the message names path and line."""
+
+
+@contextlib.contextmanager
+def naming_full_disk(*outputs: str | Path) -> Iterator[None]:
+    """A full disk (or quota) inside the block becomes one DiskFullError naming the file the
+    error names, or else `outputs`; one raised by an atomic write below, which names its
+    target, passes unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        name = getattr(e, "filename", None)
+        raise DiskFullError(name or ", ".join(map(str, outputs)),
+                            "while writing it" if name else "while writing one of these") from None
+
+
+@contextlib.contextmanager
+def _full_disk_as(path: Path) -> Iterator[None]:
+    """A full disk while writing `path` (its temp sibling, or a nested atomic write into that
+    temp) is reported as `path`, the name the user knows."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(path) from None
 
 
 # ---------------------------------------------------------------------------
@@ -137,22 +168,24 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
-    """Stream into a temp file that replaces `path` only if the block completes."""
+    """Stream into a temp file that replaces `path` only if the block completes (a full disk:
+    DiskFullError naming `path`, which is left as it was)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        _public(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _full_disk_as(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
+        try:
+            kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+            with os.fdopen(fd, mode, **kwargs) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            _public(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     _fsync_dir(path.parent)
     _remove_leftovers(path)
 
@@ -178,34 +211,81 @@ def _fsync_tree(root: Path) -> None:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Build a directory in a temp sibling; on success it replaces `path` in one rename.
 
-    If the block raises, `path` is untouched and the temp dir is removed; if the process
-    is killed, the temp dir stays until the next successful write of `path` removes it.
+    If the block or the swap raises (KeyboardInterrupt included), `path` is as it was and the
+    temp dir is removed; a full disk is reported as DiskFullError naming `path`; if the process is killed, the temp dir stays until the next successful write of `path` removes it.
     The swap of an existing directory is two renames (old -> trash, new -> path); a crash
     between them leaves `path` missing but the complete old copy in `.<name>.old-*`, and
     the next successful write removes it.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
-    _public(tmp, directory=True)
+    with _full_disk_as(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent))
+        _public(tmp, directory=True)
+        try:
+            yield tmp
+            _fsync_tree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    old = None
     try:
-        yield tmp
-        _fsync_tree(tmp)
-    except BaseException:
+        if path.exists() or path.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rmdir(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. `path` is a mount point or the current directory: put things back
+        if old is not None and not os.path.lexists(path):
+            os.replace(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if path.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-        os.rmdir(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
     _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in path.parent.glob(glob.escape(f".{path.name}.old-") + "*"):
         shutil.rmtree(stale, ignore_errors=True)
     _remove_leftovers(path)
+
+
+class TargetError(ValueError):
+    """An output path a command will not write: the write would destroy what the command did not make."""
+
+
+def check_target(out: str | Path, *, inputs: Iterable[str | Path], force: bool, kind: str,
+                 replaceable: Callable[[Path], bool]) -> None:
+    """Refuse an output directory whose replacement would destroy what this command did not make.
+
+    `out` may not be the current directory or above it, nor be, hold or lie inside one of `inputs`
+    (whatever `force` says). If it exists it must be an empty directory or, with `force`, one that
+    `replaceable(out)` recognises as a `kind`, the kind of directory the command writes; anything
+    else (a file, a directory of other things, e.g. the folder holding every model) is refused.
+    The command still writes beside `out` and swaps (atomic_dir), so a failed write changes nothing.
+    """
+    out, here = Path(out), Path.cwd().resolve()
+    where = out.resolve()
+    if where == here or where in here.parents:
+        raise TargetError(f"{out}: is the current directory or one above it; name a new directory for the {kind}")
+    for inp in inputs:
+        src = Path(inp).resolve()
+        if where == src or where in src.parents or src in where.parents:
+            how = "is" if where == src else "holds" if where in src.parents else "lies inside"
+            raise TargetError(f"{out}: {how} the input {inp}, which writing there would destroy; name a new"
+                              f" directory for the {kind}")
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise TargetError(f"{out}: exists and is not a directory; name a new directory for the {kind}")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    if not force:
+        raise TargetError(f"{out}: exists and is not empty ({shown}); name a new directory, or pass --force to"
+                          f" replace it if it is a {kind}")
+    if not replaceable(out):
+        raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it; name a new"
+                          f" directory")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

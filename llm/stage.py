@@ -37,8 +37,9 @@ the one of a single process. What the launcher reports:
   rank's own message (a stage error, an exception, or the signal that killed it), exit 1;
 - SIGTERM/SIGINT: passed on to the processes, which checkpoint and stop (llm/loop.py).
 
-A ConfigError from the params, or any error a user or an input file can cause (STAGE_ERRORS,
-plus the stage's own `errors`), prints "<stage>: <message>" on stderr and returns 1 (under
+A ConfigError from the params, or any error a user, an input file or a full disk can cause
+(STAGE_ERRORS, plus the stage's own `errors`; a full disk names the file being written, or else
+the stage's outputs), prints "<stage>: <message>" on stderr and returns 1 (under
 the launcher the message goes to it, and it prints the failing rank's); anything else is a
 bug and keeps its traceback. The process group is torn down whatever happens.
 
@@ -59,12 +60,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llm.config import CommonConfig, ConfigError, load_sections
-from llm.errors import CheckpointError, NonFiniteError, QualityGateError
-from llm.fileio import DataError
+from llm.errors import CheckpointError, DiskFullError, NonFiniteError, QualityGateError
+from llm.fileio import DataError, naming_full_disk
 
-# What a user or an input file can cause; anything else is a bug and keeps its traceback.
+# What a user, an input file or a full disk can cause; anything else is a bug and keeps its traceback.
 STAGE_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError, ValueError, FileNotFoundError,
-                                             CheckpointError, NonFiniteError, QualityGateError)
+                                             CheckpointError, NonFiniteError, QualityGateError, DiskFullError)
 
 Work = Callable[[argparse.Namespace, Any, Any, Any], "str | None"]
 
@@ -142,9 +143,14 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
     except ConfigError as e:
         return _stage_error(stage, e)
     common, cfg = sections["common"], sections[section]
+
+    def guarded(rt: Any) -> str | None:  # a full disk anywhere in the stage: one line naming what was written
+        with naming_full_disk(*(f"{_option(n)} {getattr(args, n)}" for n in outputs)):
+            return work(args, common, cfg, rt)
+
     if setup is None:
         try:
-            summary = work(args, common, cfg, None)
+            summary = guarded(None)
         except (*STAGE_ERRORS, *errors) as e:
             return _stage_error(stage, e)
     else:
@@ -160,7 +166,7 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
         rt = None
         try:
             rt = setup(common)
-            summary = work(args, common, cfg, rt)
+            summary = guarded(rt)
         except (*STAGE_ERRORS, *errors) as e:
             return _stage_error(stage, e)
         except Exception as e:  # a bug: the traceback goes to stderr, its last line to the launcher

@@ -654,9 +654,13 @@ class Tokenizer:
             return int(text)
 
         try:
-            pattern = json.loads(field(1, "pattern"))
-            if pattern not in KNOWN_PATTERNS:
-                shown = repr(pattern)[:80] if isinstance(pattern, str) else type(pattern).__name__
+            try:
+                pattern = json.loads(field(1, "pattern"))
+            except RecursionError:  # e.g. [[[[...]]]] 100,000 deep: json recurses per level
+                pattern = []
+            if not isinstance(pattern, str) or pattern not in KNOWN_PATTERNS:  # a list or dict is unhashable
+                kind = {list: "array", dict: "object", type(None): "null", bool: "boolean"}.get(type(pattern), "number")
+                shown = repr(pattern)[:80] if isinstance(pattern, str) else f"(a JSON {kind})"
                 raise ValueError(f"{where}:2: pre-split pattern {shown} is not one this project writes"
                                  f" (llm.tokenizer.KNOWN_PATTERNS): an arbitrary regular expression can take"
                                  f" exponential time on every text. Re-train with `python -m stages.tokenizer`")

@@ -132,6 +132,60 @@ def test_a_header_that_claims_more_than_the_file_holds_is_refused(saved, tmp_pat
         load_model_dir(d)
 
 
+def _edit_header(f: Path, name: str, **changes) -> None:
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header[name].update(changes)
+    raw = json.dumps(header).encode()
+    f.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}, None, 4])
+def test_a_header_dtype_that_is_not_a_string_is_refused(saved, tmp_path, dtype):
+    d = _copy(saved, tmp_path)
+    _edit_header(d / "model.safetensors", "wte.weight", dtype=dtype)
+    rehash(d)
+    with pytest.raises(ArtifactError, match="tensor 'wte.weight': bad dtype, shape or offsets"):
+        load_model_dir(d)
+
+
+def test_an_integer_weight_is_refused_naming_the_tensor(saved, tmp_path):
+    """Small integers are finite and within MAX_WEIGHT, and load_state_dict would cast them."""
+    from safetensors.torch import load_file, save_file
+    d = _copy(saved, tmp_path)
+    f = d / "model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(f)).items()}
+    tensors["blocks.1.norm_1.weight"] = torch.ones_like(tensors["blocks.1.norm_1.weight"], dtype=torch.int32)
+    save_file(tensors, str(f))
+    rehash(d)
+    with pytest.raises(ArtifactError, match=f"{re.escape(str(f))}: tensor dtypes do not match the model's:"
+                                            f" blocks.1.norm_1.weight is I32, not F32"):
+        load_model_dir(d)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer/tokenizer.txt", "tokenizer/tokenizer_meta.json"])
+def test_a_file_padded_to_100_gb_is_refused_before_it_is_hashed(saved, tmp_path, monkeypatch, name):
+    """A sparse file costs no disk, but hashing it reads every byte (10 GB took 23 s)."""
+    import llm.artifacts
+
+    d = _copy(saved, tmp_path)
+    try:
+        os.truncate(d / name, 100 << 30)
+    except OSError:
+        pytest.skip("this file system cannot hold a sparse file of 100 GB")
+    hash_file = llm.artifacts.sha256_file
+
+    def small_only(p):
+        assert os.path.getsize(p) < 1 << 30, f"hashed {p} ({os.path.getsize(p)} bytes)"
+        return hash_file(p)
+
+    monkeypatch.setattr(llm.artifacts, "sha256_file", small_only)
+    with bounded(seconds=5, memory=256 << 20), pytest.raises(ArtifactError, match=f"{re.escape(str(d / name))}:"
+                                                                                  f" 107374182400 bytes, "):
+        load_model_dir(d)
+
+
 @pytest.mark.parametrize("value, fragment", [(float("nan"), "non-finite values"),
                                              (1.18e21, "magnitude 1.18e+21, beyond any trained weight")])
 def test_a_weight_that_would_break_the_forward_pass_is_refused(saved, tmp_path, value, fragment):

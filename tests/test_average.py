@@ -88,13 +88,62 @@ def test_refusals_name_what_to_do(run, tmp_path, capsys):
         average_run(run_dir, like, tmp_path / "x", last=4)
     with pytest.raises(ValueError, match="--last must be at least 1, got 0"):
         average_run(run_dir, like, tmp_path / "x", last=0)
-    with pytest.raises(ValueError, match="would overwrite the stage.s model directory"):
+    with pytest.raises(ValueError, match="is the input"):
         average_run(run_dir, like, like)
     with pytest.raises(FileNotFoundError, match="no run directory"):
         average_run(tmp_path / "nowhere", like, tmp_path / "x")
     assert main([str(tmp_path / "nowhere"), str(like), str(tmp_path / "x")]) == 1
     assert "average: " in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.fixture(scope="module")
+def workspace(run, tmp_path_factory):
+    """A project's layout: runs/sft with its checkpoints, models/sft, models/base, notes/."""
+    import shutil
+
+    run_dir, like, _ = run
+    ws = tmp_path_factory.mktemp("ws")
+    shutil.copytree(run_dir, ws / "runs/sft")
+    shutil.copytree(like, ws / "models/sft")
+    shutil.copytree(like, ws / "models/base")
+    (ws / "notes").mkdir()
+    (ws / "notes" / "todo.txt").write_text("mine")
+    return ws
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("target, says", [
+    ("notes", "notes: exists and is not empty"),      # --force: is not a model directory
+    (".", ".: is the current directory"),
+    ("runs/sft", "runs/sft: is the input runs/sft"),
+    ("models/sft", "models/sft: is the input models/sft"),
+    ("models", "models: holds the input models/sft"),
+    ("runs", "runs: holds the input runs/sft"),
+])
+def test_average_never_replaces_what_it_did_not_write(workspace, monkeypatch, capsys, target, says, force):
+    from tests.test_fileio import temps_under, tree_digest
+
+    monkeypatch.chdir(workspace)
+    before = tree_digest(workspace)
+    assert main(["runs/sft", "models/sft", target, *(["--force"] if force else [])]) == 1
+    err = capsys.readouterr().err.strip()
+    if force and target == "notes":
+        says = "notes: is not a model directory"
+    assert err.startswith(f"average: {says}") and "name a new directory" in err and "\n" not in err
+    assert tree_digest(workspace) == before and temps_under(workspace) == []
+
+
+def test_average_replaces_another_model_directory_only_with_force(workspace, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(workspace / "runs", "runs")
+    shutil.copytree(workspace / "models", "models")
+    assert main(["runs/sft", "models/sft", "models/base"]) == 1
+    assert "pass --force" in capsys.readouterr().err
+    assert main(["runs/sft", "models/sft", "models/base", "--force"]) == 0
+    assert load_model_dir("models/base")[2]["averaged_checkpoints"] == [20, 30]
 
 
 def test_checkpoints_of_other_params_are_refused(run, tmp_path):

@@ -103,7 +103,10 @@ def test_help_shows_the_default_of_every_flag():
     ("--temperature", "nan", "finite"), ("--temperature", "-1", "finite"), ("--temperature", "1e-320", "finite"),
     ("--temperature", "warm", "a number"), ("--top-p", "0", "top_p"), ("--top-p", "1.5", "top_p"),
     ("--top-p", "nan", "top_p"), ("--top-k", "-1", "top_k"), ("--top-k", "2.5", "an integer"),
-    ("--max-new-tokens", "0", ">= 1"), ("--device", "toaster", "not a torch device")])
+    ("--max-new-tokens", "0", ">= 1"), ("--device", "toaster", "not a torch device"),
+    ("--seed", "-1", "[0, 2**64 - 1]"), ("--seed", str(2 ** 64), "[0, 2**64 - 1]"), ("--seed", "x", "an integer"),
+    ("--prompt", "caf\udce9", "not valid UTF-8 (byte b'\\xe9' at offset 3)"),
+    ("--system", "\udcff", "not valid UTF-8 (byte b'\\xff' at offset 0)")])
 def test_bad_flags_exit_2_naming_the_flag_and_the_reason(model_dir, capsys, flag, value, why):
     with pytest.raises(SystemExit) as e:
         main([str(model_dir), flag, value])

@@ -87,7 +87,7 @@ def test_all_problems_reported_at_once():
         load_params_text(_dump(d))
     msg = str(e.value)
     for needle in ("common.seed: expected an int in [0, 4294967295], got True (bool)",
-                   "sft.lr: expected a float > 0.0, got 'fast' (str)",
+                   "sft.lr: expected a float in (0.0, 10.0], got 'fast' (str)",
                    "pretrain.model.norm: expected one of 'rmsnorm', 'layernorm', got 'batchnorm'",
                    "dpo.beta: missing key",
                    "grpo.clip_epsilon: expected a float in [0.0, 1.0], got 1.5"):
@@ -155,12 +155,24 @@ def test_dvc_exp_run_set_param_round_trip(tmp_path):
 @pytest.mark.parametrize("scalar,fragment", [
     ("yes", "boolean to PyYAML but a string to DVC"),
     ("off", "boolean to PyYAML but a string to DVC"),
+    ("0300", "pretrain.lr: '0300' is 192 (octal) to PyYAML but 300 to DVC; write 300"),
+    ("09", "pretrain.lr: '09' is a string to PyYAML but 9 to DVC; write 9"),
+    ("-012", "pretrain.lr: '-012' is -10 (octal) to PyYAML but -12 to DVC; write -12"),
+    ("0o14", "pretrain.lr: '0o14' is a string to PyYAML but 12 to DVC; write 12"),
 ])
 def test_yaml_1_1_vs_1_2_ambiguous_scalars_are_rejected(scalar, fragment):
     text, n = re.subn(r"^  lr: .*$", f"  lr: {scalar}", (ROOT / "params.yaml").read_text(), count=1, flags=re.M)
     assert n == 1
-    with pytest.raises(ConfigError, match=fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         load_params_text(text)
+
+
+def test_a_leading_zero_integer_is_refused_with_key_line_and_what_to_write():
+    """DVC (YAML 1.2) reads `max_steps: 0300` as 300, PyYAML as octal 192: the stage would train
+    for another number of steps than `dvc params diff` shows."""
+    problems, line = _problems_with("sft", "max_steps", "0300")
+    assert problems == [f"params.yaml:{line}: sft.max_steps: '0300' is 192 (octal) to PyYAML but 300 to DVC;"
+                        f" write 300"]
 
 
 def test_quoted_ambiguous_scalar_is_a_plain_string():
@@ -243,6 +255,17 @@ def _line_of(text: str, needle: str, after: str | None = None) -> int:
     return next(i for i in range(start, len(lines)) if lines[i].strip().startswith(needle)) + 1
 
 
+def _problems_with(section: str, leaf: str, value: str) -> tuple[list[str], int]:
+    """The problems of params.yaml with `leaf` of `section` set to the text `value`, and its line."""
+    text = (ROOT / "params.yaml").read_text()
+    line = _line_of(text, f"{leaf}:", after=f"{section}:")
+    lines = text.splitlines()
+    lines[line - 1] = re.sub(r":.*$", f": {value}", lines[line - 1])
+    with pytest.raises(ConfigError) as e:
+        load_params_text("\n".join(lines) + "\n", "params.yaml")
+    return e.value.problems, line
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_every_float_refuses_nan_and_infinities(bad):
     """A range check is a comparison, which NaN passes; every float is checked finite first."""
@@ -267,6 +290,25 @@ def test_every_int_has_an_upper_bound_and_one_above_it_is_refused():
         load_params_text(_dump(d), "params.yaml")
     for key, f in ints:
         assert f"{key}: expected an int" in str(e.value) and f", {f.metadata['hi']}], got" in str(e.value), key
+
+
+def test_every_float_has_an_upper_bound_and_one_above_it_is_refused():
+    floats = _leaf_fields(float)
+    assert all(f.metadata.get("hi") is not None for _, f in floats), \
+        [k for k, f in floats if f.metadata.get("hi") is None]
+    d = _base()
+    for key, f in floats:
+        _set(d, key, f.metadata["hi"] * 2)
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    for key, f in floats:
+        assert re.search(rf"{re.escape(key)}: expected a float in [\[(][^,]+, {re.escape(str(float(f.metadata['hi'])))}\],"
+                         rf" got", str(e.value)), key
+
+
+def test_a_runaway_learning_rate_is_refused_with_key_and_line():
+    problems, line = _problems_with("sft", "lr", "1.0e21")
+    assert problems == [f"params.yaml:{line}: sft.lr: expected a float in (0.0, 10.0], got 1e+21"]
 
 
 @pytest.mark.parametrize("key,value,bound", [
@@ -340,7 +382,7 @@ def test_a_mapping_or_list_for_a_scalar_is_shown_as_such():
         load_params_text(_dump(d))
     msg = str(e.value)
     assert "_Loc" not in msg and "object at 0x" not in msg
-    assert "sft.lr: expected a float > 0.0, got a mapping (1 keys)" in msg
+    assert "sft.lr: expected a float in (0.0, 10.0], got a mapping (1 keys)" in msg
     assert "sft.max_steps: expected an int in [1, 100000000], got a list (2 items)" in msg
     assert "sft.nonfinite_policy: expected one of 'raise', 'skip', got a mapping (1 keys)" in msg
 

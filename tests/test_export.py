@@ -291,6 +291,64 @@ def test_cli_refuses_with_a_message(tmp_path, tok, capsys):
     assert "nothing: no model directory" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def workspace(tok, tmp_path_factory):
+    """A project's layout: models/sft and models/base, and notes/ of someone's files."""
+    ws = tmp_path_factory.mktemp("ws")
+    for name in ("sft", "base"):
+        save_model_dir(ws / "models" / name, model(tok.vocab_size), tok, {"stage": name})
+    (ws / "notes").mkdir()
+    (ws / "notes" / "todo.txt").write_text("mine")
+    return ws
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("target, says", [
+    ("notes", "notes: exists and is not empty"),      # --force: is not a Hugging Face export
+    (".", ".: is the current directory"),
+    ("models/sft", "models/sft: is the input models/sft"),
+    ("models", "models: holds the input models/sft"),
+])
+def test_export_never_replaces_what_it_did_not_write(workspace, monkeypatch, capsys, target, says, force):
+    from tests.test_fileio import temps_under, tree_digest
+
+    monkeypatch.chdir(workspace)
+    before = tree_digest(workspace)
+    assert main(["models/sft", target, *(["--force"] if force else [])]) == 1
+    err = capsys.readouterr().err.strip()
+    if force and target == "notes":
+        says = "notes: is not a Hugging Face export"
+    assert err.startswith(f"export: {says}") and "name a new directory" in err and "\n" not in err
+    assert tree_digest(workspace) == before and temps_under(workspace) == []
+
+
+def test_ctrl_c_while_writing_leaves_the_earlier_export_and_no_temp(tmp_path, tok, capsys, monkeypatch):
+    import llm.export
+    from tests.test_fileio import temps_under, tree_digest
+
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 0
+    before = tree_digest(tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.export, "model_card", interrupted)  # after the weights are written
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--force"]) == 130
+    assert capsys.readouterr().err.strip().endswith(f"export: interrupted; {tmp_path / 'hf'} is as it was")
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
+def test_export_replaces_an_earlier_export_only_with_force(tmp_path, tok, capsys):
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 0
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 1
+    assert "pass --force" in capsys.readouterr().err
+    (tmp_path / "hf" / "README.md").write_text("old card")
+    assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--force"]) == 0
+    assert (tmp_path / "hf" / "README.md").read_text() != "old card"
+
+
 # ---------------------------------------------------------------------------
 # model directories
 

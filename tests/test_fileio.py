@@ -1,15 +1,18 @@
 """Atomic writes and strict reads."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from llm.fileio import (DataError, atomic_dir, atomic_write_json, atomic_write_text, read_jsonl, read_text,
+from llm.fileio import (DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
                         write_jsonl)
 
 
@@ -43,7 +46,6 @@ def test_a_killed_write_leaves_a_temp_that_the_next_successful_write_removes(tmp
     target = tmp_path / ("prepared" if kind == "dir" else "out.txt")
     code = textwrap.dedent(f"""
         import os, signal
-        from pathlib import Path
         from llm.fileio import atomic_dir, atomic_file
         if {kind!r} == "dir":
             with atomic_dir({str(target)!r}) as t:
@@ -115,6 +117,138 @@ def test_atomic_dir_replaces_existing(tmp_path):
     with atomic_dir(d) as t:
         (t / "b").write_text("2")
     assert sorted(p.name for p in d.iterdir()) == ["b"]
+
+
+def tree_digest(root) -> str:
+    """sha256 of every name under `root` (hidden ones included) and every file's bytes: equal
+    before and after a command means it changed, added and removed nothing there."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        if p.is_file() and not p.is_symlink():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def temps_under(root) -> list[str]:
+    """Temp entries atomic writes leave when they fail (`.<name>.*.tmp`, `.<name>.old-*`)."""
+    return sorted(str(p) for p in Path(root).rglob(".*") if p.name.endswith(".tmp") or ".old-" in p.name)
+
+
+def test_a_swap_that_fails_leaves_no_temp_dir_and_the_target_as_it_was(tmp_path, monkeypatch):
+    """The current directory cannot be renamed away: the build succeeds, the swap fails, and
+    what was built beside it goes."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    before = tree_digest(tmp_path)
+    with pytest.raises(OSError):
+        with atomic_dir(Path(".")) as t:
+            (t / "w.bin").write_bytes(b"x" * 1000)
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
+def test_a_swap_interrupted_after_moving_the_old_dir_puts_it_back(tmp_path, monkeypatch):
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "w.bin").write_bytes(b"v1")
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(a)
+        if len(calls) == 2:  # old -> trash went through; the new dir's rename is interrupted
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_dir(d) as t:
+            (t / "w.bin").write_bytes(b"v2")
+    monkeypatch.setattr(os, "replace", real)
+    assert (d / "w.bin").read_bytes() == b"v1" and temps_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("target, force, says", [
+    ("notes", False, "notes: exists and is not empty (a.txt); name a new directory, or pass --force"),
+    ("notes", True, "notes: is not a model (it holds a.txt), so --force will not replace it"),
+    ("file.txt", True, "file.txt: exists and is not a directory"),
+    (".", True, ".: is the current directory or one above it"),
+    ("..", True, "..: is the current directory or one above it"),
+    ("in", True, "in: is the input in,"),
+    ("in/sub", True, "in/sub: lies inside the input in,"),
+])
+def test_check_target_refuses_what_a_write_would_destroy(tmp_path, monkeypatch, target, force, says):
+    from llm.fileio import TargetError, check_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "in").mkdir()
+    with pytest.raises(TargetError) as e:
+        check_target(target, inputs=["in"], force=force, kind="model", replaceable=lambda p: False)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_check_target_allows_a_new_or_empty_dir_and_with_force_a_replaceable_one(tmp_path, monkeypatch):
+    from llm.fileio import check_target
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "w.bin").write_text("x")
+    for target, force in (("new", False), ("empty", False), ("old", True)):
+        check_target(target, inputs=[], force=force, kind="model", replaceable=lambda p: p.name == "old")
+
+
+def _enospc(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    from llm.errors import DiskFullError
+
+    target = tmp_path / "out.json"
+    atomic_write_json(target, {"v": 1})
+    monkeypatch.setattr(os, "fsync", _enospc)  # where a delayed-allocation file system reports it
+    with pytest.raises(DiskFullError) as e:
+        atomic_write_json(target, {"v": 2})
+    assert str(e.value).startswith(f"{target}: no space left on the device while writing it; free space")
+    assert json.loads(target.read_text()) == {"v": 1} and temps_under(tmp_path) == []
+
+
+def test_a_full_disk_inside_a_directory_names_the_directory(tmp_path):
+    """A nested write into the temp dir, or a library's own error (safetensors reports the
+    errno only in its message), is reported as the directory the user asked for."""
+    from safetensors import SafetensorError
+
+    from llm.errors import DiskFullError
+
+    d = tmp_path / "model"
+    with atomic_dir(d) as t:
+        (t / "w.bin").write_bytes(b"v1")
+    before = tree_digest(tmp_path)
+    for error in (OSError(errno.EDQUOT, "Disk quota exceeded"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")):
+        with pytest.raises(DiskFullError, match=f"^{re.escape(str(d))}: no space left on the device"):
+            with atomic_dir(d) as t:
+                with atomic_file(t / "inner.txt") as f:
+                    f.write("x")
+                    raise error
+        assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
+def test_only_a_full_disk_becomes_a_disk_full_error(tmp_path):
+    from safetensors import SafetensorError
+
+    for error in (OSError(errno.EACCES, "Permission denied"), ValueError("bad line: (os error 28)"),
+                  SafetensorError("header too large")):
+        with pytest.raises(type(error)):
+            with atomic_dir(tmp_path / "d"):
+                raise error
 
 
 def _write(tmp_path, data: bytes):

@@ -49,6 +49,25 @@ def test_a_params_problem_is_one_message_and_exit_status_1(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
+def test_a_full_disk_anywhere_in_a_stage_is_one_line_naming_what_it_writes(tmp_path, capsys):
+    """A write outside the atomic helpers (a log appended to, a library's file) fills the disk:
+    the OSError names no file, so the line names the stage's outputs."""
+    import errno
+
+    from llm.stage import stage_main
+
+    def work(args, common, cfg, rt):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    code = stage_main("report", "doc", ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "o")],
+                      work=work, inputs={}, outputs={"out": "x"})
+    err = capsys.readouterr().err
+    assert code == 1 and err == f"report: --out {tmp_path / 'o'}: no space left on the device while writing one of" \
+                                f" these; free space on that disk (or raise the quota) and run it again (an output" \
+                                f" that was there before is left as it was)\n"
+
+
 @pytest.mark.parametrize("stage", DATA_STAGES)
 def test_data_stages_do_not_depend_on_the_training_code(stage):
     """Editing the model, the kernels or the loop must not rerun tokenization under DVC: the data

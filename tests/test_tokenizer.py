@@ -476,6 +476,16 @@ def test_a_pattern_this_project_does_not_write_is_refused_before_it_is_compiled(
         Tokenizer(tok.merges, pattern=pattern)
 
 
+@pytest.mark.parametrize("value", ["[1, 2]", '{"a": 1}', "null", "7", "[" * 100_000 + "]" * 100_000])
+def test_a_pattern_line_that_is_not_a_json_string_is_refused_with_the_line(tok, tmp_path, value):
+    d = tmp_path / "t"
+    tok.save(d)
+    _edit_line(d, 2, "pattern\t" + value)
+    with pytest.raises(ValueError, match=r"tokenizer.txt:2: pre-split pattern \(a JSON \w+\) is not one") as e:
+        Tokenizer.load(d)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("line,text,fragment", [
     (3, "specials\t1000000000000", "tokenizer.txt:3: expected 'specials<TAB><count>' with a count in [0, 6]"),
     (4, "256\t<|bos|>", "tokenizer.txt:3: special tokens ['<|bos|>', "),
