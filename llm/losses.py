@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llm import kernels
-
-IGNORE_INDEX = -100
+from llm.kernels import IGNORE_INDEX
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
