@@ -10,8 +10,9 @@ the training stages' own curves (llm/monitor.py `smooth`); short series (held-ou
 every few hundred steps) are drawn as points joined by lines.
 
 Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
-KL to SFT in its own panel on a log axis, because the base model's KL (hundreds of nats: it
-is a different model) would flatten every other on a linear one. SFT's KL to itself is 0 and
+KL to SFT (nats/token, as everywhere) in its own panel on a log axis, because the base
+model's KL (a different model) is orders of magnitude above the others' and would flatten
+every other on a linear one. SFT's KL to itself is 0 and
 an estimate below zero is sampling noise of the estimator around zero: neither has a place
 on a log axis, so each is written at the bottom of the panel instead.
 
@@ -125,7 +126,7 @@ def eval_png(evals: dict[str, dict]) -> bytes | None:
     models = [m for m in MODELS if m in evals]
     skills = [(k, label) for k, label in SKILL_BARS if any(_num(evals[m].get(k)) for m in models)]
     win = [m for m in models if _num(evals[m].get("win_rate_vs_sft"))]
-    kl = [m for m in models if _num(evals[m].get("kl_to_sft"))]
+    kl = [m for m in models if _num(evals[m].get("kl"))]
     panels = [p for p, present in (("skills", skills), ("win", win), ("kl", kl)) if present]
     if not panels:
         return None
@@ -172,16 +173,16 @@ def eval_png(evals: dict[str, dict]) -> bytes | None:
 
 def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
     """KL to SFT per model as points on a log axis; 0 and negative estimates written as text."""
-    pos = {m: evals[m]["kl_to_sft"] for m in models if evals[m]["kl_to_sft"] > 0}
+    pos = {m: evals[m]["kl"] for m in models if evals[m]["kl"] > 0}
     floor = min(pos.values()) / 10 if pos else 1e-3
-    top = max(max((evals[m].get("kl_to_sft_hi", v) for m, v in pos.items()), default=1.0), floor * 100) * 3
+    top = max(max((evals[m].get("kl_hi", v) for m, v in pos.items()), default=1.0), floor * 100) * 3
     ax.set_yscale("log")
     ax.set_ylim(floor / 3, top)
     for i, m in enumerate(models):
-        v = evals[m]["kl_to_sft"]
+        v = evals[m]["kl"]
         if v > 0:
-            lo = evals[m].get("kl_to_sft_lo", v)
-            hi = evals[m].get("kl_to_sft_hi", v)
+            lo = evals[m].get("kl_lo", v)
+            hi = evals[m].get("kl_hi", v)
             ax.errorbar([i], [v], yerr=[[v - max(lo, floor / 3)], [max(0.0, hi - v)]], fmt="o", ms=6,
                         color=COLORS.get(m), capsize=3)
             ax.annotate(f"{v:.3g}", (i, v), textcoords="offset points", xytext=(6, 2), fontsize=7)
@@ -191,7 +192,7 @@ def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
                     color=COLORS.get(m))
     ax.set_xticks(range(len(models)), models)
     ax.set_xlim(-0.6, len(models) - 0.4)
-    ax.set_title("KL to SFT, nats/response (log)", fontsize=10)
+    ax.set_title("KL to SFT, nats/token (log)", fontsize=10)
 
 
 def placeholder_png(text: str) -> bytes:
