@@ -89,8 +89,9 @@ def training_outputs(model: str) -> dict[str, str]:
 def params_hint(stage: str, params: str | Path) -> str:
     """The line added to a refused params file: `dvc repro` deleted the stage's outputs before
     running it (DVC removes a stage's outs first), and the cache still holds the previous ones."""
-    return (f"fix the key in {params}, then `dvc repro`; or `dvc checkout {stage}` to get its previous outputs"
-            f" back from the DVC cache (`dvc repro` removed them before running {stage})")
+    return (f"fix the key in {params}, then `dvc repro`; or get {stage}'s previous outputs back (`dvc repro`"
+            f" removed them before running it): `dvc checkout {stage}` from the DVC cache, `git checkout -- <path>`"
+            f" for those kept in git (`cache: false` in dvc.yaml)")
 
 
 def _stage_error(stage: str, e: Exception, params: str | Path | None = None) -> int:

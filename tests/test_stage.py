@@ -61,7 +61,7 @@ def test_a_refused_params_file_says_how_to_get_the_outputs_back(tmp_path, capsys
     last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
     assert code == 1
     assert last.startswith(f"fix the key in {tmp_path / 'params.yaml'}, then `dvc repro`"), last
-    assert "`dvc checkout prepare`" in last and "cache" in last
+    assert "`dvc checkout prepare` from the DVC cache" in last and "`git checkout -- <path>`" in last
 
 
 @pytest.mark.parametrize("stage", DATA_STAGES)
