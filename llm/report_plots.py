@@ -29,9 +29,9 @@ COLORS = {"base": "#8c8c8c", "sft": "#1f77b4", "ppo": "#ff7f0e", "grpo": "#2ca02
 
 # (title, y label, [(tsv file, column, legend)]); series or files that are missing are skipped
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
-    ("pretraining loss", "nats / token", (("pretrain.tsv", "loss", "train"),
+    ("pretraining loss", "nats/token", (("pretrain.tsv", "loss", "train"),
                                           ("pretrain_val.tsv", "val_loss", "held-out"))),
-    ("SFT loss", "nats / token", (("sft.tsv", "loss", "train"), ("sft_val.tsv", "val_loss", "held-out"))),
+    ("SFT loss", "nats/token", (("sft.tsv", "loss", "train"), ("sft_val.tsv", "val_loss", "held-out"))),
     ("reward model accuracy", "pairs ranked right", (("reward.tsv", "accuracy", "train"),
                                                      ("reward_val.tsv", "val_accuracy", "held-out"))),
     ("DPO loss", "loss", (("dpo.tsv", "loss", "train"), ("dpo_val.tsv", "val_loss", "held-out"))),
@@ -41,7 +41,7 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ("GRPO reward", "reward", (("grpo.tsv", "reward", "rollouts"), ("grpo_val.tsv", "reward", "held-out"))),
     ("held-out math accuracy during RL", "exact match", (("ppo_val.tsv", "math_exact_match", "PPO"),
                                                          ("grpo_val.tsv", "math_exact_match", "GRPO"))),
-    ("KL to SFT during RL", "nats / token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
+    ("KL to SFT during RL", "nats/token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
 )
 SMOOTH_MIN_POINTS = 20  # shorter series are drawn as they are
 
@@ -98,8 +98,10 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
                 ax.plot(xs, ys, "-", lw=0.7, color=color, alpha=0.25)
                 ax.plot(xs, smooth(list(ys), window), "-", lw=1.6, color=color,
                         label=f"{legend} (mean of {window})")
-            else:
-                ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=legend)
+            else:  # a series that never moved says its value: matplotlib pads its axis, but may not tick it
+                same = len(set(ys)) == 1
+                ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=f"{legend}: {ys[0]:.3g} throughout" if same
+                        else legend)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)

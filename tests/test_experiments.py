@@ -68,7 +68,7 @@ def _plots_repo(tmp_path: Path) -> Path:
     (repo / "metrics" / "plots" / "ppo.tsv").write_text("step\treward\n" + "".join(f"{i}\t{i / 7}\n" for i in range(6)))
     (repo / "metrics" / "plots" / "ppo_val.tsv").write_text("step\tmath_exact_match\n0\t0.85\n3\t0.85\n6\t0.85\n")
     from llm.report_plots import placeholder_png
-    (repo / "metrics" / "plots" / "ppo.png").write_bytes(placeholder_png("ppo"))  # an image plot: copied beside the page
+    (repo / "metrics" / "plots" / "ppo.png").write_bytes(placeholder_png("ppo"))  # DVC copies it beside the page
     ppo = [{p: props} for stage, p, props in _tsv_plots() if stage == "ppo"] + ["metrics/plots/ppo.png"]
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": ppo}))
     subprocess.run(DVC + ["init", "--no-scm", "-q"], cwd=repo, check=True)

@@ -238,6 +238,17 @@ def test_curves_are_smoothed_and_panels_keep_one_unit(metrics):
     assert curves_png({}) == (None, [])
 
 
+def test_a_curve_that_never_moved_says_its_value():
+    """A held-out accuracy of 0.85 at every evaluation: its legend gives the value, which the
+    padded axis matplotlib draws around it need not tick."""
+    curves = {"ppo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85] * 3},
+              "grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.8, 0.85, 0.9]}}
+    fig, _ = curves_figure(curves)
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    _plt().close(fig)
+    assert labels == ["PPO: 0.85 throughout", "GRPO"]
+
+
 def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
     from llm.monitor import smooth
     fig, titles = curves_figure(collect(metrics)["curves"])
