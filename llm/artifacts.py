@@ -133,6 +133,16 @@ def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str,
     return path
 
 
+def _not_a_model_dir(path: Path) -> str:
+    """What a directory without meta.json and weights is, and the model directories to pass instead."""
+    what = ("a tokenizer directory (tokenizer.txt), not a model" if (path / "tokenizer.txt").exists() else
+            f"not a model directory (no {META_FILE}, no {MODEL_FILE})")
+    beside = sorted(str(d) for d in path.parent.iterdir() if d != path and (d / META_FILE).is_file())
+    return (f"{path}: {what}; pass a model directory: "
+            + (", ".join(beside) if beside else "one a training stage writes, e.g. models/sft")
+            + " (each holds meta.json and model.safetensors)")
+
+
 def _read_json(f: Path) -> Any:
     if not f.exists():
         raise MissingArtifactError(f"{f}: missing; the model directory is incomplete (re-run the stage that writes it)")
@@ -291,6 +301,8 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     if not path.is_dir():
         raise MissingArtifactError(f"{path}: no model directory here; run the stage that writes it first"
                                    f" (e.g. `dvc repro`)")
+    if not (path / META_FILE).exists() and not (path / MODEL_FILE).exists():
+        raise MissingArtifactError(_not_a_model_dir(path))
     meta = _read_json(path / META_FILE)
     if not isinstance(meta, dict) or meta.get("format_version") not in READS_VERSIONS:
         got = meta.get("format_version") if isinstance(meta, dict) else meta

@@ -16,7 +16,8 @@ tasks, bare arithmetic, RM score and win rate, KL to a reference, confidence int
   read at the closing <|end|> of the rendered conversation (as the RM is trained).
 - `win_rate(scores, ref_scores, ties)`: wins + ties/2 over n, with a Wilson interval.
 - KL to a reference: llm.rollout.sampled_kl (sample from the model at temperature 1, exact
-  per-token KL over the vocabulary at each sampled state).
+  per-token KL over the vocabulary at each sampled state), as `kl` in nats per token and
+  `kl_seq` in nats per response.
 - `evaluate_model(model, tokenizer, cfg, ...)`: all of the above for one model, as flat
   metrics (numbers only, for `dvc metrics diff`) plus samples, timings and the outcome of
   every item (`ITEM_SETS`) kept apart; the report pairs those outcomes with the parent
@@ -86,14 +87,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, n_boot: int = 2000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (for averaged scores like pass@k)."""
+                       seed: int = 0, counts: Sequence[float] | None = None) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (for averaged scores like pass@k); with `counts`,
+    of sum(values) / sum(counts) over whole items resampled (a per-token mean of per-sequence
+    sums: KL in nats per token, each response resampled with its length)."""
     if not values:
         return 0.0, 0.0
     g = torch.Generator().manual_seed(seed)
     x = torch.tensor(values, dtype=torch.float64)
     idx = torch.randint(len(values), (n_boot, len(values)), generator=g)
-    means = x[idx].mean(1).sort().values
+    if counts is None:
+        means = x[idx].mean(1).sort().values
+    else:
+        n = torch.tensor(counts, dtype=torch.float64)
+        means = (x[idx].sum(1) / n[idx].sum(1).clamp(min=1)).sort().values
     lo = means[int((1 - confidence) / 2 * n_boot)].item()
     hi = means[min(n_boot - 1, int((1 + confidence) / 2 * n_boot))].item()
     return lo, hi
@@ -494,28 +501,33 @@ def _rm_scores(res: _Results, model, ref, rm, tokenizer, cfg: EvalConfig, proble
 
 
 def _kl_to_ref(res: _Results, model, ref, tokenizer, cfg: EvalConfig, problems, seed: int, rt) -> list[str]:
-    """KL to the reference on responses sampled at temperature 1 (per sequence, with its interval,
-    and per token); returns the sampled texts (the toxicity part scores them)."""
+    """KL to the reference on responses sampled at temperature 1: `kl` in nats per token (the
+    unit of every other KL here: PPO's, GRPO's and DPO's metrics and curves), `kl_seq` in nats
+    per response, each with its interval; returns the sampled texts (the toxicity part scores them)."""
+    n_prompts = min(cfg.kl_prompts, len(problems))
     if ref is model:  # the same weights: every log-ratio is exactly 0
-        res.metrics.update({"kl_to_sft": 0.0, "kl_to_sft_lo": 0.0, "kl_to_sft_hi": 0.0, "kl_to_sft_per_token": 0.0,
-                            "kl_prompts": min(cfg.kl_prompts, len(problems))})
+        res.metrics.update({k: 0.0 for k in ("kl", "kl_lo", "kl_hi", "kl_seq", "kl_seq_lo", "kl_seq_hi")}
+                           | {"kl_prompts": n_prompts})
         return []
     questions = [p["question"] for p in problems[:cfg.kl_prompts]]
 
-    def decode(ro, ix: list[int]) -> list[tuple[int, str]]:
-        return [(i, tokenizer.decode(ids)) for i, ids in zip(ix, ro.response_ids())]
+    def decode(ro, ix: list[int]) -> list[tuple[int, str, int]]:
+        lengths = ro.response_mask.sum(1).tolist()                        # (B,) response tokens, stop included
+        return [(i, tokenizer.decode(ids), n) for i, ids, n in zip(ix, ro.response_ids(), lengths)]
 
     with res.timed("kl"):
         kl = sampled_kl(model, ref, [user_prompt(q, tokenizer) for q in questions],
                         max_new_tokens=cfg.max_new_tokens, temperature=1.0,
                         stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
                         seed=derive_seed(seed, "eval", "kl"), batch_size=cfg.batch_size, visit=decode, rt=rt)
-    texts = [""] * len(questions)
-    for i, text in (x for batch in kl.visits for x in batch):
-        texts[i] = text
-    lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=derive_seed(seed, "eval", "kl_boot"))
-    res.metrics.update({"kl_to_sft": kl.per_sequence, "kl_to_sft_lo": lo, "kl_to_sft_hi": hi,
-                        "kl_to_sft_per_token": kl.per_token,
+    texts, lengths = [""] * len(questions), [0] * len(questions)
+    for i, text, n in (x for batch in kl.visits for x in batch):
+        texts[i], lengths[i] = text, n
+    boot = derive_seed(seed, "eval", "kl_boot")
+    lo, hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=boot, counts=lengths)
+    seq_lo, seq_hi = bootstrap_interval(kl.sequences, cfg.confidence, seed=boot)
+    res.metrics.update({"kl": kl.per_token, "kl_lo": lo, "kl_hi": hi,
+                        "kl_seq": kl.per_sequence, "kl_seq_lo": seq_lo, "kl_seq_hi": seq_hi,
                         "kl_response_tokens_mean": kl.tokens / max(len(questions), 1),
-                        "kl_prompts": min(cfg.kl_prompts, len(problems))})
+                        "kl_prompts": n_prompts})
     return texts

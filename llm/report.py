@@ -65,7 +65,7 @@ SUMMARY: tuple[tuple[str, str | None, str, str], ...] = (
     ("math_sample_accuracy", "math_sampled", "sampled math", "pct"),
     ("rm_score", "rm_score", "RM score", "num"),
     ("win_rate_vs_sft", None, "win rate vs SFT", "pct"),
-    ("kl_to_sft", None, "KL to SFT", "num"),
+    ("kl", None, "KL to SFT, nats/token", "num"),
 )
 HEADLINE_SKILLS = tuple(s for _, s, _, _ in SUMMARY if s)
 
@@ -85,8 +85,8 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),
-    ("kl_to_sft", "KL to SFT (nats / response)", "num"),
-    ("kl_to_sft_per_token", "KL to SFT (nats / token)", "num"),
+    ("kl", "KL to SFT, nats/token", "num"),
+    ("kl_seq", "KL to SFT summed over a response, nats/response", "num"),
     ("val_bpb", "held-out bits per byte", "num"),
     ("val_ppl", "held-out perplexity", "num"),
     ("math_response_tokens_mean", "answer length (tokens)", "num"),
@@ -110,7 +110,7 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("pairs", "pairs", "preference pairs", "int"),
     ("dpo", "rewards_accuracy", "held-out preference accuracy", "pct"),
     ("dpo", "ref_logp_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),
-    ("dpo", "kl", "KL to SFT (nats / token)", "num"),
+    ("dpo", "kl", "KL to SFT, nats/token", "num"),
     ("ppo", "reward_start", "rollout reward, first steps", "num"),
     ("ppo", "reward_end", "rollout reward, last steps", "num"),
     ("ppo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
@@ -401,9 +401,9 @@ def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]
                      f" {_num(ev['rm_auc'])} {fmt_interval(ev.get('rm_auc_lo'), ev.get('rm_auc_hi'), 'num')}"
                      f" (0.5: its score says nothing about correctness; mean score {_num(ev['rm_score_right'])}"
                      f" right, {_num(ev['rm_score_wrong'])} wrong)")
-    kl = ev.get("kl_to_sft")
+    kl = ev.get("kl")
     if child != "sft" and _isnum(kl):
-        lines.append(f"KL to SFT: {_num(kl)} nats per response" + (_NEG_KL if kl < 0 else ""))
+        lines.append(f"KL to SFT: {_num(kl)} nats/token" + (_NEG_KL if kl < 0 else ""))
     return sentence, lines
 
 
@@ -428,9 +428,9 @@ def summary_rows(evals: dict[str, dict], paired: dict[str, dict]) -> tuple[list[
             v = e.get(key)
             cell = {"value": fmt_value(v, kind), "interval": fmt_interval(e.get(f"{key}_lo"), e.get(f"{key}_hi"), kind),
                     "change": "", "verdict": ""}
-            if key == "kl_to_sft" and _isnum(v) and v < 0:
+            if key == "kl" and _isnum(v) and v < 0:
                 cell["value"] += " †"
-            if key in ("kl_to_sft", "win_rate_vs_sft") and m == "sft":
+            if key in ("kl", "win_rate_vs_sft") and m == "sft":
                 cell["interval"] = "(itself)"
             res = paired.get(m, {}).get("skills", {}).get(skill) if skill else None
             if res:

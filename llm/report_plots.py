@@ -10,8 +10,9 @@ the training stages' own curves (llm/monitor.py `smooth`); short series (held-ou
 every few hundred steps) are drawn as points joined by lines.
 
 Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
-KL to SFT in its own panel on a log axis, because the base model's KL (hundreds of nats: it
-is a different model) would flatten every other on a linear one. SFT's KL to itself is 0 and
+KL to SFT (nats/token, as everywhere) in its own panel on a log axis, because the base
+model's KL (a different model) is orders of magnitude above the others' and would flatten
+every other on a linear one. SFT's KL to itself is 0 and
 an estimate below zero is sampling noise of the estimator around zero: neither has a place
 on a log axis, so each is written at the bottom of the panel instead.
 
@@ -28,9 +29,9 @@ COLORS = {"base": "#8c8c8c", "sft": "#1f77b4", "ppo": "#ff7f0e", "grpo": "#2ca02
 
 # (title, y label, [(tsv file, column, legend)]); series or files that are missing are skipped
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
-    ("pretraining loss", "nats / token", (("pretrain.tsv", "loss", "train"),
+    ("pretraining loss", "nats/token", (("pretrain.tsv", "loss", "train"),
                                           ("pretrain_val.tsv", "val_loss", "held-out"))),
-    ("SFT loss", "nats / token", (("sft.tsv", "loss", "train"), ("sft_val.tsv", "val_loss", "held-out"))),
+    ("SFT loss", "nats/token", (("sft.tsv", "loss", "train"), ("sft_val.tsv", "val_loss", "held-out"))),
     ("reward model accuracy", "pairs ranked right", (("reward.tsv", "accuracy", "train"),
                                                      ("reward_val.tsv", "val_accuracy", "held-out"))),
     ("DPO loss", "loss", (("dpo.tsv", "loss", "train"), ("dpo_val.tsv", "val_loss", "held-out"))),
@@ -40,7 +41,7 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ("GRPO reward", "reward", (("grpo.tsv", "reward", "rollouts"), ("grpo_val.tsv", "reward", "held-out"))),
     ("held-out math accuracy during RL", "exact match", (("ppo_val.tsv", "math_exact_match", "PPO"),
                                                          ("grpo_val.tsv", "math_exact_match", "GRPO"))),
-    ("KL to SFT during RL", "nats / token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
+    ("KL to SFT during RL", "nats/token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
 )
 SMOOTH_MIN_POINTS = 20  # shorter series are drawn as they are
 
@@ -97,8 +98,10 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
                 ax.plot(xs, ys, "-", lw=0.7, color=color, alpha=0.25)
                 ax.plot(xs, smooth(list(ys), window), "-", lw=1.6, color=color,
                         label=f"{legend} (mean of {window})")
-            else:
-                ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=legend)
+            else:  # a series that never moved says its value: matplotlib pads its axis, but may not tick it
+                same = len(set(ys)) == 1
+                ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=f"{legend}: {ys[0]:.3g} throughout" if same
+                        else legend)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -125,7 +128,7 @@ def eval_png(evals: dict[str, dict]) -> bytes | None:
     models = [m for m in MODELS if m in evals]
     skills = [(k, label) for k, label in SKILL_BARS if any(_num(evals[m].get(k)) for m in models)]
     win = [m for m in models if _num(evals[m].get("win_rate_vs_sft"))]
-    kl = [m for m in models if _num(evals[m].get("kl_to_sft"))]
+    kl = [m for m in models if _num(evals[m].get("kl"))]
     panels = [p for p, present in (("skills", skills), ("win", win), ("kl", kl)) if present]
     if not panels:
         return None
@@ -172,16 +175,16 @@ def eval_png(evals: dict[str, dict]) -> bytes | None:
 
 def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
     """KL to SFT per model as points on a log axis; 0 and negative estimates written as text."""
-    pos = {m: evals[m]["kl_to_sft"] for m in models if evals[m]["kl_to_sft"] > 0}
+    pos = {m: evals[m]["kl"] for m in models if evals[m]["kl"] > 0}
     floor = min(pos.values()) / 10 if pos else 1e-3
-    top = max(max((evals[m].get("kl_to_sft_hi", v) for m, v in pos.items()), default=1.0), floor * 100) * 3
+    top = max(max((evals[m].get("kl_hi", v) for m, v in pos.items()), default=1.0), floor * 100) * 3
     ax.set_yscale("log")
     ax.set_ylim(floor / 3, top)
     for i, m in enumerate(models):
-        v = evals[m]["kl_to_sft"]
+        v = evals[m]["kl"]
         if v > 0:
-            lo = evals[m].get("kl_to_sft_lo", v)
-            hi = evals[m].get("kl_to_sft_hi", v)
+            lo = evals[m].get("kl_lo", v)
+            hi = evals[m].get("kl_hi", v)
             ax.errorbar([i], [v], yerr=[[v - max(lo, floor / 3)], [max(0.0, hi - v)]], fmt="o", ms=6,
                         color=COLORS.get(m), capsize=3)
             ax.annotate(f"{v:.3g}", (i, v), textcoords="offset points", xytext=(6, 2), fontsize=7)
@@ -191,7 +194,7 @@ def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
                     color=COLORS.get(m))
     ax.set_xticks(range(len(models)), models)
     ax.set_xlim(-0.6, len(models) - 0.4)
-    ax.set_title("KL to SFT, nats/response (log)", fontsize=10)
+    ax.set_title("KL to SFT, nats/token (log)", fontsize=10)
 
 
 def placeholder_png(text: str) -> bytes:

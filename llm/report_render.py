@@ -105,7 +105,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
                 cells.append(txt)
             vs = f"<br>vs {r['parent']}" if r["parent"] else ""
             out.append(f"| **{r['model']}**{vs} | " + " | ".join(cells) + " |")
-        if any(r["cells"].get("kl_to_sft", {}).get("value", "").endswith("†") for r in rows):
+        if any(r["cells"].get("kl", {}).get("value", "").endswith("†") for r in rows):
             out += ["", "† " + _NEG_KL.strip(" ()") + "."]
     else:
         out.append("_No eval metrics yet (metrics/eval/<model>.json)._")
@@ -248,7 +248,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
             vs = f'<br><span class="iv">vs {_e(r["parent"])}</span>' if r["parent"] else ""
             h.append(f'<tr class="model"><th>{_e(r["model"])}{vs}</th>{"".join(tds)}</tr>')
         h.append("</table></div>")
-        if any(r["cells"].get("kl_to_sft", {}).get("value", "").endswith("†") for r in rows):
+        if any(r["cells"].get("kl", {}).get("value", "").endswith("†") for r in rows):
             h.append(f'<p class="note">† {_e(_NEG_KL.strip(" ()"))}.</p>')
     else:
         h.append('<p class="note">No eval metrics yet (metrics/eval/&lt;model&gt;.json).</p>')

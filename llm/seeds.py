@@ -57,8 +57,8 @@ HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", 
 STAGE_METRICS = ("reward.json:accuracy", "dpo.json:rewards_accuracy", "dpo.json:ref_logp_accuracy",
                  "ppo.json:reward_delta", "ppo.json:reward_trend", "ppo.json:heldout_reward_delta",
                  "grpo.json:reward_delta", "grpo.json:reward_trend", "grpo.json:heldout_reward_delta",
-                 "eval/ppo.json:kl_to_sft_per_token", "eval/grpo.json:kl_to_sft_per_token",
-                 "eval/dpo.json:kl_to_sft_per_token")
+                 "eval/ppo.json:kl", "eval/grpo.json:kl",
+                 "eval/dpo.json:kl")
 
 
 @dataclass

@@ -41,7 +41,9 @@ A ConfigError from the params, or any error a user, an input file or a full disk
 (STAGE_ERRORS, plus the stage's own `errors`; a full disk names the file being written, or else
 the stage's outputs), prints "<stage>: <message>" on stderr and returns 1 (under
 the launcher the message goes to it, and it prints the failing rank's); anything else is a
-bug and keeps its traceback. The process group is torn down whatever happens.
+bug and keeps its traceback. A refused params file adds one line (`params_hint`): under
+`dvc repro` the stage's outputs are gone by then (DVC deletes them before running it), and
+`dvc checkout <stage>` brings the previous ones back from the cache. The process group is torn down whatever happens.
 
     python -m llm.stage join <stage> [--params params.yaml]
 
@@ -85,9 +87,19 @@ def training_outputs(model: str) -> dict[str, str]:
             "model": model, "metrics": "the metrics JSON", "plots": "the dvc plots directory"}
 
 
-def _stage_error(stage: str, e: Exception) -> int:
+def params_hint(stage: str, params: str | Path) -> str:
+    """The line added to a refused params file: `dvc repro` deleted the stage's outputs before
+    running it (DVC removes a stage's outs first), and the cache still holds the previous ones."""
+    return (f"fix the key in {params}, then `dvc repro`; or get {stage}'s previous outputs back (`dvc repro`"
+            f" removed them before running it): `dvc checkout {stage}` from the DVC cache, `git checkout -- <path>`"
+            f" for those kept in git (`cache: false` in dvc.yaml)")
+
+
+def _stage_error(stage: str, e: Exception, params: str | Path | None = None) -> int:
     msg = str(e)  # some messages (quality gates) already start with the stage's name
     line = msg if msg.startswith(f"{stage}: ") else f"{stage}: {msg}"
+    if isinstance(e, ConfigError) and params is not None:
+        line += "\n" + params_hint(stage, params)
     if not _tell_launcher(line, stage_error=True):
         print(line, file=sys.stderr)
     return 1
@@ -142,7 +154,7 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
     try:
         sections = load_sections(["common", section], args.params)
     except ConfigError as e:
-        return _stage_error(stage, e)
+        return _stage_error(stage, e, args.params)
     common, cfg = sections["common"], sections[section]
 
     def guarded(rt: Any) -> str | None:  # a full disk anywhere in the stage: one line naming what was written
@@ -153,7 +165,7 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
         try:
             summary = guarded(None)
         except (*STAGE_ERRORS, *errors) as e:
-            return _stage_error(stage, e)
+            return _stage_error(stage, e, args.params)
     else:
         if common.world_size > 1 and not torchrun:
             print(f"{stage}: runs in one process (common.nproc={common.nproc} applies to the stages that run"
@@ -162,14 +174,14 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
             try:
                 check_placement(common, cfg, section)
             except ConfigError as e:
-                return _stage_error(stage, e)
+                return _stage_error(stage, e, args.params)
             return launch(stage, module or f"stages.{stage}", argv, common)
         rt = None
         try:
             rt = setup(common)
             summary = guarded(rt)
         except (*STAGE_ERRORS, *errors) as e:
-            return _stage_error(stage, e)
+            return _stage_error(stage, e, args.params)
         except Exception as e:  # a bug: the traceback goes to stderr, its last line to the launcher
             _tell_launcher(f"{type(e).__name__}: {e}", stage_error=False)
             raise

@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"RM right-above-wrong AUC {m['rm_auc']:.3f}")
         if "win_rate_vs_sft" in m:
             parts.append(f"win rate vs SFT {m['win_rate_vs_sft']:.1%}")
-        if "kl_to_sft" in m:
-            parts.append(f"KL to SFT {m['kl_to_sft']:.3f}")
+        if "kl" in m:
+            parts.append(f"KL to SFT {m['kl']:.3g} nats/token")
         return f"{STAGE} {args.name}: " + ", ".join(parts) + f"; {s['timing_s']['total']:.1f} s; wrote {args.metrics}"
 
     return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,

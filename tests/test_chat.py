@@ -136,6 +136,16 @@ def test_a_missing_model_directory_is_reported_without_a_traceback(tmp_path, cap
     assert e.value.code == 1 and "no model directory" in capsys.readouterr().err
 
 
+def test_a_tokenizer_directory_is_named_as_such_with_the_model_directories_beside_it(tok, model_dir, capsys):
+    """`python -m llm.chat models/tokenizer`: the error says what the directory is and which to pass."""
+    tok.save(model_dir.parent / "tokenizer")
+    with pytest.raises(SystemExit) as e:
+        main([str(model_dir.parent / "tokenizer"), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "a tokenizer directory" in err and "re-run" not in err
+    assert f"pass a model directory: {model_dir}" in err
+
+
 # ---------------------------------------------------------------------------
 # one-shot and piped
 

@@ -146,15 +146,26 @@ def test_tokenize_change_does_not_rerun_the_tokenizer_or_prepare(stub_repo):
 
 @pytest.mark.slow
 def test_returning_to_the_baseline_after_an_experiment_reruns_nothing(stub_repo):
-    """An experiment writes into run directories (checkpoints) and outputs; back on the committed
-    baseline (`git checkout -- . && dvc checkout -f`) nothing DVC tracks differs from dvc.lock,
-    so `dvc repro` runs no stage (a run directory declared as an output made it retrain)."""
+    """The README's Experiments flow after the committed run: one experiment, then back to the
+    baseline (`git checkout -- . && dvc checkout`, no -f): every model file is there with the
+    bytes it had, nothing DVC tracks differs from dvc.lock (`dvc status` clean), so `dvc repro`
+    runs no stage (a run directory declared as an output made it retrain)."""
+    import hashlib
+
+    def models(root: Path) -> dict[str, str]:
+        return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted((root / "models").rglob("*")) if f.is_file()}
+
     work = stub_repo.parent / "baseline"
     shutil.copytree(stub_repo, work, symlinks=True)
+    before = models(work)
     dvc = [sys.executable, "-m", "dvc"]
     assert _ran(_run(dvc + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)) == _downstream("ppo")
     assert any((work / "runs" / "ppo").iterdir())  # the experiment wrote into the run directory
+    assert models(work) != before  # it changed models/ppo
     _run(["git", "checkout", "--", "."], work)
-    _run(dvc + ["checkout", "-f"], work)
+    _run(dvc + ["checkout"], work)
+    assert before and models(work) == before
+    assert "Data and pipelines are up to date" in _run(dvc + ["status"], work)
     assert _ran(_run(dvc + ["repro"], work)) == set()
     assert _run(["git", "status", "--porcelain"], work) == ""

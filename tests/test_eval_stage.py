@@ -115,8 +115,8 @@ def test_eval_metrics_are_deterministic_under_a_seed(world):
     m2, x2 = evaluate_model(w["ppo"], w["tok"], w["cfg"], **kw)
     assert m1 == m2
     assert x1["sample_prompts"] == x2["sample_prompts"] and x1["math_samples"] == x2["math_samples"]
-    assert m1["kl_to_sft"] > 0 and math.isfinite(m1["kl_to_sft"])
-    for key in ("math_exact_match", "math_pass_at_k", "win_rate_vs_sft", "kl_to_sft"):
+    assert m1["kl"] > 0 and math.isfinite(m1["kl"])
+    for key in ("math_exact_match", "math_pass_at_k", "win_rate_vs_sft", "kl", "kl_seq"):
         assert m1[f"{key}_lo"] <= m1[key] <= m1[f"{key}_hi"], key
     assert m1["win_rate_wins"] + m1["win_rate_ties"] + m1["win_rate_losses"] == w["cfg"].rm_prompts
     assert 0 < m1["math_response_tokens_mean"] <= w["cfg"].max_new_tokens
@@ -125,20 +125,22 @@ def test_eval_metrics_are_deterministic_under_a_seed(world):
 def test_the_reference_against_itself(world):
     w = world
     m, _ = evaluate_model(w["sft"], w["tok"], w["cfg"], seed=0, problems=w["test"], ref=w["sft"], rm=w["reward"])
-    assert m["kl_to_sft"] == 0.0 and m["rm_score"] == m["rm_score_sft"]
+    assert m["kl"] == m["kl_seq"] == 0.0 and m["rm_score"] == m["rm_score_sft"]
     assert m["win_rate_vs_sft"] == m["win_rate_vs_sft_lo"] == m["win_rate_vs_sft_hi"] == 0.5  # by definition
 
 
 def test_kl_to_sft_is_zero_between_copies_and_positive_for_a_perturbed_model(world):
+    """`kl` is nats per token (the unit of PPO's, GRPO's and DPO's KL), `kl_seq` nats per response."""
     w = world
     cfg = w["cfg"]
     same, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"], ref=copy.deepcopy(w["sft"]))
-    assert same["kl_to_sft"] == pytest.approx(0.0, abs=1e-6)
-    assert same["kl_to_sft_per_token"] == pytest.approx(0.0, abs=1e-7)
+    assert same["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert same["kl_seq"] == pytest.approx(0.0, abs=1e-6)
     moved, _ = evaluate_model(w["ppo"], w["tok"], cfg, seed=0, problems=w["test"], ref=w["sft"])
-    assert moved["kl_to_sft"] > 0 and moved["kl_to_sft_per_token"] > 0
-    assert moved["kl_to_sft_lo"] <= moved["kl_to_sft"] <= moved["kl_to_sft_hi"]
-    assert moved["kl_to_sft"] == pytest.approx(moved["kl_to_sft_per_token"] * moved["kl_response_tokens_mean"])
+    assert moved["kl"] > 0 and moved["kl_seq"] > 0
+    assert moved["kl_lo"] <= moved["kl"] <= moved["kl_hi"]
+    assert moved["kl_seq_lo"] <= moved["kl_seq"] <= moved["kl_seq_hi"]
+    assert moved["kl_seq"] == pytest.approx(moved["kl"] * moved["kl_response_tokens_mean"])
 
 
 def test_win_rate_counts_ties_half():
@@ -184,7 +186,7 @@ def _check_outputs(out, name: str) -> dict:
     metrics = json.loads((out / f"{name}.json").read_text())
     samples = json.loads((out / f"{name}_samples.json").read_text())
     for key in ("val_bpb", "val_ppl", "math_exact_match", "math_exact_match_lo", "math_exact_match_hi",
-                "math_pass_at_k", "rm_score", "win_rate_vs_sft", "kl_to_sft", "kl_to_sft_per_token"):
+                "math_pass_at_k", "rm_score", "win_rate_vs_sft", "kl", "kl_seq"):
         assert isinstance(metrics[key], (int, float)), key
     assert {k for k, v in metrics.items() if not isinstance(v, (int, float))} == {"toxicity"}
     assert metrics["toxicity"] == "unavailable"
@@ -210,7 +212,7 @@ def test_eval_stage_run_writes_flat_metrics_and_samples(world):
     m, _ = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "run"))
     assert _check_outputs(root / "run", "ppo") == m
     m, _ = run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "run"))
-    assert _check_outputs(root / "run", "sft")["kl_to_sft"] == 0.0 and m["win_rate_vs_sft"] == 0.5
+    assert _check_outputs(root / "run", "sft")["kl"] == 0.0 and m["win_rate_vs_sft"] == 0.5
 
 
 def test_every_rate_is_the_mean_of_its_item_outcomes(world):

@@ -46,3 +46,13 @@ def test_bootstrap_interval_brackets_the_mean():
     assert lo < 0.7 < hi
     assert 0.55 < lo and hi < 0.85
     assert bootstrap_interval(vals) == bootstrap_interval(vals)  # seeded
+
+
+def test_bootstrap_interval_with_counts_is_of_the_ratio_of_sums():
+    """With counts (response lengths) the interval is of sum(values) / sum(counts), KL per token:
+    one long response with a large sum does not weigh as much as its share of responses."""
+    sums, lengths = [0.1] * 50 + [9.0] * 50, [1] * 50 + [100] * 50
+    per_token = sum(sums) / sum(lengths)                 # 0.0901
+    lo, hi = bootstrap_interval(sums, counts=lengths)
+    assert lo < per_token < hi and hi < 0.1
+    assert bootstrap_interval([2.0] * 10, counts=[4] * 10) == (0.5, 0.5)

@@ -23,41 +23,86 @@ DVC = [sys.executable, "-m", "dvc"]
 # ---------------------------------------------------------------------------
 # dvc plots show, offline
 
-def _plots_repo(tmp_path: Path, venv: Path) -> Path:
-    """A DVC repository with two curves, this repository's plots page and `.venv` pointing at `venv`."""
+def _tsv_plots() -> list[tuple[str, str, dict]]:
+    """(stage, TSV path, its properties) of every TSV plot in dvc.yaml."""
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return [(name, path, props) for name, st in stages.items() for p in st.get("plots", []) if isinstance(p, dict)
+            for path, props in p.items() if path.endswith(".tsv")]
+
+
+def test_every_curve_names_its_stage_and_metric():
+    """A plot on the `dvc plots show` page says which stage and which quantity it is (DVC's
+    default title is the file path), its y axis names the TSV column, and it uses the
+    template that gives a constant series a readable axis."""
+    plots = _tsv_plots()
+    assert len(plots) >= 10
+    for stage, path, props in plots:
+        title, metric = props.get("title", ""), props.get("title", "").removeprefix(f"{stage}: ")
+        assert title.startswith(f"{stage}: ") and len(metric) > 3, (path, title)
+        assert props.get("y_label", "").startswith(props["y"]), (path, props)
+        assert props.get("template") == "curve", path
+
+
+def test_the_plots_page_carries_the_pinned_vega():
+    """env/dvc_plots.html holds Vega, Vega-Lite and Vega-Embed inline (so a page written
+    anywhere draws offline), byte for byte the files pinned in env/_common.sh."""
+    import hashlib
+    import re
+
+    pins = re.search(r'VEGA_FILES="([^"]*)"', (ROOT / "env" / "_common.sh").read_text()).group(1).split()
+    page = (ROOT / "env" / "dvc_plots.html").read_text(encoding="utf-8")
+    for pin in pins:
+        _, build_path, sha = pin.split(":")
+        name = build_path.rsplit("/", 1)[-1]
+        body = re.search(rf'<script data-file="{re.escape(name)}">(.*?)</script>', page, re.S)
+        assert body, name
+        assert hashlib.sha256(body.group(1).encode()).hexdigest() == sha, name
+    assert not re.search(r'<script[^>]*\ssrc=', page)
+
+
+def _plots_repo(tmp_path: Path) -> Path:
+    """A DVC repository with this repository's plots page, template and ppo plot definitions:
+    a moving reward, a held-out accuracy that stays 0.85 throughout, and an image."""
     repo = tmp_path / "plots"
-    (repo / "metrics").mkdir(parents=True)
+    (repo / "metrics" / "plots").mkdir(parents=True)
+    (repo / "metrics" / "plots" / "ppo.tsv").write_text("step\treward\n" + "".join(f"{i}\t{i / 7}\n" for i in range(6)))
+    (repo / "metrics" / "plots" / "ppo_val.tsv").write_text("step\tmath_exact_match\n0\t0.85\n3\t0.85\n6\t0.85\n")
+    from llm.report_plots import placeholder_png
+    (repo / "metrics" / "plots" / "ppo.png").write_bytes(placeholder_png("ppo"))  # DVC copies it beside the page
+    ppo = [{p: props} for stage, p, props in _tsv_plots() if stage == "ppo"] + ["metrics/plots/ppo.png"]
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": ppo}))
+    subprocess.run(DVC + ["init", "--no-scm", "-q"], cwd=repo, check=True)
+    (repo / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())  # the plots page
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
     (repo / "env").mkdir()
     shutil.copy(ROOT / "env" / "dvc_plots.html", repo / "env" / "dvc_plots.html")
-    for name, col in (("train", "loss"), ("val", "val_bpb")):
-        (repo / "metrics" / f"{name}.tsv").write_text(f"step\t{col}\n" + "".join(f"{i}\t{5 - i / 3}\n" for i in range(6)))
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": [{"metrics/train.tsv": {"x": "step", "y": "loss"}},
-                                                             {"metrics/val.tsv": {"x": "step", "y": "val_bpb"}}]}))
-    subprocess.run(DVC + ["init", "--no-scm", "-q"], cwd=repo, check=True)
-    (repo / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())  # the plots template
-    (repo / ".venv").symlink_to(venv)
-    subprocess.run(DVC + ["plots", "show", "-q"], cwd=repo, check=True, env={**os.environ, "DVC_NO_ANALYTICS": "1"})
     return repo
 
 
 @pytest.mark.slow
-def test_dvc_plots_show_draws_every_plot_with_no_network(tmp_path):
+def test_dvc_plots_show_to_a_directory_outside_the_repository_draws_offline(tmp_path):
+    """`dvc plots show -o DIR` (and so `dvc plots diff -o DIR`) anywhere: the page refers to no
+    file beside it but the images DVC copies there, every plot draws with no network, and a
+    series that is one value throughout has that value on its axis (not a lone rounded tick)."""
+    import re
+
+    repo = _plots_repo(tmp_path)
+    out = tmp_path / "elsewhere"  # beside the repository, not in it
+    subprocess.run(DVC + ["plots", "show", "-q", "-o", str(out)], cwd=repo, check=True,
+                   env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    page = out / "index.html"
+    text = page.read_text(encoding="utf-8")
+    tags = re.sub(r"(<script[^>]*>).*?</script>", r"\1</script>", text, flags=re.S)  # markup, not Vega's code
+    refs = re.findall(r'<[^>]*\s(?:src|href)="([^"]*)"', tags)
+    assert refs and all(ref.startswith(("data:", "#")) or (out / ref).is_file() for ref in refs), refs
+    assert not re.search(r"<script[^>]*\ssrc=", tags)  # no CDN, no path that only works inside the repository
     if chromium() is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
-    venv = (ROOT / ".venv").resolve()
-    if not (venv / "share" / "vega" / "vega-embed.min.js").is_file():
-        pytest.skip("Vega is not in .venv/share/vega: env/setup_cpu.sh puts it there (it needs npm)")
-    page = _plots_repo(tmp_path, venv) / "dvc_plots" / "index.html"
-    assert "https://" not in "".join(line for line in page.read_text().splitlines() if "<script" in line)
     assert vega_plots(page) == (2, 2)
-
-    # Without the venv's Vega the page says so instead of staying blank
-    empty = tmp_path / "empty-venv"
-    empty.mkdir()
-    page = _plots_repo(tmp_path / "b", empty) / "dvc_plots" / "index.html"
     dom = offline_dom(page)
-    assert vega_plots(page) == (2, 0)
-    assert '<div id="no-vega">' in dom and "Vega is missing" in dom
+    axis = re.search(r'aria-label="Y-axis titled \'math_exact_match[^"]*".*?</g></g>', dom, re.S)
+    ticks = re.findall(r"<text[^>]*>([^<]*)</text>", axis.group(0)) if axis else []
+    assert "0.85" in ticks and len(set(ticks) - {"math_exact_match (fraction)"}) >= 3, ticks
 
 
 # ---------------------------------------------------------------------------

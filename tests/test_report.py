@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from llm.config import CommonConfig, ReportConfig
-from llm.report import (all_metric_rows, collect, paired_deltas, provenance, read_tsv, recorded_seconds,
+from llm.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
                         stage_headline_rows, stage_summary, stage_times, summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
 from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
@@ -51,9 +51,9 @@ def _write(path, obj) -> None:
 @pytest.fixture
 def metrics(tmp_path):
     m = tmp_path / "metrics"
-    _write(m / "eval/base.json", _eval(0.02, kl_to_sft=277.0, kl_to_sft_lo=260.0, kl_to_sft_hi=290.0))
-    _write(m / "eval/sft.json", _eval(0.40, win_rate_vs_sft=0.5, kl_to_sft=0.0))
-    _write(m / "eval/grpo.json", _eval(0.42, win_rate_vs_sft=0.55, kl_to_sft=-0.000238))
+    _write(m / "eval/base.json", _eval(0.02, kl=2.77, kl_lo=2.6, kl_hi=2.9, kl_seq=277.0))
+    _write(m / "eval/sft.json", _eval(0.40, win_rate_vs_sft=0.5, kl=0.0, kl_seq=0.0))
+    _write(m / "eval/grpo.json", _eval(0.42, win_rate_vs_sft=0.55, kl=-0.000238, kl_seq=-0.0119))
     # sft gains 48 items over base; grpo and sft answer the same math, grpo loses 20 tasks
     for name, (right, tasks) in {"base": (2, 0), "sft": (50, 30), "grpo": (50, 10)}.items():
         _write(m / f"eval/{name}_items.jsonl", _items(right, tasks))
@@ -118,7 +118,22 @@ def test_summary_has_one_row_per_model_with_paired_changes(metrics):
     assert sft["math_exact_match"]["verdict"] == "up" and sft["math_exact_match"]["change"].startswith("+40.0 [")
     assert grpo["math_exact_match"]["verdict"] == "flat" and grpo["math_exact_match"]["change"].startswith("+0.0 [")
     assert grpo["task_exact_match"]["verdict"] == "down"
-    assert grpo["kl_to_sft"]["value"].endswith("†") and sft["kl_to_sft"]["interval"] == "(itself)"
+    assert grpo["kl"]["value"].endswith("†") and sft["kl"]["interval"] == "(itself)"
+
+
+def test_the_kl_column_is_the_eval_metrics_per_token_kl(metrics):
+    """One KL unit everywhere: the summary table's and the all-metrics table's KL is eval's `kl`
+    (nats/token, as in PPO's, GRPO's and DPO's metrics), never the per-response `kl_seq`."""
+    evals = json.loads((metrics / "eval/base.json").read_text())
+    _run(metrics)
+    lines = (metrics / "report.md").read_text().splitlines()
+    header = next(ln for ln in lines if ln.startswith("| model |"))
+    col = [c.strip() for c in header.split("|")].index("KL to SFT, nats/token")
+    base = next(ln for ln in lines if ln.startswith("| **base** |"))
+    assert [c.strip() for c in base.split("|")][col].split()[0] == fmt_value(evals["kl"], "num") == "2.770"
+    row = next(ln for ln in lines if ln.startswith("| KL to SFT, nats/token |"))
+    assert row.split("|")[2].split()[0] == fmt_value(evals["kl"], "num")
+    assert "nats/response" not in header and "nats per response" not in "\n".join(lines)
 
 
 def test_each_stage_is_described_in_words(metrics):
@@ -133,7 +148,7 @@ def test_each_stage_is_described_in_words(metrics):
                  " English math, Chinese math and #### N answer format.")
     assert glines[0].startswith("▼ instruction tasks: 75.0% → 25.0%, -50.0 pp [")
     assert "significant within those: task: sort ▼ -50.0 pp and task: reverse ▼ -50.0 pp" in glines
-    assert glines[-1].startswith("KL to SFT: -0.000238 nats per response (an estimate below zero")
+    assert glines[-1].startswith("KL to SFT: -0.000238 nats/token (an estimate below zero")
     page = render_html(data, paired, {"profile": "cpu"})
     assert html.escape(g) in page and f"<li>{html.escape(glines[-1])}</li>" in page
     assert '<li><span class="down">▼</span> instruction tasks: 75.0% → 25.0%' in page  # the mark coloured
@@ -223,6 +238,17 @@ def test_curves_are_smoothed_and_panels_keep_one_unit(metrics):
     assert curves_png({}) == (None, [])
 
 
+def test_a_curve_that_never_moved_says_its_value():
+    """A held-out accuracy of 0.85 at every evaluation: its legend gives the value, which the
+    padded axis matplotlib draws around it need not tick."""
+    curves = {"ppo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85] * 3},
+              "grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.8, 0.85, 0.9]}}
+    fig, _ = curves_figure(curves)
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    _plt().close(fig)
+    assert labels == ["PPO: 0.85 throughout", "GRPO"]
+
+
 def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
     from llm.monitor import smooth
     fig, titles = curves_figure(collect(metrics)["curves"])
@@ -237,8 +263,7 @@ def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
 def test_kl_is_drawn_on_a_log_axis_with_zero_and_negative_written_out():
     plt = _plt()
     fig, ax = plt.subplots()
-    evals = {"base": {"kl_to_sft": 277.0}, "sft": {"kl_to_sft": 0.0}, "ppo": {"kl_to_sft": 0.05},
-             "grpo": {"kl_to_sft": -0.0002}}
+    evals = {"base": {"kl": 2.77}, "sft": {"kl": 0.0}, "ppo": {"kl": 0.05}, "grpo": {"kl": -0.0002}}
     _kl_panel(ax, list(evals), evals)
     texts = [t.get_text() for t in ax.texts]
     plt.close(fig)

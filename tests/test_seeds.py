@@ -113,7 +113,7 @@ def _write_run(root, parent, child, dpo_acc):
     for name, outcomes in (("sft", parent), ("grpo", child)):
         (ev / f"{name}_items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _items(outcomes)))
     (root / "metrics" / "dpo.json").write_text(json.dumps({"rewards_accuracy": dpo_acc}))
-    (ev / "grpo.json").write_text(json.dumps({"kl_to_sft_per_token": 0.001}))
+    (ev / "grpo.json").write_text(json.dumps({"kl": 0.001}))
 
 
 def test_runs_from_directories_labels_and_the_command_line(tmp_path, capsys):
@@ -123,7 +123,7 @@ def test_runs_from_directories_labels_and_the_command_line(tmp_path, capsys):
     for spec in (tmp_path / "r1", tmp_path / "r1" / "metrics"):
         run = load_run(str(spec))
         assert sorted(run.items) == ["grpo", "sft"]
-        assert run.metrics == {"dpo.json": {"rewards_accuracy": 0.8}, "eval/grpo.json": {"kl_to_sft_per_token": 0.001}}
+        assert run.metrics == {"dpo.json": {"rewards_accuracy": 0.8}, "eval/grpo.json": {"kl": 0.001}}
     assert load_run(str(tmp_path / "r1" / "metrics" / "eval")).metrics == {}
     assert load_run(f"one={tmp_path / 'r1'}").name == "one"
     out_json, out_md = tmp_path / "s.json", tmp_path / "s.md"
@@ -132,7 +132,7 @@ def test_runs_from_directories_labels_and_the_command_line(tmp_path, capsys):
     s = json.loads(out_json.read_text())
     assert s["runs"] == ["a", "b"] and s["paired"]["grpo"]["math"]["deltas"] == pytest.approx([0.03, 0.01])
     assert "| grpo | math | +3.0 | +1.0 | +2.0 |" in out_md.read_text()
-    assert set(s["metrics"]) == {"dpo.json:rewards_accuracy", "eval/grpo.json:kl_to_sft_per_token"}
+    assert set(s["metrics"]) == {"dpo.json:rewards_accuracy", "eval/grpo.json:kl"}
     assert capsys.readouterr().out.startswith("Runs: a, b.")
 
 

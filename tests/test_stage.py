@@ -78,6 +78,21 @@ def test_a_full_disk_anywhere_in_a_stage_is_one_line_naming_what_it_writes(tmp_p
                                 f" that was there before is left as it was)\n"
 
 
+def test_a_refused_params_file_says_how_to_get_the_outputs_back(tmp_path, capsys):
+    """Under `dvc repro` the stage's outputs are deleted before it reads its params: the error
+    ends with the way back (fix the key and rerun, or `dvc checkout <stage>` from the cache)."""
+    import stages.prepare as prepare
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p["prepare"]["math_train"] = -1
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    code = prepare.main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "out"),
+                         "--metrics", str(tmp_path / "m.json")])
+    last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+    assert code == 1
+    assert last.startswith(f"fix the key in {tmp_path / 'params.yaml'}, then `dvc repro`"), last
+    assert "`dvc checkout prepare` from the DVC cache" in last and "`git checkout -- <path>`" in last
+
+
 @pytest.mark.parametrize("stage", DATA_STAGES)
 def test_data_stages_do_not_depend_on_the_training_code(stage):
     """Editing the model, the kernels or the loop must not rerun tokenization under DVC: the data
