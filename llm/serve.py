@@ -538,6 +538,10 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         with encoding:
             return tokenizer.encode(text, allowed_special=allowed_special)
 
+    def render(messages: list[dict]) -> list[int]:
+        with encoding:
+            return render_prompt(messages, tokenizer)
+
     def too_long(n_bytes: int, what: str, param: str) -> ApiError:
         return ApiError(400, f"{what} {n_bytes} bytes of text, more than the {max_text_bytes} bytes that can fit in"
                              f" this model's context of {seq_len} tokens", param=param,
@@ -592,7 +596,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
             n_bytes = sum(len(m["content"].encode()) for m in r.messages)
             if n_bytes > max_text_bytes:
                 raise too_long(n_bytes, "the messages are", "messages")
-            prompt = await run_in_threadpool(lambda: render_prompt(r.messages, tokenizer))
+            prompt = await run_in_threadpool(render, r.messages)
             if len(prompt) >= seq_len:
                 raise ApiError(400, f"the messages are {len(prompt)} tokens with the chat template; this model's"
                                     f" context is {seq_len} tokens and the answer needs at least one",
