@@ -503,6 +503,87 @@ class Engine:
 # HTTP
 
 
+def error_response(e: ApiError):
+    from starlette.responses import JSONResponse
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request, max_request_bytes: int) -> Any:
+    """The request's JSON body, counted as it arrives and refused (413) once over max_request_bytes."""
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_request_bytes:
+        raise ApiError(413, f"the request is {declared} bytes; this server takes at most {max_request_bytes}",
+                       code="request_too_large")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_request_bytes:
+                raise ApiError(413, f"the request is over {max_request_bytes} bytes, this server's limit",
+                               code="request_too_large")
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before sending its whole request") from None
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(bytes(body), parse_constant=no_constants)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:  # includes bytes that are not UTF-8
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def outcome(job: Job, request, pieces: list[str]) -> tuple:
+    """The job's last event, its text pieces gathered in `pieces`. If the client hangs up
+    first, the job is cancelled (the worker stops at its next step) and this returns ("gone",)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled = True
+        job.events.put_nowait(("gone",))
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while (event := await job.events.get())[0] == "text":
+            pieces.append(event[1])
+        return event
+    finally:
+        job.cancelled = True
+        watcher.cancel()
+
+
+async def sse(job: Job, head: dict, usage: Callable[[int], dict], include_usage: bool) -> AsyncIterator[str]:
+    """A chat job's events as OpenAI's server-sent chunks; leaving early (the client hung up) cancels the job."""
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        body = {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield chunk({"content": event[1]})
+            elif event[0] == "error":
+                yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
+                break
+            else:
+                _, finish, n = event
+                yield chunk({}, finish)
+                if include_usage:  # OpenAI's last chunk: no choices, the token counts
+                    body = {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(n)}
+                    yield f"data: {json.dumps(body)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True
+
+
 def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None, max_queue: int = 16,
              max_request_bytes: int = 1 << 20, seed: int = 0, hosts: tuple[str, ...] = LOCAL_HOSTS,
              origins: tuple[str, ...] = (), api_key: str | None = None):
@@ -511,15 +592,15 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     hosts, origins, api_key: what llm.serve_guard.Guard lets in (the Host names answered, other
     sites allowed to call it, the key /v1/... needs).
 
-    One function on purpose, longer than most here: the route handlers are closures over the one
-    engine, the model's id and the request limits, so the whole HTTP surface reads top to bottom
-    in one place (and Starlette is imported only when a server is made)."""
+    Longer than most functions here on purpose: the generating handlers are closures over the one
+    engine, the model's id and the request limits, so the API's surface reads top to bottom in
+    one place (and Starlette is imported only when a server is made)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
-    from starlette.requests import ClientDisconnect, Request as HttpRequest
-    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     engine = Engine(model, tokenizer, max_queue)
@@ -531,8 +612,6 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     max_text_bytes = seq_len * max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
     encoding = threading.Lock()  # one text at a time through the tokenizer: its peak memory, not eight
 
-    def error(e: ApiError, **headers) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
     def encode(text: str, allowed_special: str = "none") -> list[int]:
         with encoding:
@@ -547,52 +626,9 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
                              f" this model's context of {seq_len} tokens", param=param,
                         code="context_length_exceeded")
 
-    async def read_json(request: HttpRequest) -> Any:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_request_bytes:
-            raise ApiError(413, f"the request is {declared} bytes; this server takes at most {max_request_bytes}",
-                           code="request_too_large")
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_request_bytes:
-                    raise ApiError(413, f"the request is over {max_request_bytes} bytes, this server's limit",
-                                   code="request_too_large")
-        except ClientDisconnect:
-            raise ApiError(400, "the client went away before sending its whole request") from None
-
-        def no_constants(name: str):
-            raise ValueError(f"{name} is not valid JSON")
-
-        try:
-            return json.loads(bytes(body), parse_constant=no_constants)
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-        except ValueError as e:  # includes bytes that are not UTF-8
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-    async def outcome(job: Job, request: HttpRequest, pieces: list[str]) -> tuple:
-        """The job's last event, its text pieces gathered in `pieces`. If the client hangs up
-        first, the job is cancelled (the worker stops at its next step) and this returns ("gone",)."""
-        async def watch():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            job.cancelled = True
-            job.events.put_nowait(("gone",))
-
-        watcher = asyncio.create_task(watch())
-        try:
-            while (event := await job.events.get())[0] == "text":
-                pieces.append(event[1])
-            return event
-        finally:
-            job.cancelled = True
-            watcher.cancel()
-
     async def chat_completions(request: HttpRequest):
         try:
-            r = parse_request(await read_json(request), model_id)
+            r = parse_request(await read_json(request, max_request_bytes), model_id)
             n_bytes = sum(len(m["content"].encode()) for m in r.messages)
             if n_bytes > max_text_bytes:
                 raise too_long(n_bytes, "the messages are", "messages")
@@ -612,7 +648,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
                       asyncio.get_running_loop())
             engine.submit(job)
         except ApiError as e:
-            return error(e)
+            return error_response(e)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_id,
                 "system_fingerprint": fingerprint}
 
@@ -625,41 +661,15 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         pieces: list[str] = []
         event = await outcome(job, request, pieces)
         if event[0] != "done":
-            return error(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
+            return error_response(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
         _, finish, n = event
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
             "finish_reason": finish, "logprobs": None}], "usage": usage(n)})
 
-    async def sse(job: Job, head: dict, usage, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                event = await job.events.get()
-                if event[0] == "text":
-                    yield chunk({"content": event[1]})
-                elif event[0] == "error":
-                    yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
-                    break
-                else:
-                    _, finish, n = event
-                    yield chunk({}, finish)
-                    if include_usage:  # OpenAI's last chunk: no choices, the token counts
-                        body = {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(n)}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled = True
-
     async def completions(request: HttpRequest):
         try:
-            c = parse_completion_request(await read_json(request), model_id, tokenizer.vocab_size)
+            c = parse_completion_request(await read_json(request, max_request_bytes), model_id, tokenizer.vocab_size)
             prompts = []
             for i, p in enumerate(c.prompts):
                 if isinstance(p, str):
@@ -675,43 +685,15 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
             job = Job(lambda j: engine.complete(j, prompts, c, job_seed), asyncio.get_running_loop())
             engine.submit(job)
         except ApiError as e:
-            return error(e)
+            return error_response(e)
         event = await outcome(job, request, [])
         if event[0] != "done":
-            return error(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
+            return error_response(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
         _, choices, n = event
         n_prompt = sum(map(len, prompts))
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                              "model": model_id, "system_fingerprint": fingerprint, "choices": choices,
                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}})
-
-    async def tokenize(request: HttpRequest):
-        """vLLM's /tokenize, which evaluation harnesses use to count a prompt's tokens the server's way:
-        special-token text becomes the special token, as in a string prompt of /v1/completions."""
-        try:
-            body = await read_json(request)
-            if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
-                raise ApiError(400, 'the body must be {"prompt": "some text"}', param="prompt")
-            text = _text(body["prompt"], "prompt")
-        except ApiError as e:
-            return error(e)
-        ids = await run_in_threadpool(encode, text, "all")
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
-
-    async def detokenize(request: HttpRequest):
-        try:
-            body = await read_json(request)
-            ids = _prompts(body.get("tokens") if isinstance(body, dict) else None, tokenizer.vocab_size)[0]
-            if not isinstance(ids, list):
-                raise ApiError(400, 'the body must be {"tokens": [ids...]}', param="tokens")
-        except ApiError as e:
-            return error(e)
-        return JSONResponse({"prompt": tokenizer.decode(ids)})
-
-    async def tokenizer_info(request: HttpRequest):
-        return JSONResponse({"tokenizer_class": "llm.tokenizer.Tokenizer", "eos_token": BOS, "bos_token": None,
-                             "pad_token": tokenizer.decode([tokenizer.pad_id]), "model_max_length": seq_len,
-                             "vocab_size": tokenizer.vocab_size})
 
     async def models(request: HttpRequest):
         return JSONResponse({"object": "list", "data": [
@@ -719,7 +701,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
 
     async def one_model(request: HttpRequest):
         if request.path_params["name"] != model_id:
-            return error(ApiError(404, f"the model {request.path_params['name']!r} does not exist;"
+            return error_response(ApiError(404, f"the model {request.path_params['name']!r} does not exist;"
                                        f" this server has {model_id!r}", code="model_not_found"))
         return JSONResponse({"id": model_id, "object": "model", "created": created, "owned_by": "llm"})
 
@@ -727,24 +709,14 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         return JSONResponse({"status": "ok", "model": model_id, "running": engine.running,
                              "queued": engine.jobs.qsize(), "max_queue": max_queue, "context": seq_len})
 
-    page = (Path(__file__).with_name("chat_page.html").read_text(encoding="utf-8")
-            .replace("{{MODEL}}", html.escape(model_id)).replace("{{CONTEXT}}", str(seq_len)))
-
-    async def chat_page(request: HttpRequest):
-        return HTMLResponse(page, headers={
-            "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
-            "X-Frame-Options": "DENY", "Cache-Control": "no-cache"})
-
     routes = [
-        Route("/", chat_page, methods=["GET"]),
+        chat_page_route(model_id, seq_len),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", one_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
+        *tokenizer_routes(tokenizer, seq_len, encode, max_request_bytes),
     ]
     served = ", ".join(f"{sorted(r.methods - {'HEAD'})[0]} {r.path.replace('{name:path}', '{model}')}"
                        for r in routes)
@@ -752,11 +724,11 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     async def http_error(request: HttpRequest, exc: HTTPException):
         what = {404: f"no such path: {request.url.path[:200]}; this server serves {served}",
                 405: f"{request.method} is not allowed on {request.url.path[:200]}; this server serves {served}"}
-        return error(ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail))))
+        return error_response(ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail))))
 
     async def server_error(request: HttpRequest, exc: Exception):
         log.exception("request failed")
-        return error(ApiError(500, f"internal error: {type(exc).__name__}"))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -769,6 +741,61 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.engine = engine
     return app
+
+
+def tokenizer_routes(tokenizer, seq_len: int, encode: Callable[[str, str], list[int]], max_request_bytes: int) -> list:
+    """vLLM's /tokenizer_info, /tokenize and /detokenize, which evaluation harnesses use to count a
+    prompt's tokens the server's way (lm-evaluation-harness: tokenizer_backend=remote). Special-token
+    text becomes the special token, as in a string prompt of /v1/completions."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def tokenize(request: Any):
+        try:
+            body = await read_json(request, max_request_bytes)
+            if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+                raise ApiError(400, 'the body must be {"prompt": "some text"}', param="prompt")
+            text = _text(body["prompt"], "prompt")
+        except ApiError as e:
+            return error_response(e)
+        ids = await run_in_threadpool(encode, text, "all")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
+
+    async def detokenize(request: Any):
+        try:
+            body = await read_json(request, max_request_bytes)
+            ids = _prompts(body.get("tokens") if isinstance(body, dict) else None, tokenizer.vocab_size)[0]
+            if not isinstance(ids, list):
+                raise ApiError(400, 'the body must be {"tokens": [ids...]}', param="tokens")
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
+
+    async def tokenizer_info(request: Any):
+        return JSONResponse({"tokenizer_class": "llm.tokenizer.Tokenizer", "eos_token": BOS, "bos_token": None,
+                             "pad_token": tokenizer.decode([tokenizer.pad_id]), "model_max_length": seq_len,
+                             "vocab_size": tokenizer.vocab_size})
+
+    return [Route("/tokenizer_info", tokenizer_info, methods=["GET"]), Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"])]
+
+
+def chat_page_route(model_id: str, seq_len: int):
+    """GET / : llm/chat_page.html with the model's name and context filled in; it may not be framed
+    by another site, and its own inline script and style are all it runs."""
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    page = (Path(__file__).with_name("chat_page.html").read_text(encoding="utf-8")
+            .replace("{{MODEL}}", html.escape(model_id)).replace("{{CONTEXT}}", str(seq_len)))
+
+    async def chat_page(request: Any):
+        return HTMLResponse(page, headers={
+            "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            "X-Frame-Options": "DENY", "Cache-Control": "no-cache"})
+
+    return Route("/", chat_page, methods=["GET"])
 
 
 def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, keep_alive: float = 5.0,
