@@ -220,8 +220,10 @@ class QuietLog(logging.Filter):
 
 
 def quiet_logs(loggers: Iterable[str] = ("uvicorn.error", "asyncio", "llm.serve"), every: float = 10.0) -> QuietLog:
-    """Put one QuietLog on each of `loggers` (and return it)."""
+    """Put one QuietLog on each of `loggers` that has none yet (a process may make several servers)."""
     f = QuietLog(every)
     for name in loggers:
-        logging.getLogger(name).addFilter(f)
+        logger = logging.getLogger(name)
+        if not any(isinstance(g, QuietLog) for g in logger.filters):
+            logger.addFilter(f)
     return f

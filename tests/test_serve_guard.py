@@ -275,6 +275,11 @@ def test_the_log_says_an_expected_client_error_once_in_one_line():
     assert len(kept) == 1 and kept[0].exc_info is None and "Connection reset by peer" in kept[0].getMessage()
 
 
+def test_every_option_says_what_it_does():
+    from llm.serve import _parser
+    assert all(a.help for a in _parser()._actions), [a.dest for a in _parser()._actions if not a.help]
+
+
 # ---------------------------------------------------------------------------
 # all at once, against the program
 
