@@ -1,24 +1,35 @@
-"""An OpenAI-compatible HTTP server for a model directory.
+"""An OpenAI-compatible HTTP server for a model directory, with a chat page.
 
-    python -m llm.serve models/sft [--host 127.0.0.1] [--port 8000] [--device cpu]
+    python -m llm.serve models/sft [--host 127.0.0.1] [--port 8000] [--device cpu] [--api-key KEY]
 
+    GET  /                      a chat page (llm/chat_page.html): one conversation, answers streamed
     POST /v1/chat/completions   OpenAI's chat completions; with "stream": true the answer comes as
                                 server-sent events, one `data: {chunk}` per piece, then `data: [DONE]`
+    POST /v1/completions        OpenAI's legacy completions: raw text or token ids in, with the
+                                per-token log-probs that evaluation harnesses read (echo, logprobs)
     GET  /v1/models             the one model served, named after the directory ("sft")
+    GET  /tokenizer_info, POST /tokenize, POST /detokenize
+                                vLLM's tokenizer endpoints, so that a harness counts tokens the
+                                server's way (lm-evaluation-harness: tokenizer_backend=remote)
     GET  /health                {"status": "ok", "model": ..., "running": 0|1, "queued": n}
 
 Any OpenAI client works against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`).
 Conversations go through the chat template of llm/chat.py (`render_prompt`), the one the
 model was trained with, and the answer ends at <|end|> or <|endoftext|>.
 
-Request fields honoured: messages (roles system, developer (= system), user, assistant;
+Chat request fields honoured: messages (roles system, developer (= system), user, assistant;
 content a string or a list of {"type": "text"} parts), temperature (0 to 2, default 1;
 0 = greedy), top_p, top_k (an extension, 0 = off), max_tokens or max_completion_tokens
 (default: the rest of the context), stop (a string or up to 4), seed, stream,
 stream_options.include_usage, n (1 only). Fields whose meaning this server cannot honour
 (tools, logprobs, penalties, logit_bias, n > 1, a JSON response_format) are refused with
 400 when set, rather than silently ignored; fields that do not change the answer (user,
-metadata, ...) are ignored.
+metadata, ...) are ignored. /v1/completions takes prompt (a string, a list of strings, a list
+of token ids or a list of those; each its own choice), max_tokens (default 16, 0 allowed),
+temperature, top_p, top_k, stop, seed, logprobs (0 to 20) and echo; it does not stream.
+Its log-probs come from one forward of the model over prompt + completion, the numbers
+training's losses compute, so a loglikelihood evaluation through the API scores as one
+in-process would.
 
 How requests run: one worker thread generates one answer at a time, the rest wait in a
 bounded queue (--max-queue) and a request that finds it full gets 503 at once. One at a
@@ -27,22 +38,42 @@ generator), so a seeded request gets the same answer whatever else is being serv
 (tested with 8 concurrent clients). Batching would raise throughput, since decoding a
 small model is bound by per-step overhead that a batch shares; it is the next step if that
 matters. A request without a seed gets one drawn from the server's generator (--seed), so
-the same requests in the same order get the same answers.
+the same requests in the same order get the same answers. A client that hangs up, streaming
+or not, stops its generation at the next decoding step.
+
+What bounds memory and keeps it serving (llm/serve_guard.py has the network side): a body is
+counted as it arrives and cut off at --max-request-bytes (413); text longer in bytes than
+the context could hold (context x the longest token's bytes) is refused before it is
+tokenized, and one text at a time goes through the tokenizer, whose cache keeps no long
+chunk; the queue is bounded; at most --max-connections connections are open (one more is
+answered 503 and closed); a connection must send a whole request within --request-timeout
+seconds and an idle one is closed after --keep-alive; expected client errors are logged as
+one line, each message at most once per 10 s.
+
+Who may call it: only requests whose Host is localhost, 127.0.0.1, ::1, --host or an
+--allow-host name (a DNS-rebinding page's Host is refused), whose Origin, if any, is the
+server's own or an --allow-origin one (another site's page is refused), whose POST body is
+declared application/json (415 otherwise: the one kind of body a page cannot send to another
+site without the browser asking first), and, with --api-key or LLM_API_KEY set, that carry
+`Authorization: Bearer <key>` (the chat page and /health need none).
 
 Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
 400 for a malformed request (including a prompt longer than the context, with its length),
-404 for an unknown model or path, 405, 413 for a body over --max-request-bytes, 503 when the
-queue is full, 500 for a bug (logged with its traceback; the server keeps serving). There
-is no authentication: it binds to 127.0.0.1 unless told otherwise.
+401 without the API key, 403 for a refused Host or Origin, 404 for an unknown model or
+path (naming every endpoint served), 405, 413 for a body over --max-request-bytes, 415,
+503 when the queue or the connections are full, 500 for a bug (logged with its traceback;
+the server keeps serving).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import html
 import json
 import logging
 import math
+import os
 import queue
 import random
 import socket
@@ -52,17 +83,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from llm.chat import STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
+from llm.chat import BOS, STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
 from llm.generate import generate, sampling_problem
+from llm.serve_guard import LOCAL_HOSTS, Guard, guarded_protocol, quiet_logs
 
 log = logging.getLogger("llm.serve")
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS, MAX_STOP_CHARS = 4, 200
+MAX_PROMPTS, MAX_LOGPROBS = 256, 20  # prompts in one /v1/completions request; listed likeliest tokens
 UNSUPPORTED = {  # field -> the value that means "not used"; anything else is refused
     "tools": None, "functions": None, "tool_choice": None, "function_call": None,
     "logprobs": False, "top_logprobs": None, "audio": None, "prediction": None,
@@ -142,12 +175,7 @@ def _text(content: Any, where: str) -> str:
 
 def parse_request(body: Any, model_id: str) -> Request:
     """Check a /v1/chat/completions body; every problem is an ApiError naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_id:
-        raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist; this server has {model_id!r}",
-                       param="model", code="model_not_found")
+    _check_model(body, model_id)
     for key, unused in UNSUPPORTED.items():
         if body.get(key, unused) not in (unused, [], {}):
             raise ApiError(400, f"{key} is not supported by this server", param=key, code="unsupported_parameter")
@@ -171,14 +199,7 @@ def parse_request(body: Any, model_id: str) -> Request:
             raise ApiError(400, f"{where}.role must be one of {sorted(ROLES)}, got {json.dumps(role)[:80]}",
                            param=f"{where}.role")
         messages.append({"role": ROLES[role], "content": _text(m.get("content"), f"{where}.content")})
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
-    if stops is None:
-        stops = ()
-    if (not isinstance(stops, tuple) or len(stops) > MAX_STOPS
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at most"
-                       f" {MAX_STOP_CHARS} characters", param="stop")
+    stops = _stops(body)
     max_tokens = _integer(body, "max_completion_tokens", 1, 2**31)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, 2**31)
@@ -226,18 +247,160 @@ class StopStrings:
 
 
 # ---------------------------------------------------------------------------
+# Legacy completions: raw text in, raw text out, with the log-probs evaluation harnesses read
+
+
+@dataclass
+class CompletionRequest:
+    prompts: list  # each a string or a list of token ids
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None  # how many of the likeliest tokens to list at each position
+    echo: bool = False
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop
+    if stops is None:
+        return ()
+    if (not isinstance(stops, tuple) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at most"
+                       f" {MAX_STOP_CHARS} characters", param="stop")
+    return stops
+
+
+def _check_model(body: Any, model_id: str) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_id:
+        raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist; this server has {model_id!r}",
+                       param="model", code="model_not_found")
+
+
+def _prompts(prompt: Any, vocab_size: int) -> list:
+    """OpenAI's four shapes of `prompt`: a string, a list of strings, a list of token ids, a list of those."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt must be a string, a list of token ids, or a non-empty list of at most"
+                       f" {MAX_PROMPTS} of either", param="prompt")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and not all(not isinstance(t, bool) and isinstance(t, int)
+                                           and 0 <= t < vocab_size for t in p):
+            raise ApiError(400, f"prompt[{i}]: token ids must be integers in [0, {vocab_size})", param="prompt")
+        if not isinstance(p, (str, list)) or not p:
+            raise ApiError(400, f"prompt[{i}] must be a non-empty string or list of token ids, got"
+                           f" {json.dumps(p)[:80]}", param="prompt")
+        if isinstance(p, str):
+            _text(p, f"prompt[{i}]")
+    return prompt
+
+
+def parse_completion_request(body: Any, model_id: str, vocab_size: int) -> CompletionRequest:
+    """Check a /v1/completions body; every problem is an ApiError naming the field."""
+    _check_model(body, model_id)
+    unsupported = {k: v for k, v in UNSUPPORTED.items() if k not in ("logprobs", "top_logprobs")}
+    for key, unused in {**unsupported, "suffix": None, "stream": False}.items():
+        if body.get(key, unused) not in (unused, [], {}):
+            raise ApiError(400, f"{key} is not supported on /v1/completions", param=key,
+                           code="unsupported_parameter")
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            raise ApiError(400, f"{key}: this server returns one choice per prompt, got {json.dumps(body[key])}",
+                           param=key, code="unsupported_parameter")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    problem = sampling_problem(temperature=temperature)
+    if problem:
+        raise ApiError(400, problem, param="temperature")
+    max_tokens = _integer(body, "max_tokens", 0, 2**31)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be true or false, got {json.dumps(echo)[:40]}", param="echo")
+    return CompletionRequest(
+        prompts=_prompts(body.get("prompt"), vocab_size), max_tokens=16 if max_tokens is None else max_tokens,
+        temperature=temperature, top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_integer(body, "top_k", 0, 2**31) or 0, stop=_stops(body),
+        seed=_integer(body, "seed", -2**63, 2**64 - 1), logprobs=_integer(body, "logprobs", 0, MAX_LOGPROBS),
+        echo=echo)
+
+
+def token_text(tok, i: int) -> str:
+    """A token as the logprobs lists name it: its text, or 'bytes:\\xe5\\x9b' for part of a character."""
+    b = tok.token_bytes(i)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
+def token_logprobs(model, ids: list[int], first: int, k: int) -> tuple[list, list]:
+    """log p(ids[t] | ids[:t]) for t >= first, by one forward of the model over ids[:-1], and the k
+    likeliest tokens at each of those positions as {token id: log-prob}. Position 0 has no context:
+    its entries are None."""
+    lp: list = [None] * (first == 0)
+    top: list = [None] * (first == 0)
+    start = max(first, 1)
+    if start < len(ids):
+        x = torch.tensor([ids[:-1]], device=model.wte.weight.device)             # (1, T-1)
+        logp = torch.log_softmax(model(x)[0, start - 1:].float(), dim=-1)        # (T-start, V): token t+1 given <= t
+        target = torch.tensor(ids[start:], device=logp.device)
+        lp += logp.gather(-1, target[:, None])[:, 0].tolist()
+        if k:
+            values, index = logp.topk(k, dim=-1)                                 # (T-start, k)
+            top += [dict(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+        else:
+            top += [{} for _ in range(len(ids) - start)]
+    return lp, top
+
+
+def completion_choice(engine, job, prompt: list[int], c: CompletionRequest, seed: int) -> tuple[dict, int]:
+    """One prompt's choice of a /v1/completions answer (without its index) and the tokens generated."""
+    tok, new, stopped, n = engine.tok, [], False, 0
+    if c.max_tokens:
+        new, stopped, n = engine.generate(job, prompt, c.max_tokens, c, seed)
+    completion = tok.decode(new)
+    cut = min((k for k in (completion.find(s) for s in c.stop) if k >= 0), default=None)
+    if cut is not None:
+        completion, stopped = completion[:cut], True
+    head = tok.decode(prompt)
+    text = (head if c.echo else "") + completion
+    logprobs = None
+    if c.logprobs is not None:
+        shown = (prompt if c.echo else []) + new
+        offsets, data = [], b""
+        base = 0 if c.echo else len(head)
+        for i in shown:  # characters before each token; a token that starts mid-character counts from its start
+            offsets.append(min(base + len(data.decode("utf-8", errors="ignore")), base + len(text)))
+            data += tok.token_bytes(i)
+        keep = sum(1 for o in offsets if o < base + len(text)) if cut is not None else len(shown)
+        lp, top = token_logprobs(engine.model, prompt + new, 0 if c.echo else len(prompt), c.logprobs)
+        logprobs = {"tokens": [token_text(tok, i) for i in shown[:keep]], "token_logprobs": lp[:keep],
+                    "top_logprobs": [t if t is None else {token_text(tok, i): v for i, v in t.items()}
+                                     for t in top[:keep]],
+                    "text_offset": offsets[:keep]}
+    return {"text": text, "logprobs": logprobs, "finish_reason": "stop" if stopped else "length"}, n
+
+
+# ---------------------------------------------------------------------------
 # The worker
 
 
 @dataclass
 class Job:
-    request: Request
-    prompt: list[int]
-    max_tokens: int
-    seed: int
+    """One request's work for the worker thread. `work(job)` runs there and reports through
+    `send`; the HTTP side sets `cancelled` when its client leaves, and the work stops at its
+    next decoding step."""
+    work: Callable[["Job"], None]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False  # the client went away: stop generating
+    cancelled: bool = False
 
     def send(self, *event) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown): nobody is listening
@@ -245,16 +408,17 @@ class Job:
 
 
 class Engine:
-    """One thread that generates one answer at a time from a bounded queue of jobs.
+    """One thread that runs one job at a time from a bounded queue of jobs.
 
-    Events sent to a job: ("text", str) pieces, then ("done", finish_reason, completion_tokens)
-    or ("error", message).
+    Events sent to a chat job: ("text", str) pieces, then ("done", finish_reason, completion_tokens)
+    or ("error", message); to a completions job: ("done", choices, completion_tokens) or ("error", message).
     """
 
     def __init__(self, model, tokenizer, max_queue: int = 16):
         self.model, self.tok = model, tokenizer
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.running = 0
+        self.steps = 0  # decoding steps taken, all jobs together (tests read it)
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -288,50 +452,153 @@ class Engine:
                 continue
             self.running = 1
             try:
-                self._generate(job)
+                with torch.no_grad():
+                    job.work(job)
             except Exception as e:  # a bug: tell the client, log it, keep serving
                 log.exception("generation failed")
                 job.send("error", f"generation failed: {type(e).__name__}: {e}")
             finally:
                 self.running = 0
 
-    def _generate(self, job: Job) -> None:
-        r = job.request
+    def generate(self, job: Job, prompt: list[int], max_tokens: int, r, seed: int,
+                 on_text=lambda piece: None) -> tuple[list[int], bool, int]:
+        """Decode up to max_tokens after `prompt`, handing text pieces to on_text once they are sure;
+        ends at a stop token, at a stop string of r.stop or when the job is cancelled. Returns (the new
+        ids without the stop token, whether the model or a stop string ended it, tokens generated)."""
         text, stops = TextStream(self.tok), StopStrings(r.stop)
 
         def step(tokens) -> bool:
+            self.steps += 1
             piece = stops.feed(text.push(int(tokens[0])))
             if piece:
-                job.send("text", piece)
+                on_text(piece)
             return stops.hit or job.cancelled
 
         device = self.model.wte.weight.device
-        gen = generate(self.model, [job.prompt], job.max_tokens, temperature=r.temperature, top_k=r.top_k,
+        gen = generate(self.model, [prompt], max_tokens, temperature=r.temperature, top_k=r.top_k,
                        top_p=r.top_p, stop_ids=[self.tok.special[t] for t in STOP_TOKENS],
-                       pad_id=self.tok.pad_id, generator=torch.Generator(device=device).manual_seed(job.seed),
+                       pad_id=self.tok.pad_id, generator=torch.Generator(device=device).manual_seed(seed),
                        stream=step)
-        tail = stops.feed(text.flush())
-        tail += stops.flush()
+        tail = stops.feed(text.flush()) + stops.flush()
         if tail:
-            job.send("text", tail)
-        finish = "stop" if stops.hit or bool(gen.stopped[0]) else "length"
-        job.send("done", finish, int(gen.response_mask.sum()))
+            on_text(tail)
+        return gen.responses()[0], stops.hit or bool(gen.stopped[0]), int(gen.response_mask.sum())
+
+    def chat(self, job: Job, r: "Request", prompt: list[int], max_tokens: int, seed: int) -> None:
+        _, stopped, n = self.generate(job, prompt, max_tokens, r, seed, lambda piece: job.send("text", piece))
+        job.send("done", "stop" if stopped else "length", n)
+
+    def complete(self, job: Job, prompts: list[list[int]], c: "CompletionRequest", seed: int) -> None:
+        choices, used = [], 0
+        for i, prompt in enumerate(prompts):
+            if job.cancelled:
+                return
+            choice, n = completion_choice(self, job, prompt, c, (seed + i) % 2**64)
+            choices.append({"index": i, **choice})
+            used += n
+        job.send("done", choices, used)
 
 
 # ---------------------------------------------------------------------------
 # HTTP
 
 
+def error_response(e: ApiError):
+    from starlette.responses import JSONResponse
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request, max_request_bytes: int) -> Any:
+    """The request's JSON body, counted as it arrives and refused (413) once over max_request_bytes."""
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_request_bytes:
+        raise ApiError(413, f"the request is {declared} bytes; this server takes at most {max_request_bytes}",
+                       code="request_too_large")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_request_bytes:
+                raise ApiError(413, f"the request is over {max_request_bytes} bytes, this server's limit",
+                               code="request_too_large")
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before sending its whole request") from None
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(bytes(body), parse_constant=no_constants)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:  # includes bytes that are not UTF-8
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def outcome(job: Job, request, pieces: list[str]) -> tuple:
+    """The job's last event, its text pieces gathered in `pieces`. If the client hangs up
+    first, the job is cancelled (the worker stops at its next step) and this returns ("gone",)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled = True
+        job.events.put_nowait(("gone",))
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while (event := await job.events.get())[0] == "text":
+            pieces.append(event[1])
+        return event
+    finally:
+        job.cancelled = True
+        watcher.cancel()
+
+
+async def sse(job: Job, head: dict, usage: Callable[[int], dict], include_usage: bool) -> AsyncIterator[str]:
+    """A chat job's events as OpenAI's server-sent chunks; leaving early (the client hung up) cancels the job."""
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        body = {**head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                yield chunk({"content": event[1]})
+            elif event[0] == "error":
+                yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
+                break
+            else:
+                _, finish, n = event
+                yield chunk({}, finish)
+                if include_usage:  # OpenAI's last chunk: no choices, the token counts
+                    body = {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(n)}
+                    yield f"data: {json.dumps(body)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True
+
+
 def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None, max_queue: int = 16,
-             max_request_bytes: int = 1 << 20, seed: int = 0):
+             max_request_bytes: int = 1 << 20, seed: int = 0, hosts: tuple[str, ...] = LOCAL_HOSTS,
+             origins: tuple[str, ...] = (), api_key: str | None = None):
     """The Starlette application serving `model`; its engine starts and stops with the app.
 
-    One function on purpose, longer than most here: the route handlers are closures over the one
-    engine, the model's id and the request limits, so the whole HTTP surface reads top to bottom
-    in one place (and Starlette is imported only when a server is made)."""
+    hosts, origins, api_key: what llm.serve_guard.Guard lets in (the Host names answered, other
+    sites allowed to call it, the key /v1/... needs).
+
+    Longer than most functions here on purpose: the generating handlers are closures over the one
+    engine, the model's id and the request limits, so the API's surface reads top to bottom in
+    one place (and Starlette is imported only when a server is made)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -340,36 +607,32 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     seq_len = model.config.seq_len
     seeds = random.Random(seed)  # seeds of requests that bring none
     created = int(time.time())
+    # No text of more bytes than this fits in the context (each token is at most this many bytes
+    # long), so longer text is refused before the tokenizer spends time and memory on it.
+    max_text_bytes = seq_len * max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
+    encoding = threading.Lock()  # one text at a time through the tokenizer: its peak memory, not eight
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
 
-    async def read_json(request: HttpRequest) -> Any:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_request_bytes:
-            raise ApiError(413, f"the request is {declared} bytes; this server takes at most {max_request_bytes}",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_request_bytes:
-                raise ApiError(413, f"the request is over {max_request_bytes} bytes, this server's limit",
-                               code="request_too_large")
+    def encode(text: str, allowed_special: str = "none") -> list[int]:
+        with encoding:
+            return tokenizer.encode(text, allowed_special=allowed_special)
 
-        def no_constants(name: str):
-            raise ValueError(f"{name} is not valid JSON")
+    def render(messages: list[dict]) -> list[int]:
+        with encoding:
+            return render_prompt(messages, tokenizer)
 
+    def too_long(n_bytes: int, what: str, param: str) -> ApiError:
+        return ApiError(400, f"{what} {n_bytes} bytes of text, more than the {max_text_bytes} bytes that can fit in"
+                             f" this model's context of {seq_len} tokens", param=param,
+                        code="context_length_exceeded")
+
+    async def chat_completions(request: HttpRequest):
         try:
-            return json.loads(bytes(body), parse_constant=no_constants)
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply") from None
-        except ValueError as e:  # includes bytes that are not UTF-8
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-
-    async def completions(request: HttpRequest):
-        try:
-            r = parse_request(await read_json(request), model_id)
-            prompt = await run_in_threadpool(render_prompt, r.messages, tokenizer)
+            r = parse_request(await read_json(request, max_request_bytes), model_id)
+            n_bytes = sum(len(m["content"].encode()) for m in r.messages)
+            if n_bytes > max_text_bytes:
+                raise too_long(n_bytes, "the messages are", "messages")
+            prompt = await run_in_threadpool(render, r.messages)
             if len(prompt) >= seq_len:
                 raise ApiError(400, f"the messages are {len(prompt)} tokens with the chat template; this model's"
                                     f" context is {seq_len} tokens and the answer needs at least one",
@@ -380,11 +643,12 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
                                     f" {len(prompt) + r.max_tokens} > this model's context of {seq_len} tokens;"
                                     f" ask for at most {room}", param="max_tokens",
                                code="context_length_exceeded")
-            job = Job(r, prompt, r.max_tokens or room, seeds.randrange(2**63) if r.seed is None else r.seed,
+            job_seed = seeds.randrange(2**63) if r.seed is None else r.seed
+            job = Job(lambda j: engine.chat(j, r, prompt, r.max_tokens or room, job_seed),
                       asyncio.get_running_loop())
             engine.submit(job)
         except ApiError as e:
-            return error(e)
+            return error_response(e)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_id,
                 "system_fingerprint": fingerprint}
 
@@ -392,50 +656,44 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
             return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
         if r.stream:
-            return StreamingResponse(sse(job, head, usage), media_type="text/event-stream",
+            return StreamingResponse(sse(job, head, usage, r.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        pieces = []
-        try:
-            while True:
-                event = await job.events.get()
-                if event[0] == "text":
-                    pieces.append(event[1])
-                elif event[0] == "error":
-                    return error(ApiError(500, event[1]))
-                else:
-                    break
-        finally:
-            job.cancelled = True  # done, or the client went away (the task was cancelled)
+        pieces: list[str] = []
+        event = await outcome(job, request, pieces)
+        if event[0] != "done":
+            return error_response(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
         _, finish, n = event
         return JSONResponse({**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
             "finish_reason": finish, "logprobs": None}], "usage": usage(n)})
 
-    async def sse(job: Job, head: dict, usage) -> AsyncIterator[str]:
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-            body = {**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
+    async def completions(request: HttpRequest):
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                event = await job.events.get()
-                if event[0] == "text":
-                    yield chunk({"content": event[1]})
-                elif event[0] == "error":
-                    yield f"data: {json.dumps(ApiError(500, event[1]).body())}\n\n"
-                    break
-                else:
-                    _, finish, n = event
-                    yield chunk({}, finish)
-                    if job.request.include_usage:  # OpenAI's last chunk: no choices, the token counts
-                        body = {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(n)}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancelled = True
+            c = parse_completion_request(await read_json(request, max_request_bytes), model_id, tokenizer.vocab_size)
+            prompts = []
+            for i, p in enumerate(c.prompts):
+                if isinstance(p, str):
+                    if len(p.encode()) > max_text_bytes:
+                        raise too_long(len(p.encode()), f"prompt[{i}] is", "prompt")
+                    p = await run_in_threadpool(encode, p, "all")
+                if len(p) + c.max_tokens > seq_len:
+                    raise ApiError(400, f"prompt[{i}] is {len(p)} tokens and max_tokens is {c.max_tokens}:"
+                                        f" {len(p) + c.max_tokens} > this model's context of {seq_len} tokens",
+                                   param="prompt", code="context_length_exceeded")
+                prompts.append(p)
+            job_seed = seeds.randrange(2**63) if c.seed is None else c.seed
+            job = Job(lambda j: engine.complete(j, prompts, c, job_seed), asyncio.get_running_loop())
+            engine.submit(job)
+        except ApiError as e:
+            return error_response(e)
+        event = await outcome(job, request, [])
+        if event[0] != "done":
+            return error_response(ApiError(500, event[1] if event[0] == "error" else "the client went away"))
+        _, choices, n = event
+        n_prompt = sum(map(len, prompts))
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                             "model": model_id, "system_fingerprint": fingerprint, "choices": choices,
+                             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}})
 
     async def models(request: HttpRequest):
         return JSONResponse({"object": "list", "data": [
@@ -443,7 +701,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
 
     async def one_model(request: HttpRequest):
         if request.path_params["name"] != model_id:
-            return error(ApiError(404, f"the model {request.path_params['name']!r} does not exist;"
+            return error_response(ApiError(404, f"the model {request.path_params['name']!r} does not exist;"
                                        f" this server has {model_id!r}", code="model_not_found"))
         return JSONResponse({"id": model_id, "object": "model", "created": created, "owned_by": "llm"})
 
@@ -451,13 +709,26 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         return JSONResponse({"status": "ok", "model": model_id, "running": engine.running,
                              "queued": engine.jobs.qsize(), "max_queue": max_queue, "context": seq_len})
 
+    routes = [
+        chat_page_route(model_id, seq_len),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", one_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        *tokenizer_routes(tokenizer, seq_len, encode, max_request_bytes),
+    ]
+    served = ", ".join(f"{sorted(r.methods - {'HEAD'})[0]} {r.path.replace('{name:path}', '{model}')}"
+                       for r in routes)
+
     async def http_error(request: HttpRequest, exc: HTTPException):
-        what = {404: f"no such path: {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return error(ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail))))
+        what = {404: f"no such path: {request.url.path[:200]}; this server serves {served}",
+                405: f"{request.method} is not allowed on {request.url.path[:200]}; this server serves {served}"}
+        return error_response(ApiError(exc.status_code, what.get(exc.status_code, str(exc.detail))))
 
     async def server_error(request: HttpRequest, exc: Exception):
         log.exception("request failed")
-        return error(ApiError(500, f"internal error: {type(exc).__name__}"))
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -465,14 +736,78 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         yield
         engine.stop()
 
-    app = Starlette(routes=[
-        Route("/v1/chat/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", one_model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error, Exception: server_error}, lifespan=lifespan)
+    guard = Middleware(Guard, hosts=hosts, origins=origins, api_key=api_key, open_paths=("/", "/health"))
+    app = Starlette(routes=routes, middleware=[guard], lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.engine = engine
     return app
+
+
+def tokenizer_routes(tokenizer, seq_len: int, encode: Callable[[str, str], list[int]], max_request_bytes: int) -> list:
+    """vLLM's /tokenizer_info, /tokenize and /detokenize, which evaluation harnesses use to count a
+    prompt's tokens the server's way (lm-evaluation-harness: tokenizer_backend=remote). Special-token
+    text becomes the special token, as in a string prompt of /v1/completions."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def tokenize(request: Any):
+        try:
+            body = await read_json(request, max_request_bytes)
+            if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+                raise ApiError(400, 'the body must be {"prompt": "some text"}', param="prompt")
+            text = _text(body["prompt"], "prompt")
+        except ApiError as e:
+            return error_response(e)
+        ids = await run_in_threadpool(encode, text, "all")
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
+
+    async def detokenize(request: Any):
+        try:
+            body = await read_json(request, max_request_bytes)
+            ids = _prompts(body.get("tokens") if isinstance(body, dict) else None, tokenizer.vocab_size)[0]
+            if not isinstance(ids, list):
+                raise ApiError(400, 'the body must be {"tokens": [ids...]}', param="tokens")
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
+
+    async def tokenizer_info(request: Any):
+        return JSONResponse({"tokenizer_class": "llm.tokenizer.Tokenizer", "eos_token": BOS, "bos_token": None,
+                             "pad_token": tokenizer.decode([tokenizer.pad_id]), "model_max_length": seq_len,
+                             "vocab_size": tokenizer.vocab_size})
+
+    return [Route("/tokenizer_info", tokenizer_info, methods=["GET"]), Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"])]
+
+
+def chat_page_route(model_id: str, seq_len: int):
+    """GET / : llm/chat_page.html with the model's name and context filled in; it may not be framed
+    by another site, and its own inline script and style are all it runs."""
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    page = (Path(__file__).with_name("chat_page.html").read_text(encoding="utf-8")
+            .replace("{{MODEL}}", html.escape(model_id)).replace("{{CONTEXT}}", str(seq_len)))
+
+    async def chat_page(request: Any):
+        return HTMLResponse(page, headers={
+            "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            "X-Frame-Options": "DENY", "Cache-Control": "no-cache"})
+
+    return Route("/", chat_page, methods=["GET"])
+
+
+def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, keep_alive: float = 5.0,
+                  log_level: str = "info"):
+    """uvicorn's settings for `app` with llm.serve_guard's connection limits, and its log quieted."""
+    import uvicorn
+
+    config = uvicorn.Config(app, http=guarded_protocol(max_connections, request_timeout), log_level=log_level,
+                            timeout_keep_alive=keep_alive, timeout_graceful_shutdown=2, ws="none",
+                            h11_max_incomplete_event_size=16 * 1024)
+    quiet_logs()
+    return config
 
 
 # ---------------------------------------------------------------------------
@@ -493,12 +828,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m llm.serve",
-                                 description="Serve a model directory over an OpenAI-compatible HTTP API.")
+                                 description="Serve a model directory over an OpenAI-compatible HTTP API, with a chat"
+                                             " page at / .")
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on; the API has no authentication,"
-                    " so think before using 0.0.0.0 (default: %(default)s)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on; without --api-key anyone who can"
+                    " reach it can use the model, so think before using 0.0.0.0 (default: %(default)s)")
     ap.add_argument("--port", type=checked_arg(lambda p: None if 0 <= p <= 65535 else
                                                f"a port is in [0, 65535] (0 = any free port), got {p}", int),
                     default=8000, help="0 = any free port (default: %(default)s)")
@@ -506,10 +842,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=positive_int_arg, default=16, metavar="N",
                     help="requests that may wait while one is generated; more get 503 (default: %(default)s)")
     ap.add_argument("--max-request-bytes", type=positive_int_arg, default=1 << 20, metavar="N",
-                    help="largest request body accepted; larger gets 413 (default: %(default)s)")
+                    help="largest request body accepted, counted as it arrives; larger gets 413 (default: %(default)s)")
+    ap.add_argument("--max-connections", type=positive_int_arg, default=64, metavar="N",
+                    help="open connections at once; one more is answered 503 and closed (default: %(default)s)")
+    ap.add_argument("--request-timeout", type=checked_arg(lambda t: None if 0 < t <= 3600 else
+                                                          f"seconds in (0, 3600], got {t}", float),
+                    default=10.0, metavar="SECONDS", help="a connection must send a whole request (headers and"
+                    " body) within this long of opening or of its previous answer, or it is closed; this is what"
+                    " drops clients that send nothing or trickle their headers (default: %(default)s)")
+    ap.add_argument("--keep-alive", type=checked_arg(lambda t: None if 0 < t <= 3600 else
+                                                     f"seconds in (0, 3600], got {t}", float),
+                    default=5.0, metavar="SECONDS",
+                    help="an idle connection is closed this long after its last answer (default: %(default)s)")
+    ap.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                    help="also answer requests whose Host header names NAME (repeatable; '*' = any). By default"
+                    " only localhost, 127.0.0.1, ::1 and --host are answered, which stops DNS-rebinding pages")
+    ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                    help="let web pages from ORIGIN, e.g. http://localhost:3000, call the API (repeatable; '*' = any)."
+                    " By default only the server's own chat page may; other pages' requests get 403")
+    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY") or None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/... and the tokenizer endpoints (default: the"
+                    " environment variable LLM_API_KEY; unset = no key needed)")
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the seeds given to requests that bring none (default: %(default)s)")
     ap.add_argument("--name", default=None, help="the model's id in the API (default: the directory's name)")
+    return ap
+
+
+def _allow_open_files(n: int) -> None:
+    """Raise this process's open-file limit to cover n connections plus the files the server itself
+    needs, where the hard limit allows; the connection cap then refuses before accept() fails."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     model, tok, meta = load_for_cli(ap, args.model_dir, args.device, heads=("lm",))
     import uvicorn
@@ -522,10 +894,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    _allow_open_files(args.max_connections)
     app = make_app(model, tok, model_id=name, fingerprint=meta.get("fingerprint"), max_queue=args.max_queue,
-                   max_request_bytes=args.max_request_bytes, seed=args.seed)
+                   max_request_bytes=args.max_request_bytes, seed=args.seed,
+                   hosts=(*LOCAL_HOSTS, args.host, *args.allow_host), origins=tuple(args.allow_origin),
+                   api_key=args.api_key)
     print(f"serving {name} ({model.summary()}) at {url}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    print(f"chat page: {url}/", flush=True)
+    if args.host in ("0.0.0.0", "::") and not args.allow_host:
+        print(f"note: requests must name this machine as localhost or {args.host}; to serve it by another name"
+              f" or address, add --allow-host NAME", flush=True)
+    server = uvicorn.Server(server_config(app, max_connections=args.max_connections,
+                                          request_timeout=args.request_timeout, keep_alive=args.keep_alive))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller

@@ -89,7 +89,7 @@ import json
 import math
 import re
 import time
-from collections import Counter, defaultdict, deque
+from collections import ChainMap, Counter, defaultdict, deque
 from itertools import chain
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -369,6 +369,10 @@ class Tokenizer:
     """A trained byte-level BPE: merges + special tokens + the pre-split pattern."""
 
     cache_size = 1 << 18  # chunk -> ids cache entries before the cache is cleared
+    # Longer chunks are encoded but not kept, so the cache's bytes are bounded as well as its
+    # entries: a run of a million spaces is one chunk, and a server that cached what clients
+    # send would grow by each one. Ordinary words and numbers are far shorter than this.
+    cache_max_chars = 64
     parallel_min_chars = 1 << 20  # encode_batch(workers > 1) only spawns processes above this
 
     def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[str] = CONTROL_TOKENS,
@@ -435,13 +439,16 @@ class Tokenizer:
         chunks = _findall(self._pat, self._ascii_twin, text)
         cache = self._cache
         new = set(chunks).difference(cache)
+        long = {c: self._encode_new(c) for c in new if len(c) > self.cache_max_chars}
+        new.difference_update(long)
         if new:
             if len(cache) + len(new) > self.cache_size:  # full: start over (this text's chunks all go in)
                 cache.clear()
-                new = set(chunks)
+                new = set(chunks).difference(long)
             for chunk in new:
                 cache[chunk] = self._encode_new(chunk)
-        return list(chain.from_iterable(map(cache.__getitem__, chunks)))  # no Python-level loop per chunk
+        lookup = ChainMap(long, cache) if long else cache
+        return list(chain.from_iterable(map(lookup.__getitem__, chunks)))  # no Python-level loop per chunk
 
     def _encode_new(self, chunk: str) -> list[int]:
         try:

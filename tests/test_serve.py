@@ -23,7 +23,7 @@ from llm.chat import BOS, END, render_prompt
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT
-from llm.serve import StopStrings, listen, make_app
+from llm.serve import StopStrings, listen, make_app, server_config
 from llm.tokenizer import Tokenizer
 from tests.conftest import ROOT
 
@@ -54,13 +54,13 @@ def babbler(tok: Tokenizer, seq_len: int = SEQ_LEN) -> GPT:
 class Server:
     """uvicorn serving `app` in a thread, on a free port of 127.0.0.1."""
 
-    def __init__(self, app):
+    def __init__(self, app, **limits):
         import uvicorn
 
         self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(server_config(app, log_level="warning", **limits))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         end = time.monotonic() + 30
@@ -90,8 +90,10 @@ def client(served):
 
 
 def raw(url: str, body: bytes | None = None, method: str | None = None, headers=None) -> tuple[int, dict | str]:
-    """(status, parsed JSON or text) of one HTTP request; errors are answers too."""
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    """(status, parsed JSON or text) of one HTTP request; errors are answers too. A body is
+    declared JSON unless `headers` say otherwise."""
+    headers = headers if headers is not None else {"Content-Type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             status, text = r.status, r.read().decode()
@@ -278,7 +280,8 @@ def test_a_client_that_goes_away_mid_stream_frees_the_worker(tok):
     server = Server(make_app(m, tok, model_id="sft"))
     try:
         body = json.dumps({"messages": HI, "max_tokens": 50, "stream": True}).encode()
-        r = urllib.request.urlopen(urllib.request.Request(server.url + "/v1/chat/completions", body), timeout=30)
+        r = urllib.request.urlopen(urllib.request.Request(server.url + "/v1/chat/completions", body,
+                                                          headers={"Content-Type": "application/json"}), timeout=30)
         assert r.readline().startswith(b"data: ")
         r.close()
         t0 = time.monotonic()
