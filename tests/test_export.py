@@ -307,6 +307,16 @@ def test_model_index_holds_the_headline_metrics_with_their_values(tmp_path, tok)
     assert {r.metric_name: r.metric_value for r in results}["math pass@8"] == EVAL_METRICS["math_pass_at_k"]
 
 
+def test_with_several_metrics_files_each_model_index_metric_names_its_file(tmp_path, tok):
+    metrics = {"metrics/sft.json": {"math_exact_match": 0.5}, "metrics/eval/sft.json": {"math_exact_match": 0.75}}
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", metrics=metrics)
+    head, card = card_of(tmp_path / "hf")
+    got = {x["name"]: x["value"] for r in head["model-index"][0]["results"] for x in r["metrics"]}
+    assert got == {"math exact match (greedy) (metrics/sft.json)": 0.5,
+                   "math exact match (greedy) (metrics/eval/sft.json)": 0.75}
+    assert "From `metrics/sft.json`" in card and "From `metrics/eval/sft.json`" in card
+
+
 def test_the_metrics_table_shows_the_headline_numbers_only(tmp_path, tok):
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf", metrics={"metrics/eval/ppo.json": EVAL_METRICS})
     _, card = card_of(tmp_path / "hf")
