@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from llm.artifacts import ArtifactError, MissingArtifactError, load_model_dir, s
 from llm.config import ModelConfig
 from llm.export import ExportError, export_hf, export_problems, main
 from llm.fileio import sha256_file
-from llm.model import GPT
+from llm.model import GPT, format_count
 from llm.reward_model import reward
 from llm.tokenizer import Tokenizer
 
@@ -238,26 +239,137 @@ def test_exported_files_are_readable_by_everyone_the_umask_allows(tmp_path, tok)
     assert set(modes.values()) == {0o666 & ~_UMASK}  # 0o644 under the usual umask 022
 
 
-def test_the_model_card_says_what_the_model_is_and_only_the_metrics_given(tmp_path, tok):
-    from llm.export import metrics_rows
+def card_of(path) -> tuple[dict, str]:
+    """(YAML header, the rest) of an export's README.md; the header must open the file."""
+    import yaml
+    text = (path / "README.md").read_text(encoding="utf-8")
+    assert text.startswith("---\n")
+    header, body = text[4:].split("\n---\n", 1)
+    return yaml.safe_load(header), body
+
+
+EVAL_METRICS = json.loads((Path(__file__).parent / "fixtures" / "eval_metrics.json").read_text())
+
+
+def test_the_model_card_says_what_the_model_is(tmp_path, tok):
     m = model(tok.vocab_size, n_kv_head=2)
     meta = {"stage": "sft", "parent": "models/base", "steps": 1800, "fingerprint": "f00d",
             "inputs": {"base": "b0b", "data": "da7a"}}
-    metrics = {"val_loss": 1.25, "math_exact_match": 0.5, "math_exact_match_lo": 0.25,
-               "math_exact_match_hi": 0.75, "mfu": None, "math_samples": [{"q": 1}], "device": "cpu"}
-    export_hf(m, tok, tmp_path / "hf", name="sft", meta=meta, metrics={"metrics/sft.json": metrics})
-    card = (tmp_path / "hf" / "README.md").read_text()
+    export_hf(m, tok, tmp_path / "hf", name="sft", meta=meta, metrics={"eval/sft.json": EVAL_METRICS})
+    head, card = card_of(tmp_path / "hf")
+    assert "KL to SFT" not in card and "kl_divergence" not in str(head)  # its KL to itself is 0 by definition
     for fact in ["2 x 32", "4 query heads, 2 key/value heads", "| context | 64 tokens |", f"= {tok.vocab_size}",
-                 "`sft` stage", "| fine-tuned from | models/base |", "| optimizer steps | 1800 |", "f00d",
-                 "`data`", "da7a", "From `metrics/sft.json`", "| val_loss | 1.25 |",
-                 "| math_exact_match | 0.5 [0.25, 0.75] |", "| device | cpu |"]:
+                 "| stage | `sft` |", "| fine-tuned from | models/base |", "| optimizer steps | 1800 |", "f00d",
+                 "`data`", "da7a", "## Limitations", "One turn", "Not for real use", "CC-BY 2.5",
+                 f"{format_count(m.n_params())}-parameter"]:
         assert fact in card, fact
-    assert metrics_rows(metrics) == [("val_loss", "1.25"), ("math_exact_match", "0.5 [0.25, 0.75]"),
-                                     ("device", "cpu")]
-    assert "mfu" not in card and "math_samples" not in card
     export_hf(m, tok, tmp_path / "bare")
-    bare = (tmp_path / "bare" / "README.md").read_text()
-    assert "None were given to the export" in bare and "records no fingerprint" in bare
+    assert "records no fingerprint" in card_of(tmp_path / "bare")[1]
+
+
+def test_the_card_header_is_hub_metadata_that_claims_no_license_the_repository_does_not_state(tmp_path, tok):
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", name="sft", meta={"stage": "sft"})
+    head, card = card_of(tmp_path / "hf")
+    assert head["license"] == "other" and head["license_name"] == "unspecified"
+    assert "states no license" in card and "for whoever publishes them to set" in card
+    assert head["language"] == ["en", "zh"] and head["pipeline_tag"] == "text-generation"
+    assert head["library_name"] == "transformers" and "llama" in head["tags"]
+    assert any("shakespeare" in d and "CC-BY 2.5" in d for d in head["datasets"])
+    assert "base_model" not in head  # pretrained here, not a Hub model: the card text says so
+    assert "Pretrained from random initialisation" in card
+
+
+def test_a_license_given_goes_into_the_header_and_a_malformed_one_is_refused(tmp_path, tok, capsys):
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", license="apache-2.0")
+    head, card = card_of(tmp_path / "hf")
+    assert head["license"] == "apache-2.0" and "license_name" not in head and "`apache-2.0`" in card
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    assert main([str(tmp_path / "sft"), str(tmp_path / "out"), "--license", "Apache 2.0"]) == 1
+    assert "--license 'Apache 2.0': expected a Hugging Face Hub license id" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_index_holds_the_headline_metrics_with_their_values(tmp_path, tok):
+    from llm.export import CARD_METRICS
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", name="ppo", meta={"stage": "ppo"},
+              metrics={"metrics/eval/ppo.json": EVAL_METRICS})
+    head, _ = card_of(tmp_path / "hf")
+    (entry,) = head["model-index"]
+    assert entry["name"] == "ppo"
+    got = [(r["dataset"]["type"], x["type"], x["value"]) for r in entry["results"] for x in r["metrics"]]
+    assert sorted(v for *_, v in got) == sorted(EVAL_METRICS[k] for k, *_ in CARD_METRICS)
+    assert ("generated-math-word-problems", "pass@8", EVAL_METRICS["math_pass_at_k"]) in got
+    assert ("generated-arithmetic", "exact_match", EVAL_METRICS["arithmetic_exact_match"]) in got
+    hub = pytest.importorskip("huggingface_hub.repocard_data")  # the Hub's own reader of the schema
+    name, results = hub.model_index_to_eval_results(head["model-index"])
+    assert name == "ppo" and len(results) == len(CARD_METRICS)
+    assert {r.task_type for r in results} == {"text-generation"}
+    assert {r.metric_name: r.metric_value for r in results}["math pass@8"] == EVAL_METRICS["math_pass_at_k"]
+
+
+def test_with_several_metrics_files_each_model_index_metric_names_its_file(tmp_path, tok):
+    metrics = {"metrics/sft.json": {"math_exact_match": 0.5}, "metrics/eval/sft.json": {"math_exact_match": 0.75}}
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", metrics=metrics)
+    head, card = card_of(tmp_path / "hf")
+    got = {x["name"]: x["value"] for r in head["model-index"][0]["results"] for x in r["metrics"]}
+    assert got == {"math exact match (greedy) (metrics/sft.json)": 0.5,
+                   "math exact match (greedy) (metrics/eval/sft.json)": 0.75}
+    assert "From `metrics/sft.json`" in card and "From `metrics/eval/sft.json`" in card
+
+
+def test_the_metrics_table_shows_the_headline_numbers_only(tmp_path, tok):
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", metrics={"metrics/eval/ppo.json": EVAL_METRICS})
+    _, card = card_of(tmp_path / "hf")
+    table = card.split("From `metrics/eval/ppo.json`:")[1].split("\n\n")[1].splitlines()[2:]
+    assert len(EVAL_METRICS) > 80 and 8 <= len(table) <= 15, table
+    for row in ["| math exact match (greedy) | 87.0% [83.8, 89.7] | 500 |", "| math pass@8 | 98.4% [95.3, 100.0] |",
+                "| instruction tasks | 87.4% [82.7, 91.0] | 247 |", "| bare arithmetic | 96.5% [93.0, 98.3] | 200 |",
+                "| sampled math accuracy |", "| KL to SFT (nats / token) | 0.000335 | 128 prompts |"]:
+        assert any(line.startswith(row) for line in table), row
+    for left_out in ("win rate", "reward model", "perplexity", "level 1", "task: reverse", "answer length"):
+        assert not any(left_out in line for line in table), left_out
+
+
+def test_without_metrics_the_card_says_so_and_has_no_model_index(tmp_path, tok):
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf")
+    head, card = card_of(tmp_path / "hf")
+    assert "model-index" not in head and "No metrics were given to the export" in card
+    export_hf(model(tok.vocab_size), tok, tmp_path / "other", metrics={"m.json": {"val_loss": 2.5}})
+    head, card = card_of(tmp_path / "other")
+    assert "model-index" not in head and "`m.json` holds none of the headline metrics" in card
+
+
+@pytest.mark.parametrize("cwd", ["elsewhere", "above"])
+def test_no_exported_file_holds_a_path_of_the_machine(tmp_path, tok, monkeypatch, cwd):
+    """Every path the export sees is absolute here; the files say relative ones or the last part."""
+    ws = tmp_path / "ws"
+    save_model_dir(ws / "models" / "base", model(tok.vocab_size), tok, {"stage": "pretrain"})
+    save_model_dir(ws / "models" / "sft", model(tok.vocab_size, seed=1), tok,
+                   {"stage": "sft", "parent": str(ws / "models" / "base"), "fingerprint": "f00d"})
+    (ws / "metrics").mkdir()
+    (ws / "metrics" / "sft.json").write_text(json.dumps(EVAL_METRICS))
+    if cwd == "above":
+        monkeypatch.chdir(ws)
+    assert main([str(ws / "models" / "sft"), str(ws / "out"), "--metrics", str(ws / "metrics" / "sft.json")]) == 0
+    for f in (ws / "out").iterdir():
+        data = f.read_bytes()
+        for p in {str(tmp_path), str(tmp_path.resolve()), str(Path.cwd())} - {"/"}:
+            assert p.encode() not in data, (f.name, p)
+    _, card = card_of(ws / "out")
+    if cwd == "above":
+        assert "| fine-tuned from | models/base |" in card and "From `metrics/sft.json`" in card
+    else:
+        assert "| fine-tuned from | base |" in card and "From `sft.json`" in card
+    assert "path = 'path/to/sft'" in card
+
+
+def test_generation_config_stops_at_the_trained_context(tmp_path, tok):
+    transformers = pytest.importorskip("transformers")
+    m = model(tok.vocab_size, seq_len=48)
+    export_hf(m, tok, tmp_path / "hf")
+    gen = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    assert gen.max_length == m.config.seq_len == 48
+    assert gen.eos_token_id == [tok.special["<|end|>"], tok.special["<|endoftext|>"]]
 
 
 def test_the_model_cards_usage_snippet_runs(tmp_path, tok, monkeypatch):
@@ -265,6 +377,8 @@ def test_the_model_cards_usage_snippet_runs(tmp_path, tok, monkeypatch):
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
     code = card.split("```python\n")[1].split("```")[0].replace("max_new_tokens=64", "max_new_tokens=3")
+    assert "path = 'path/to/hf'" in code
+    code = code.replace("'path/to/hf'", repr(str(tmp_path / "hf")))
     printed = []
     monkeypatch.setattr("builtins.print", lambda *a, **kw: printed.append(a))
     exec(compile(code, "README.md", "exec"), {})
@@ -278,9 +392,9 @@ def test_cli_metrics_files_must_exist_and_hold_an_object(tmp_path, tok, capsys):
         assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--metrics", str(tmp_path / arg)]) == 1
         assert why in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
-    (tmp_path / "m.json").write_text(json.dumps({"val_loss": 2.5}))
+    (tmp_path / "m.json").write_text(json.dumps({"math_exact_match": 0.25}))
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--metrics", str(tmp_path / "m.json")]) == 0
-    assert "| val_loss | 2.5 |" in (tmp_path / "hf" / "README.md").read_text()
+    assert "| math exact match (greedy) | 25.0% |" in (tmp_path / "hf" / "README.md").read_text()
 
 
 def test_cli_refuses_with_a_message(tmp_path, tok, capsys):
