@@ -176,7 +176,7 @@ CARD_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("math_format_rate", "math", "format_rate", "math_n"),
     ("math_sample_accuracy", "math", "accuracy", "math_pass_k_problems"),
     ("math_pass_at_k", "math", "pass@k", "math_pass_k_problems"),
-    ("kl_to_sft_per_token", "math", "kl_divergence", "kl_prompts"),
+    ("kl", "math", "kl_divergence", "kl_prompts"),
     ("task_exact_match", "tasks", "exact_match", "task_n"),
     ("arithmetic_exact_match", "arithmetic", "exact_match", "arithmetic_n"),
     ("val_bpb", "text", "bits_per_byte", "val_tokens"),
@@ -249,7 +249,7 @@ def card_metric_rows(metrics: dict[str, Any], stage: str | None = None) -> list[
     rows = []
     for key, group, mtype, n_key in CARD_METRICS:
         v = metrics.get(key)
-        if not _isnum(v) or (key == "kl_to_sft_per_token" and stage == "sft"):
+        if not _isnum(v) or (key == "kl" and stage == "sft"):
             continue
         label, kind = labels[key]
         k = metrics.get("math_pass_k")
