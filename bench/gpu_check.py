@@ -10,7 +10,7 @@ Written for one H200 lent for a few minutes: at the defaults it should take unde
 Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in order:
 
 1. dag: the gpu-13m profile's whole DAG on the device (bf16), each stage cut to one step as
-   `python -m llm.profile rehearse` cuts it (llm/rehearse.py), in a scratch copy of the work tree:
+   `python -m llm.rehearse` cuts it (llm/rehearse.py), in a scratch copy of the work tree:
    every stage's code path on CUDA at the profile's model shapes. One row per stage.
 2. pretrain: the 77m and 406m presets at their profiles' batch (grad_accum 1) and seq_len, bf16
    autocast, eager and `torch.compile`d, through llm.trainer.train (the loop every stage uses) on

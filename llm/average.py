@@ -3,13 +3,11 @@
     python -m llm.average runs/sft models/sft models/sft_avg            (the last 2)
     python -m llm.average runs/sft models/sft models/sft_avg --last 4
 
-A model at the end of training depends on its last few batches: SFT's held-out loss still moves
-between its last checkpoints, and two SFT runs that differ only in the order of their batches
-can differ by several points of test math (docs/log.md). The uniform mean of the weights at
-the run's last N checkpoints (summed in float64, cast back to each tensor's dtype) smooths that
-out: SFT's held-out loss is lower for it, its math was +0.9 points over six runs of its last two
-checkpoints and +0.4 (not significant) over three seeds of its last four, and PPO and GRPO gained
-less from the mean than from the final weights (docs/log.md). This tool writes that mean as a
+A model at the end of training depends on its last few batches: its held-out loss still moves
+between its last checkpoints, and runs that differ only in the order of their batches differ
+in what they score. The uniform mean of the weights at the run's last N checkpoints (summed in
+float64, cast back to each tensor's dtype) smooths that out; whether the smoother model is the
+better one is a measurement, kept in docs/log.md. This tool writes that mean as a
 model directory like the one the stage wrote, so `python -m stages.eval`, `llm.chat`,
 `llm.serve` and `llm.export` take it as they take any other.
 

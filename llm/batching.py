@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from llm.kernels import IGNORE_INDEX
 
 
 def derive_seed(*parts: Any) -> int:

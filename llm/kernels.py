@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100  # the same as llm.losses.IGNORE_INDEX (targets that are not supervised)
+# The target of a position that is not supervised (F.cross_entropy's default ignore_index). Defined
+# here, the lowest module that reads it; llm.batching writes it and llm.losses imports it from here.
+IGNORE_INDEX = -100
 
 _enabled = True
 

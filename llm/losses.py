@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llm import kernels
-
-IGNORE_INDEX = -100
+from llm.kernels import IGNORE_INDEX
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -67,8 +66,8 @@ def answer_logprob(model, idx: Tensor, attention_mask: Tensor, loss_mask: Tensor
 
     The logits at position t predict token t + 1, so only the positions before an answer token
     reach the vocabulary product and the log-softmax; the prompt and the padding skip both. The
-    same numbers up to float rounding (tests/test_losses.py), and DPO's training step on its
-    pairs ran 2.4-2.7x faster on a 2-core CPU (docs/log.md). `model` must take `logits_at`
+    same numbers up to float rounding (tests/test_losses.py), for a DPO training step that skips
+    most of the vocabulary product (docs/log.md). `model` must take `logits_at`
     (llm.model.GPT); a compiled one keeps `sequence_logprob`, whose shapes its graph can know.
     """
     read = torch.zeros_like(loss_mask, dtype=torch.bool)

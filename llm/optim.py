@@ -64,10 +64,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device | s
     """AdamW over `param_groups(model, cfg.weight_decay)`, lr set per step by `lr_at`.
 
     The fused kernel (one pass over each tensor for all of AdamW's updates) on CUDA and on
-    the CPU; elsewhere torch's default. On the CPU it is 4x faster than the default foreach
-    kernel (15 vs 60 ms per step for 13.8M parameters, 1 thread, measured 2026-12-01) and
-    gives the same weights up to float rounding (7e-9 after 5 steps). It is elementwise,
-    so deterministic, which exact resume relies on.
+    the CPU; elsewhere torch's default. On the CPU it is several times faster than the default
+    foreach kernel (docs/log.md, 2026-12-01) and gives the same weights up to float
+    rounding. It is elementwise, so deterministic, which exact resume relies on.
     """
     fused = torch.device(device).type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,

@@ -1,4 +1,4 @@
-"""Preference pairs from the SFT model's own samples: the algorithm of the `pairs` stage.
+"""Making preference pairs from the SFT model's own samples: the algorithm of the `pairs` stage.
 
     prompts = sample_prompts(cfg, seed, math_path, sft_path)          # math questions + task prompts
     samples, n_tokens = sample_responses(policy, tok, prompt_ids, cfg, seed, device)

@@ -1,4 +1,4 @@
-"""Preference pairs as data: reading and encoding, batches, and held-out pair metrics.
+"""Reading preference pairs, whoever made them: records, encoding, batches, held-out pair metrics.
 
 Shared by the reward model (llm/reward_model.py), DPO (llm/dpo.py) and their stages. A pair record
 (data/prepared/prefs, data/pairs) is

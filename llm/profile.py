@@ -4,7 +4,6 @@
     python -m llm.profile use smoke         # write params.yaml from env/profiles/smoke.yaml
     python -m llm.profile diff gpu-77m      # keys where that profile differs from params.yaml
     python -m llm.profile memory gpu-406m   # memory per GPU of every stage, and whether it fits the card
-    python -m llm.profile rehearse gpu-13m  # the whole DAG at the profile's model shapes, on the CPU
 
 `env/profiles/cpu.yaml` is a complete params file (the default: 2 CPU cores, about half an hour).
 Every other profile starts with `extends: cpu` and lists only the keys it changes, so a
@@ -21,7 +20,8 @@ DVC then sees ordinary params changes, so `dvc repro` reruns what the switch tou
 A GPU profile names its card's memory, `card_gib: 24` (like `description`, not inherited);
 `use` then also refuses a profile whose stages would not fit that card with 10% to spare
 (llm/memory.py's estimate per stage), naming the key to lower and the largest value that fits.
-`memory` prints that estimate; `rehearse` (llm/rehearse.py) runs the profile's DAG on the CPU.
+`memory` prints that estimate; `python -m llm.rehearse NAME` (llm/rehearse.py, which builds on
+this module) runs the profile's DAG on the CPU.
 """
 from __future__ import annotations
 
@@ -157,12 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--params", help="a params file instead of a profile (e.g. after `dvc exp run -S`)")
     m.add_argument("--card-gib", type=float, help="check against a card of this many GiB (default: the"
                    " profile's card_gib)")
-    r = sub.add_parser("rehearse", help="run the profile's whole DAG at its model shapes on the CPU (llm/rehearse.py)")
-    r.add_argument("name")
-    r.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
-    r.add_argument("--save-plan", metavar="FILE", help="write the stages DVC lists for this rehearsal to FILE"
-                   " and stop (for a machine without DVC)")
-    r.add_argument("--plan", metavar="FILE", help="take the stages from a --save-plan FILE instead of asking DVC")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
@@ -177,9 +171,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "memory":
             return _memory(args)
-        if args.cmd == "rehearse":
-            from llm.rehearse import rehearse
-            return rehearse(args.name, keep=args.keep, plan=args.plan, save_plan=args.save_plan)
         new = _flat(render(args.name)[0])
         old = _flat(yaml.safe_load(Path(args.params).read_text(encoding="utf-8")))
         for k in sorted(set(new) | set(old)):

@@ -1,6 +1,6 @@
 """Rehearse a profile: its whole DAG at the profile's real model shapes, cut short, on the CPU.
 
-    python -m llm.profile rehearse gpu-13m [--keep]
+    python -m llm.rehearse gpu-13m [--keep]
 
 A GPU profile cannot run here, but everything except the device can: the layers, width, heads,
 vocabulary and context of the model; every stage's code path at those shapes; the files each
@@ -53,6 +53,7 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import hashlib
 import json
@@ -68,6 +69,8 @@ from pathlib import Path
 import yaml
 
 from llm.memory import GIB, format_table, stage_memory
+from llm.config import ConfigError
+from llm.profile import render, to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,7 +164,7 @@ def _git_init(dest: Path) -> None:
 
 
 NO_DVC = ("DVC is not installed here (no `dvc` on PATH): install env/requirements.txt; on a machine where nothing"
-          " can be installed, save the plan where DVC is (`python -m llm.profile rehearse NAME --save-plan FILE`,"
+          " can be installed, save the plan where DVC is (`python -m llm.rehearse NAME --save-plan FILE`,"
           " or bench/gpu_check.py --save-dag-plan FILE) and pass it with --plan FILE (gpu_check: --dag-plan FILE)")
 
 
@@ -312,7 +315,7 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def rehearse(name: str, *, keep: bool = False, **kw) -> int:
-    """`python -m llm.profile rehearse NAME`: 0 every stage passed, 1 one failed, 2 refused."""
+    """`python -m llm.rehearse NAME`: 0 every stage passed, 1 one failed, 2 refused."""
     return run(name, keep=keep, **kw)[0]
 
 
@@ -325,7 +328,6 @@ def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | No
     and stop; `plan`: take the stages from such a file instead of from DVC, for a machine that
     has no DVC and cannot install it (a lent GPU machine with no network)."""
     from llm.config import load_params_text
-    from llm.profile import render, to_yaml
 
     rehearsal = cut(render(name, src / "env" / "profiles")[0], device)
     text = to_yaml(rehearsal, name, f"rehearsal of {name}: cut by llm/rehearse.py")
@@ -387,3 +389,23 @@ def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | No
         else:
             shutil.rmtree(scratch, ignore_errors=True)
     return (0 if rows and all(r.ok for r in rows) else 1), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run a profile's whole DAG at its model shapes on the CPU, each stage"
+                                 " cut to one step.", epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", help="a profile of env/profiles/ (`python -m llm.profile list`)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    ap.add_argument("--save-plan", metavar="FILE", help="write the stages DVC lists for this rehearsal to FILE"
+                    " and stop (for a machine without DVC)")
+    ap.add_argument("--plan", metavar="FILE", help="take the stages from a --save-plan FILE instead of asking DVC")
+    args = ap.parse_args(argv)
+    try:
+        return rehearse(args.name, keep=args.keep, plan=args.plan, save_plan=args.save_plan)
+    except ConfigError as e:
+        print(f"rehearse: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,9 +119,8 @@ def apply_cpu_capability(setting: str) -> str:
     path the same way. The paths round differently in the last bits, so two x86 machines "of
     one kind" whose processors differ in generation train different weights from the same
     params, and the difference grows with every step (docs/experiments.md). "avx2" gives every
-    x86-64 processor of the last decade the same kernels in both: smoke pretraining reached the
-    same validation loss to the last digit on a processor without AVX-512, an AMD one with
-    it, and an Intel one with it, but the Intel one only once MKL was held to AVX2 as well.
+    x86-64 processor of the last decade the same kernels in both (PyTorch's alone is not
+    enough: MKL's own choice still differs between processors; docs/log.md, 2026-12-03).
     "avx512" holds both to AVX-512; "default" is PyTorch's plain kernels and leaves MKL's
     choice; "" leaves PyTorch's and MKL's choice (the fastest kernels).
 

@@ -119,15 +119,16 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
                module: str | None = None) -> int:
     """`python -m stages.<stage> --<input> PATH ... --<output> PATH ... [--params FILE]`; returns the exit status.
 
-    doc       the stage's docstring: its first paragraph is --help's description, all of it the epilog
+    doc       the stage's docstring: its first paragraph is --help's description, the rest the epilog
     section   the params section the stage reads besides `common` (default: the stage's name)
     options   options(parser) adds the stage's other command-line options
     torchrun  the stage runs as several processes when common.nproc x common.nnodes > 1
     module    what each process runs (`python -m <module> argv`; default stages.<stage>)
     """
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    description, _, epilog = doc.partition("\n\n")
+    ap = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog)
     ap.add_argument("--params", default="params.yaml", help="the params file (default: %(default)s)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     for title, paths in (("inputs (dvc.yaml passes them)", inputs), ("outputs (dvc.yaml passes them)", outputs)):

@@ -13,17 +13,14 @@ from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the
 mask is combined with the causal mask inside attention. A source with fewer training
 conversations than `sft.min_source_examples` is repeated whole until it has at least that
 many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
-prompts) are otherwise a few dozen conversations among twenty thousand. At lr 1e-3 on the
-`cpu` profile that taught the repeat kind but cost held-out math; at 2e-3 math and the tasks
-rose together, so the `cpu` profile takes 200 with lr 2e-3 (docs/log.md). The loop is
+prompts) are otherwise a few dozen conversations among twenty thousand; what it costs or buys
+at each learning rate is in docs/log.md. The loop is
 llm/trainer.py's, with the same checkpoints, resume, non-finite policy and `torchrun` support
 as pretrain.
 
 With `sft.average_last` above 1 the model written is the mean of the weights at the run's last
-that many checkpoints (llm/average.py), and its metrics give the validation loss of both. The
-mean is the smoother model (lower validation loss), but over three seeds of the `cpu` profile it
-was not better at math and PPO and GRPO gained less from it, so the profile writes the final
-weights (docs/log.md).
+that many checkpoints (llm/average.py), and its metrics give the validation loss of both
+(`val_loss` of the model written, `val_loss_last` of the final weights).
 
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
 held-out math exact match with a 95% interval), the curves (sft{.tsv,_val.tsv,.png}) and the

@@ -149,3 +149,14 @@ def test_answer_logprob_equals_sequence_logprob_with_its_gradient():
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+def test_ignore_index_is_defined_once():
+    """The batches write it and the losses and kernels skip it: one definition keeps them agreeing."""
+    import ast
+
+    from tests.conftest import ROOT
+    where = [f.name for f in sorted((ROOT / "llm").glob("*.py"))
+             for n in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
+             if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "IGNORE_INDEX" for t in n.targets)]
+    assert where == ["kernels.py"]

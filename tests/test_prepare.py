@@ -176,3 +176,35 @@ def test_a_directory_as_source_path_fails_cleanly_even_when_skipping_bad_records
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"{tmp_path}: is a directory, not a regular file" in r.stderr
     assert not (tmp_path / "data").exists() and not (tmp_path / "metrics").exists()
+
+
+def _small_cfg(**overrides):
+    from llm.config import load_params_text
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["prepare"].update(shakespeare=False, math_train=200, math_val=20, math_test=30, math_pretrain_docs=20,
+                             task_train=60, task_val=10, task_test=5, pref_train=40, pref_val=8, arithmetic_train=20,
+                             arithmetic_test=10, **overrides)
+    return load_params_text(yaml.safe_dump(params, sort_keys=False)).prepare
+
+
+def test_build_keeps_the_evaluation_apart_from_what_a_policy_trains_on():
+    """llm.data.build in-process: no held-out math question or evaluation prompt is a training prompt."""
+    from llm.data import build
+    data, _ = build(_small_cfg(), seed=7)
+    trained = {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
+    trained |= {r["question"] for r in data["rl"]["train"]}
+    held_out = {r["question"] for s in ("val", "test") for r in data["rl"][s]}
+    assert held_out and not held_out & trained
+    assert not {r["prompt"] for r in data["tasks"]["test"]} & trained
+    assert not {r["question"] for r in data["arithmetic"]["test"]} & trained
+    assert build(_small_cfg(), seed=7)[0] == data  # the same (cfg, seed), the same records
+
+
+def test_an_empty_required_split_names_the_kind_and_the_params():
+    import pytest
+
+    from llm.data import build, check_required
+    from llm.fileio import DataError
+    data, _ = build(_small_cfg(), seed=7)  # no Shakespeare and no source: no pretraining text held out
+    with pytest.raises(DataError, match=r"no pretrain/val records: raise the matching prepare\.\* count"):
+        check_required(data)

@@ -123,3 +123,20 @@ def test_a_saved_plan_stands_in_for_dvc_and_is_refused_for_another_pipeline(caps
     bad.write_text("Running stage 'prepare':\n> python -m stages.prepare\n")
     with pytest.raises(RuntimeError, match="line 1 is not a rehearsal plan's header"):
         rh.rehearse("smoke", only=["prepare"], tmp=tmp_path, plan=bad)
+
+
+def test_profiles_do_not_import_the_rehearsal():
+    """The rehearsal builds on profiles, never the other way round: llm/profile.py stays importable
+    without the DAG-running machinery, and the two modules form no import cycle."""
+    import ast
+
+    tree = ast.parse((ROOT / "llm" / "profile.py").read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "llm.rehearse" not in imported
+
+
+def test_the_command_names_an_unknown_profile(capsys):
+    assert rh.main(["no-such-profile"]) == 1
+    err = capsys.readouterr().err
+    assert "no-such-profile.yaml: no such profile" in err and "gpu-13m" in err

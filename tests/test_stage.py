@@ -29,6 +29,16 @@ def test_help_lists_every_path_option_with_what_it_holds():
     assert "dvc repro sft" in out  # the docstring says how to run it
 
 
+def test_help_prints_the_docstring_once(capsys):
+    """The first paragraph is the description; the epilog is the rest, not the whole docstring again."""
+    import stages.tokenize as tokenize
+    with pytest.raises(SystemExit):
+        tokenize.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.count(tokenize.__doc__.split("\n\n")[0]) == 1
+    assert tokenize.__doc__.split("\n\n")[1].strip() in out
+
+
 def test_a_missing_path_option_is_refused_by_name(capsys):
     import stages.tokenize as tokenize
     with pytest.raises(SystemExit) as e:

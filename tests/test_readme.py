@@ -1,0 +1,86 @@
+"""llm/readme.py and the README: the results tables are the committed metrics, generated, and the
+README stays a front door (short, narrow tables, the two commands as CI runs them)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from llm import readme
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+
+
+def test_the_readme_tables_are_the_committed_metrics():
+    text = README.read_text(encoding="utf-8")
+    assert readme.replace_block(text, readme.block(ROOT / "metrics")) == text, (
+        "README.md's results tables differ from metrics/: run `python -m llm.readme` and commit README.md")
+
+
+def test_the_readme_is_short_and_its_table_cells_are_narrow():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, "README.md is a front door: move details to docs/"
+    cells = [c.strip() for ln in lines if ln.startswith("|") for c in ln.strip().strip("|").split("|")]
+    assert cells and max(map(len, cells)) <= 200, max(cells, key=len)
+
+
+def test_the_readme_gives_the_two_commands():
+    text = README.read_text(encoding="utf-8")
+    assert "    bash env/setup_cpu.sh && . .venv/bin/activate && dvc repro\n" in text
+    assert "    bash env/setup_cpu.sh --dev && .venv/bin/python -m pytest -q\n" in text
+    assert "git checkout -- . && dvc checkout -f" not in text  # -f deletes models the cache lacks
+
+
+def test_only_the_text_between_the_markers_changes():
+    text = f"intro\n{readme.BEGIN}\nold table\n{readme.END}\nfindings\n"
+    assert readme.replace_block(text, "\nnew table\n") == f"intro\n{readme.BEGIN}\nnew table\n{readme.END}\nfindings\n"
+
+
+@pytest.mark.parametrize("text", ["no markers\n", f"{readme.END}\n{readme.BEGIN}\n",
+                                  f"{readme.BEGIN}\n{readme.BEGIN}\n{readme.END}\n"])
+def test_markers_missing_or_out_of_order_are_an_error_naming_the_file(text):
+    with pytest.raises(ValueError, match="notes.md: expected one"):
+        readme.replace_block(text, "x\n", "notes.md")
+
+
+def _copy_metrics(tmp_path):
+    dst = tmp_path / "metrics"
+    (dst / "eval").mkdir(parents=True)
+    for m in ("base", "sft", "ppo", "grpo", "dpo"):
+        shutil.copy(ROOT / "metrics" / "eval" / f"{m}.json", dst / "eval")
+    shutil.copy(ROOT / "metrics" / "paired.json", dst)
+    return dst
+
+
+def test_check_fails_when_a_number_differs_and_the_rewrite_mends_it(tmp_path, capsys):
+    metrics = _copy_metrics(tmp_path)
+    page = tmp_path / "README.md"
+    page.write_text(f"# x\n{readme.BEGIN}\n{readme.END}\n", encoding="utf-8")
+    assert readme.main([str(page), "--metrics", str(metrics)]) == 0
+    assert readme.main([str(page), "--metrics", str(metrics), "--check"]) == 0
+    sft = json.loads((metrics / "eval" / "sft.json").read_text())
+    sft["math_exact_match"] = 0.5
+    (metrics / "eval" / "sft.json").write_text(json.dumps(sft))
+    assert readme.main([str(page), "--metrics", str(metrics), "--check"]) == 1
+    assert "run `python -m llm.readme`" in capsys.readouterr().err
+    assert readme.main([str(page), "--metrics", str(metrics)]) == 0
+    assert "| SFT | 50.0% [" in page.read_text()
+
+
+def test_a_missing_model_leaves_its_row_out_and_fills_in_nothing(tmp_path):
+    metrics = _copy_metrics(tmp_path)
+    (metrics / "eval" / "dpo.json").unlink()
+    text = readme.block(metrics)
+    assert "| PPO |" in text and "| DPO |" not in text
+    assert "seeds" not in text  # no metrics/seeds/summary.json: no seeds table
+
+
+def test_a_row_holds_the_model_value_and_its_paired_change():
+    e = json.loads((ROOT / "metrics" / "eval" / "ppo.json").read_text())
+    p = json.loads((ROOT / "metrics" / "paired.json").read_text())["ppo_vs_sft"]["math"]
+    row = next(ln for ln in readme.run_table(ROOT / "metrics") if ln.startswith("| PPO |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1].startswith(f"{100 * e['math_exact_match']:.1f}%")
+    assert cells[2] == f"{100 * p['delta']:+.1f} [{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}]"
