@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from llm.artifacts import MissingArtifactError, save_model_dir
 from llm.batching import derive_seed, pad_collate
-from llm.chat import render
+from llm.chat import render, render_prompt
 from llm.config import EvalConfig, ModelConfig, load_sections
 from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
 from llm.generators import TASK_KINDS, arithmetic_question, math_problem, task
@@ -166,6 +166,7 @@ def test_lm_eval_of_a_uniform_model_is_log_vocab():
     out = lm_eval(model, [batch], bytes_per_token=2.0)
     assert out["val_loss"] == pytest.approx(math.log(50), rel=1e-6)
     assert out["val_bpb"] == pytest.approx(math.log2(50) / 2.0, rel=1e-6)
+    assert out["val_bpb_uniform"] == pytest.approx(math.log2(50) / 2.0, rel=1e-12)  # this model is that guess
     assert out["val_tokens"] == 32
 
 
@@ -311,3 +312,39 @@ def test_eval_stage_names_a_missing_reward_model(world, tmp_path):
     with pytest.raises(MissingArtifactError, match="models/reward"):
         run("sft", sections["common"], sections["eval"], **{**_paths(root, "sft", tmp_path / "out"),
                                                             "rm": models / "reward"})
+
+
+def test_second_turns_and_out_of_scope_requests_are_scored_only_when_they_have_items(world, monkeypatch):
+    """The second turn is answered with the whole earlier conversation as its prompt; its scores,
+    and the out-of-scope ones, appear only with items, and every existing key stays as it was."""
+    import llm.evaluate as ev
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
+    first = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"}]
+    multiturn = [{"id": "a", "messages": first + [{"role": "user", "content": "And times 2?"}], "answer": "24",
+                  "kind": "followup", "lang": "en"},
+                 {"id": "b", "messages": first + [{"role": "user", "content": "Reverse the word: castle"}],
+                  "answer": "eltsac", "kind": "task_after_sum", "lang": "en"}]
+    scope = [{"id": "c", "prompt": "Write a poem about the sea.", "answer": "I can do sums.", "lang": "en"}]
+    canned = {tuple(render_prompt(multiturn[0]["messages"], w["tok"])): "12 * 2 = 24\n#### 24",
+              tuple(render_prompt(multiturn[1]["messages"], w["tok"])): "castle",
+              tuple(render_prompt([{"role": "user", "content": scope[0]["prompt"]}], w["tok"])): "0 - 2 = 8 #### 8"}
+    real = ev.generate_replies
+
+    def fake(model, tok, prompts, **kw):  # canned answers for the conversations, the model's for the rest
+        if all(tuple(p) in canned for p in prompts):
+            return [canned[tuple(p)] for p in prompts], [1] * len(prompts)
+        assert not any(tuple(p) in canned for p in prompts)
+        return real(model, tok, prompts, **kw)
+
+    monkeypatch.setattr(ev, "generate_replies", fake)
+    plain, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"])
+    m, extras = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"], multiturn=multiturn, scope=scope)
+    new = {k: m[k] for k in set(m) - set(plain)}
+    assert {k: m[k] for k in plain} == plain
+    assert new["multiturn_exact_match"] == 0.5 and new["multiturn_n"] == 2
+    assert new["multiturn_exact_match_followup"] == 1.0 and new["multiturn_exact_match_task_after_sum"] == 0.0
+    assert new["scope_no_math_rate"] == 0.0 and new["scope_exact_match"] == 0.0 and new["scope_n"] == 1
+    assert not any(k.startswith(("multiturn", "scope")) for k in plain)
+    sets = [(i["set"], i["id"], i["correct"]) for i in extras["items"] if i["set"] in ("multiturn", "scope")]
+    assert sets == [("multiturn", "a", True), ("multiturn", "b", False), ("scope", "c", False)]
