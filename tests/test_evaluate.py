@@ -52,14 +52,15 @@ def test_bootstrap_interval_brackets_the_mean():
 def test_second_turns_are_scored_as_math_or_as_tasks_per_kind():
     items = [{"kind": "followup", "lang": "en", "answer": "24"}, {"kind": "followup", "lang": "zh", "answer": "9"},
              {"kind": "new_problem", "lang": "en", "answer": "49"},
+             {"kind": "task_after_sum", "lang": "en", "answer": "elbba"},
              {"kind": "task_after_sum", "lang": "en", "answer": "elbba"}]
-    responses = ["12 * 2 = 24\n#### 24", "#### 8", "30 + 19 = 49\n#### 49", "elbba\n#### 5"]
+    responses = ["12 * 2 = 24\n#### 24", "#### 8", "30 + 19 = 49\n#### 49", "elbba", "elbba\n#### 5"]
     m, ok = score_multiturn(items, responses)
-    assert ok == [True, False, True, False]  # a task answer with a math line after it is not the answer
-    assert m["multiturn_exact_match"] == 0.5 and m["multiturn_n"] == 4
+    assert ok == [True, False, True, True, False]  # a task answer with a math line after it is not the answer
+    assert m["multiturn_exact_match"] == 0.6 and m["multiturn_n"] == 5
     assert m["multiturn_exact_match_followup"] == 0.5 and m["multiturn_exact_match_new_problem"] == 1.0
-    assert m["multiturn_exact_match_task_after_sum"] == 0.0
-    assert m["multiturn_exact_match_en"] == pytest.approx(2 / 3) and m["multiturn_exact_match_zh"] == 0.0
+    assert m["multiturn_exact_match_task_after_sum"] == 0.5
+    assert m["multiturn_exact_match_en"] == 0.75 and m["multiturn_exact_match_zh"] == 0.0
 
 
 def test_out_of_scope_answers_count_as_math_when_they_have_a_math_template():
