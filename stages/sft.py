@@ -22,7 +22,7 @@ With `sft.replay_fraction` above 0, each batch of conversations gets windows of 
 text (--tokens train.bin, as long as the batch) appended, that share of its rows, with the loss
 on every one of their tokens (llm/batching.py ReplayBatches): fine-tuning on conversations
 alone lets the model forget the language it read in pretraining. The validation loss stays the
-conversations' own.
+conversations' own; `assistant_tokens_trained` then counts the text's scored tokens too.
 
 With `sft.average_last` above 1 the model written is the mean of the weights at the run's last
 that many checkpoints (llm/average.py), and its metrics give the validation loss of both
@@ -138,6 +138,9 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
               f" {gpt.summary()}", flush=True)
+        if replay is not None:
+            print(f"{STAGE}: {cfg.replay_fraction:.0%} of each batch's rows are windows of {tokens}/train.bin"
+                  f" ({len(replay)} tokens of pretraining text, every token scored)", flush=True)
         for source, k in sorted(upsampled.items()):
             print(f"{STAGE}: {source} repeated {k}x (fewer than min_source_examples={cfg.min_source_examples})",
                   flush=True)
