@@ -178,7 +178,8 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-_TORCH_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+_TORCH_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                 torch.int64: "I64"}  # int64: the reward model's likelihood-feature marker, a buffer
 
 
 def read_safetensors_header(f: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -332,3 +332,13 @@ def test_any_edit_of_a_model_directory_is_refused_cleanly_or_loads(saved, tmp_pa
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode("abc 12")[: model.config.seq_len]]))
     assert bool(torch.isfinite(logits).all())
+
+
+def test_a_reward_model_with_the_likelihood_feature_loads(saved, tmp_path):
+    """Its marker is an int64 buffer: an integer tensor that belongs to the model."""
+    model, tok, _ = load_model_dir(saved)
+    model.add_head("reward")
+    model.add_head("reward_logprob", marker=tok.special["<|end|>"])
+    d = save_model_dir(tmp_path / "reward", model, tok, {"stage": "reward", "fingerprint": "fp"})
+    loaded, _, _ = load_model_dir(d)
+    assert int(loaded.reward_logprob_head.marker) == tok.special["<|end|>"]
