@@ -45,7 +45,7 @@ from pathlib import Path
 
 from llm.fileio import DataError
 from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, paraphrase_answer,
-                            preference_pair, scope_request, task, task_preference_pair)
+                            preference_pair, scope_prompt_count, scope_request, task, task_preference_pair)
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
 # Share of generated SFT samples re-emitted as exact duplicates / same-instruction
@@ -218,8 +218,9 @@ def _scope(cfg, seed: int, trained: set[str]) -> tuple[list[dict], list[dict]]:
         n = getattr(cfg, key)
         drawn[key] = _distinct(n, lambda: scope_request(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en"),
                                lambda r: r.prompt, lambda r: r.prompt in taken,
-                               f"prepare: could not draw {n} distinct requests for prepare.{key} (the generated"
-                               f" requests have a few hundred prompts in all); lower it")
+                               f"prepare: could not draw {n} distinct requests for prepare.{key} (there are"
+                               f" {scope_prompt_count('en')} English and {scope_prompt_count('zh')} Chinese ones"
+                               f" for scope_test and scope_train together); lower it")
         taken |= {r.prompt for r in drawn[key]}
     test = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang,
              "source": "generated/scope"} for i, r in enumerate(drawn["scope_test"])]

@@ -33,6 +33,7 @@ Every answer is computed, never typed in, so `#### N` always equals the worked r
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -451,6 +452,13 @@ class ScopeRequest:
     prompt: str
     answer: str   # SCOPE_ANSWER in the prompt's language
     lang: str
+
+
+def scope_prompt_count(lang: str) -> int:
+    """How many distinct requests `scope_request` can make in `lang`."""
+    if lang == "en":
+        return sum(math.prod(len(_FILL[s]) for s in slots) for _, slots in _SCOPE_EN)
+    return sum(len(fills) for _, fills in _SCOPE_ZH)
 
 
 def scope_request(rng: random.Random, lang: str = "en") -> ScopeRequest:

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from llm.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, MULTITURN_KINDS, SCOPE_ANSWER, TASK_KINDS, MathProblem,
-                            arithmetic_question, math_problem, multiturn_conversation, preference_pair, scope_request,
-                            task, task_preference_pair, wrong_solution)
+                            arithmetic_question, math_problem, multiturn_conversation, preference_pair,
+                            scope_prompt_count, scope_request, task, task_preference_pair, wrong_solution)
 
 _STEP = re.compile(r"^(-?\d+) ([-+*/]) (\d+) = (-?\d+)$")
 
@@ -172,3 +172,10 @@ def test_out_of_scope_requests_get_the_statement_of_what_the_model_can_do():
         assert {r.answer for r in requests} == {SCOPE_ANSWER[lang]}
         assert len({r.prompt for r in requests}) > 25  # many different requests, one answer
     assert not any("####" in a or re.search(r"\d", a) for a in SCOPE_ANSWER.values())
+
+
+def test_scope_prompt_count_is_what_the_generator_reaches():
+    for lang in ("en", "zh"):
+        rng = random.Random(1)
+        seen = {scope_request(rng, lang).prompt for _ in range(40 * scope_prompt_count(lang))}
+        assert len(seen) == scope_prompt_count(lang)

@@ -237,3 +237,12 @@ def test_multiturn_and_scope_conversations_are_appended_and_their_test_items_hel
     assert not {r["prompt"] for r in requests} & trained
     held_out = {r["question"] for s in ("val", "test") for r in on["rl"][s]}
     assert not held_out & {m["content"] for r in added for m in r["messages"] if m["role"] == "user"}
+
+
+def test_more_out_of_scope_requests_than_the_generator_has_is_refused_naming_the_key():
+    import pytest
+
+    from llm.data import build
+    from llm.fileio import DataError
+    with pytest.raises(DataError, match=r"prepare\.scope_train \(there are \d+ English and \d+ Chinese ones"):
+        build(_small_cfg(scope_test=10, scope_train=1000), seed=7)
