@@ -24,7 +24,7 @@ from llm.batching import derive_seed, pad_collate
 from llm.chat import render, render_prompt
 from llm.config import EvalConfig, ModelConfig, load_sections
 from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
-from llm.generators import TASK_KINDS, arithmetic_question, math_problem, task
+from llm.generators import TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, scope_request, task
 from llm.model import GPT
 from llm.tokenizer import Tokenizer
 from tests.conftest import ROOT, common_params, dvc_command
@@ -90,7 +90,11 @@ def world(tmp_path_factory, one_thread):
              for i, t in enumerate(task(trng, kind) for kind in TASK_KINDS[:3] for _ in range(2))]
     arithmetic = [{"id": f"arithmetic-test-{i}", "question": q.question, "answer": str(q.answer), "op": q.op,
                    "lang": q.lang} for i, q in enumerate(arithmetic_question(trng, "en") for _ in range(5))]
-    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic)):
+    multiturn = [{"id": f"multiturn-test-{i}", "messages": list(c.messages[:3]), "answer": c.answer, "kind": c.kind,
+                  "lang": c.lang} for i, c in enumerate(multiturn_conversation(trng, "en", levels=(1,)) for _ in range(3))]
+    scope = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang}
+             for i, r in enumerate(scope_request(trng, "en") for _ in range(2))]
+    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic), ("multiturn", multiturn), ("scope", scope)):
         (root / "data/prepared" / kind).mkdir(parents=True)
         (root / "data/prepared" / kind / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
@@ -191,7 +195,8 @@ def _check_outputs(out, name: str) -> dict:
     assert metrics["toxicity"] == "unavailable"
     assert [s["prompt"] for s in samples["sample_prompts"]] == EVAL_PARAMS["sample_prompts"]
     assert samples["model"] == name and samples["timing_s"]["total"] > 0
-    for key in ("task_exact_match", "task_exact_match_reverse", "arithmetic_exact_match", "math_sample_accuracy"):
+    for key in ("task_exact_match", "task_exact_match_reverse", "arithmetic_exact_match", "math_sample_accuracy",
+                "multiturn_exact_match", "scope_no_math_rate", "scope_exact_match"):
         assert metrics[f"{key}_lo"] <= metrics[key] <= metrics[f"{key}_hi"], key
     return metrics
 
@@ -200,6 +205,7 @@ def _paths(root, name: str, out) -> dict:
     return {"model": root / "models" / name, "sft": root / "models/sft", "rm": root / "models/reward",
             "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
             "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
+            "multiturn": root / "data/prepared/multiturn/test.jsonl", "scope": root / "data/prepared/scope/test.jsonl",
             "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
             "items": out / f"{name}_items.jsonl"}
 
