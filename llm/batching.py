@@ -22,6 +22,8 @@ processes resumes on M and continues from the same sample.
    - `pad_collate`: right-pads token lists into idx / targets / attention_mask, with
      targets = -100 (IGNORE_INDEX) where the loss mask is off or on padding.
    - `ExampleBatches`: a bucket sampler + a function building a batch from indices.
+   - `ReplayBatches`: example batches with windows of pretraining text appended, a set share
+     of each batch's rows (SFT's `replay_fraction`).
    - `upsample_sources`: which examples to train on when a small source is to be repeated
      up to a minimum count (SFT's `min_source_examples`).
 """
@@ -299,6 +301,56 @@ class ExampleBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
+
+
+def replay_rows(batch_size: int, fraction: float) -> int:
+    """Rows of pretraining text to add to a batch of `batch_size` examples so that they are
+    `fraction` of its rows: round(batch_size * fraction / (1 - fraction))."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"replay fraction must be in [0, 1), got {fraction}")
+    return round(batch_size * fraction / (1.0 - fraction))
+
+
+class ReplayBatches:
+    """Example batches with windows of pretraining text appended: SFT that keeps the base model's language.
+
+    Each batch of B examples from `inner` (idx, targets, attention_mask: (B, T)) gets
+    `replay_rows(B, fraction)` more rows, each a window of T + 1 tokens of `tokens` (the shape
+    the batch already has, so replay adds no padding) with every target scored and every
+    position attended. Since a conversation's loss covers only its answers, the text's share
+    of the scored tokens is above its share of the rows. Window starts come from a generator
+    seeded by (seed, the global position of the batch), so the batches do not depend on the
+    number of processes and a resumed run sees the same text; the cursor is `inner`'s.
+    """
+
+    def __init__(self, inner: ExampleBatches, tokens: np.ndarray, *, fraction: float, seed: int):
+        if len(tokens) < 2:
+            raise ValueError(f"replay: the token array has {len(tokens)} tokens; it needs at least 2")
+        replay_rows(1, fraction)  # checks the fraction
+        self.inner, self.tokens, self.fraction, self.seed = inner, tokens, fraction, seed
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        sampler = self.inner.sampler
+        position = sampler.draws * sampler.world_size + sampler.rank  # this batch's global index
+        batch = self.inner.next_batch()
+        B, T = batch["idx"].shape
+        r = replay_rows(B, self.fraction)
+        if r == 0:
+            return batch
+        if len(self.tokens) < T + 1:
+            raise ValueError(f"replay: a batch of {T + 1} tokens is longer than the {len(self.tokens)} tokens"
+                             f" of pretraining text")
+        offsets = torch.randint(0, len(self.tokens) - T, (r,), generator=_generator("replay", self.seed, position))
+        text = _windows(self.tokens, offsets.tolist(), T)  # idx, targets: (r, T)
+        return {"idx": torch.cat([batch["idx"], text["idx"]]),                    # (B + r, T)
+                "targets": torch.cat([batch["targets"], text["targets"]]),        # (B + r, T)
+                "attention_mask": torch.cat([batch["attention_mask"], torch.ones((r, T), dtype=torch.bool)])}
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
 
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, prompt_lens: Sequence[int] | None = None

@@ -188,6 +188,16 @@ class PrepareConfig:
     arithmetic_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="bare calculations added to SFT's training"
                                " conversations, answered `7 + 5 = 12` then `#### 12`; none is a calculation"
                                " the evaluation asks, in either language")
+    multiturn_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="conversations of two exchanges added to SFT's"
+                              " training conversations, the second question reading the first (\"And times 2?\","
+                              " a new problem after an old one, a task after a sum); 0: none")
+    multiturn_test: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="evaluation-only two-exchange conversations whose"
+                             " second answer is scored; none opens with a training prompt")
+    scope_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="requests outside the model's skills (a poem, a"
+                          " question about a person, a translation...) added to SFT's training conversations,"
+                          " answered with a statement of what the model can do; 0: none")
+    scope_test: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="evaluation-only requests outside the model's skills,"
+                         " none a training prompt")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -375,6 +385,9 @@ class SFTConfig(TrainConfig):
     min_source_examples: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="a source (the records' `source` field) with fewer"
                                   " training conversations than this is repeated whole until it has at least"
                                   " this many; 0: each conversation once")
+    replay_fraction: float = _f(0.0, lo=0.0, hi=0.9, added=True, doc="share of each batch's sequences that are"
+                                " windows of the pretraining token shards (loss on every token), so SFT keeps the"
+                                " base model's language; 0: conversations only")
     average_last: int = _f(1, lo=1, hi=1000, added=True, doc="the model written is the mean of the weights at the"
                            " run's last this many checkpoints (the final step's among them; checkpoint_every"
                            " apart); 1: the final weights")

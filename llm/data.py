@@ -25,6 +25,16 @@ pairs, on which no policy trains: the reverse and repeat kinds have only 60 and 
 prompts, all of them in sft/train, sft/val or prefs/train on the default profile, so a
 kind's test set is whatever SFT never trained on (26 and 19 prompts there), fewer than
 `task_test` where the kind runs out.
+
+Last come two skills that are off by default (counts 0, which leave every record above as it
+is): conversations of two exchanges whose second question reads the first (llm/generators.py
+`multiturn_conversation`: "And times 2?" after a sum, a new problem after an old one, a task
+after a sum), `prepare.multiturn_test` held out for the evaluation (its first three turns and
+the last answer) and `prepare.multiturn_train` appended to sft/train; and requests outside the
+model's skills ("Write a poem about the sea."), `prepare.scope_test` held out and
+`prepare.scope_train` in sft/train, answered with a statement of what the model can do. No
+held-out conversation or request opens with, or asks as a new problem, a training prompt, and
+no training conversation asks a held-out math question or bare calculation.
 """
 from __future__ import annotations
 
@@ -34,8 +44,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from llm.fileio import DataError
-from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, paraphrase_answer, preference_pair, task,
-                            task_preference_pair)
+from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, paraphrase_answer,
+                            preference_pair, scope_prompt_count, scope_request, task, task_preference_pair)
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
 # Share of generated SFT samples re-emitted as exact duplicates / same-instruction
@@ -111,16 +121,24 @@ def _arithmetic_conversations(cfg, seed: int, asked: set[str]) -> list[dict]:
 def _bare_calculations(rng: random.Random, cfg, key: str, skip, where: str) -> list:
     """`cfg.<key>` distinct bare calculations (by question) for which `skip` is false."""
     n = getattr(cfg, key)
+    return _distinct(n, lambda: arithmetic_question(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en"),
+                     lambda q: q.question, skip,
+                     f"prepare: could not draw {n} distinct bare calculations {where}; lower prepare.{key}")
+
+
+def _distinct(n: int, draw, key_of, skip, error: str) -> list:
+    """`n` results of `draw()`, distinct by `key_of`, for which `skip` is false, in the order drawn;
+    a DataError saying `error` when 50 n + 1000 draws do not give them."""
     out, seen, attempts = [], set(), 0
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise DataError(f"prepare: could not draw {n} distinct bare calculations {where}; lower prepare.{key}")
-        q = arithmetic_question(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en")
-        if q.question in seen or skip(q):
+            raise DataError(error)
+        x = draw()
+        if key_of(x) in seen or skip(x):
             continue
-        seen.add(q.question)
-        out.append(q)
+        seen.add(key_of(x))
+        out.append(x)
     return out
 
 
@@ -147,7 +165,69 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # Bare calculations for SFT, after the evaluation's: they skip its calculations, which stay
     # what they would be without them.
     data["sft"]["train"] += _arithmetic_conversations(cfg, seed, asked)
+    # Two-exchange conversations and out-of-scope requests, each from generators of their own:
+    # at their default counts (0) they draw nothing, and at any count they change no record above.
+    trained |= {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
+    data["multiturn"]["test"], train = _multiturn(cfg, seed, trained, asked | eval_questions)
+    data["sft"]["train"] += train
+    data["scope"]["test"], train = _scope(cfg, seed, trained)
+    data["sft"]["train"] += train
     return data, {"sources": sources_stats}
+
+
+def _multiturn(cfg, seed: int, trained: set[str], held_out: set[str]) -> tuple[list[dict], list[dict]]:
+    """cfg.multiturn_test evaluation conversations (the first three turns, and the last turn's
+    answer) whose first question, and second when it is a word problem, is no training prompt;
+    then cfg.multiturn_train SFT conversations that share no such question with them and ask no
+    question or calculation in `held_out` (the evaluation's math and bare calculations)."""
+    test, test_questions = [], set()
+    for i, c in enumerate(_conversations(cfg, seed, "multiturn_test", lambda c: bool(_asked(c) & trained))):
+        test_questions |= _asked(c)
+        test.append({"id": f"multiturn-test-{i}", "messages": list(c.messages[:3]), "answer": c.answer,
+                     "kind": c.kind, "lang": c.lang, "source": "generated/multiturn"})
+    train = [{"id": f"multiturn-train-{i}", "source": "generated/multiturn", "messages": list(c.messages)}
+             for i, c in enumerate(_conversations(
+                 cfg, seed, "multiturn_train",
+                 lambda c: bool(_asked(c) & test_questions or (_asked(c) | set(c.expressions)) & held_out)))]
+    return test, train
+
+
+def _asked(c) -> set[str]:
+    """The questions of a conversation that are prompts in their own right: the first, and the
+    second unless it only reads the first (a follow-up) or is an instruction task."""
+    return {c.messages[0]["content"]} | ({c.messages[2]["content"]} if c.kind == "new_problem" else set())
+
+
+def _conversations(cfg, seed: int, key: str, skip) -> list:
+    """`cfg.<key>` two-exchange conversations, distinct by their user turns, for which `skip` is false."""
+    rng = random.Random(f"{seed}:prepare:{key}")
+    n = getattr(cfg, key)
+    return _distinct(n, lambda: multiturn_conversation(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
+                                                       levels=tuple(cfg.math_levels)),
+                     lambda c: (c.messages[0]["content"], c.messages[2]["content"]), skip,
+                     f"prepare: could not draw {n} distinct conversations for prepare.{key}; lower it")
+
+
+def _scope(cfg, seed: int, trained: set[str]) -> tuple[list[dict], list[dict]]:
+    """cfg.scope_test requests outside the model's skills, none a training prompt, then
+    cfg.scope_train others as SFT conversations answered with what the model can do."""
+    rng = random.Random(f"{seed}:prepare:scope")
+    drawn: dict[str, list] = {}
+    taken = set(trained)
+    for key in ("scope_test", "scope_train"):
+        n = getattr(cfg, key)
+        drawn[key] = _distinct(n, lambda: scope_request(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en"),
+                               lambda r: r.prompt, lambda r: r.prompt in taken,
+                               f"prepare: could not draw {n} distinct requests for prepare.{key} (there are"
+                               f" {scope_prompt_count('en')} English and {scope_prompt_count('zh')} Chinese ones"
+                               f" for scope_test and scope_train together); lower it")
+        taken |= {r.prompt for r in drawn[key]}
+    test = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang,
+             "source": "generated/scope"} for i, r in enumerate(drawn["scope_test"])]
+    train = [{"id": f"scope-train-{i}", "source": "generated/scope", "messages": [
+        {"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer}]}
+        for i, r in enumerate(drawn["scope_train"])]
+    return test, train
 
 
 def _shakespeare(cfg, seed: int, data: dict) -> None:
@@ -267,7 +347,7 @@ def _external(cfg, seed: int, data: dict, eval_questions: set[str]) -> list[dict
 # What the stage writes: kind -> splits. The evaluation-only files may be empty (eval then skips them).
 REQUIRED = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("train", "val"),
             "rl": ("train", "val", "test")}
-EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",)}
+EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",), "multiturn": ("test",), "scope": ("test",)}
 
 
 def check_required(data: dict[str, dict[str, list[dict]]]) -> None:
@@ -300,7 +380,7 @@ def summarize(data: dict[str, dict[str, list[dict]]], stats: dict) -> dict:
 def _chars(rec: dict) -> int:
     if "text" in rec:
         return len(rec["text"])
-    if "prompt" in rec and isinstance(rec["prompt"], str):  # an instruction task
+    if "prompt" in rec and isinstance(rec["prompt"], str):  # an instruction task or an out-of-scope request
         return len(rec["prompt"])
     if "messages" in rec:
         return sum(len(m["content"]) for m in rec["messages"])

@@ -1,16 +1,23 @@
 """Evaluation: perplexity, math exact match (English and Chinese) and pass@k, instruction
-tasks, bare arithmetic, RM score and win rate, KL to a reference, confidence intervals.
+tasks, bare arithmetic, second turns of conversations, out-of-scope requests, RM score and
+win rate, KL to a reference, confidence intervals.
 
 - `wilson_interval(k, n, confidence)`: the Wilson score interval for a proportion; it
   stays inside [0, 1] and is sensible at k = 0 or k = n, unlike the normal approximation.
 - `pass_at_k(n, c, k)`: the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
 - `bootstrap_interval(values)`: percentile bootstrap of a mean, seeded.
-- `lm_eval(model, batches, bytes_per_token)`: mean token loss, perplexity and bits per byte.
+- `lm_eval(model, batches, bytes_per_token)`: mean token loss, perplexity and bits per byte,
+  beside the bits per byte of a uniform guess over the vocabulary.
 - `math_eval(model, tokenizer, problems, ...)`: greedy answers to held-out problems,
   scored by the safe parser of llm/rewards.py; per-level and per-language accuracy, the
   `#### N` format rate; sample outputs.
 - `score_tasks(tasks, responses)`: instruction tasks, right only when the response is exactly
   the answer; per kind.
+- `score_multiturn(items, responses)`: the second turn of a two-exchange conversation, right
+  as a math answer or a task answer is; per kind and language.
+- `score_scope(items, responses)`: requests outside the model's skills: the share of answers
+  with no math template (`has_math_template`: no `####`, no `a op b = c`) and the share that
+  is exactly the taught statement of what the model can do.
 - `rate(key, outcomes)`: a proportion and its Wilson interval under `key`, `key_lo`, `key_hi`.
 - `rm_scores(rm, tokenizer, questions, responses)`: the reward model's score of each answer,
   read at the closing <|end|> of the rendered conversation (as the RM is trained).
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -37,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.batching import derive_seed, pad_collate
-from llm.chat import render, user_prompt
+from llm.chat import render, render_prompt, user_prompt
 from llm.config import EvalConfig
 from llm.generate import generate
 from llm.reward_model import reward
@@ -119,11 +127,20 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
     are shared out over the ranks and gathered (llm.runtime.sharded_map): every rank gets the
     answers one process would give.
     """
+    return generate_replies(model, tokenizer, [user_prompt(q, tokenizer) for q in questions],
+                            max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, seed=seed,
+                            rt=rt)
+
+
+@torch.no_grad()
+def generate_replies(model, tokenizer, prompts: Sequence[list[int]], *, max_new_tokens: int, batch_size: int,
+                     temperature: float = 0.0, seed: int | None = None, rt=None) -> tuple[list[str], list[int]]:
+    """`generate_answers` for prompts already rendered (llm.chat.render_prompt: a whole
+    conversation ending in <|assistant|>), e.g. the second turn of a conversation."""
     if temperature > 0 and seed is None:
         raise ValueError("generate_answers: sampling (temperature > 0) needs a seed")
     model.eval()
     device = model.wte.weight.device
-    prompts = [user_prompt(q, tokenizer) for q in questions]
     stop = (tokenizer.special["<|end|>"], tokenizer.special["<|endoftext|>"])
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: repeats stay together
     chunks = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
@@ -199,6 +216,43 @@ def score_tasks(tasks: Sequence[dict], responses: Sequence[str], confidence: flo
     return out, correct
 
 
+def score_multiturn(items: Sequence[dict], responses: Sequence[str], confidence: float = 0.95
+                    ) -> tuple[dict, list[bool]]:
+    """Exact match of the answers to the second turn of two-exchange conversations ({"messages",
+    "answer", "kind", "lang"}; llm/generators.py multiturn_conversation): a task after a sum
+    right only when the response is exactly the task's answer, the math kinds (a follow-up on
+    the last result, a new problem) by the `#### N` parser. Overall, per kind and per language
+    of the first turn, with Wilson intervals -> (metrics, per-item outcomes)."""
+    correct = [task_correct(r, c["answer"]) if c["kind"] == "task_after_sum" else is_correct(r, c["answer"])
+               for c, r in zip(items, responses)]
+    out = {**rate("multiturn_exact_match", correct, confidence), "multiturn_n": len(items)}
+    for field in ("kind", "lang"):
+        for group, cs in _by(items, correct, field).items():
+            out.update(rate(f"multiturn_exact_match_{group}", cs, confidence))
+    return out, correct
+
+
+# A worked calculation, "12 + 7 = 19", in the form the math answers take.
+_CALCULATION = re.compile(r"\d+(?:\.\d+)?\s*[-+*/×÷]\s*\d+(?:\.\d+)?\s*=\s*-?\d+")
+
+
+def has_math_template(response: str) -> bool:
+    """Whether a response is shaped as a math answer: a `####` line or a worked calculation
+    `a op b = c` (what SFT without out-of-scope training writes to any request)."""
+    return "####" in response or _CALCULATION.search(response) is not None
+
+
+def score_scope(items: Sequence[dict], responses: Sequence[str], confidence: float = 0.95
+                ) -> tuple[dict, list[bool]]:
+    """Answers to requests outside the model's skills ({"prompt", "answer", "lang"}): the share
+    with no math template (`has_math_template`), and the share that is exactly the taught
+    statement of what the model can do, with Wilson intervals -> (metrics, per-item no-math outcomes)."""
+    no_math = [not has_math_template(r) for r in responses]
+    exact = [r.strip() == c["answer"].strip() for c, r in zip(items, responses)]
+    return {**rate("scope_no_math_rate", no_math, confidence), **rate("scope_exact_match", exact, confidence),
+            "scope_n": len(items)}, no_math
+
+
 def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
               confidence: float = 0.95, n_samples_kept: int = 5, rt=None) -> dict:
     """Greedy exact match on problems ({"question", "answer", "level"}), with a Wilson interval."""
@@ -229,8 +283,17 @@ def math_pass_at_k(model, tokenizer, problems: Sequence[dict], *, k: int, temper
 @torch.no_grad()
 def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None, rt=None) -> dict:
     """Mean next-token loss over `batches` ({"idx", "targets"}: (B, T) long, -100 = unscored),
-    its perplexity, and bits per byte = loss / ln 2 / (bytes per token) when given. A distributed
-    `rt` shares the batches out over the ranks (the sum runs in batch order either way)."""
+    its perplexity, and, given the bytes per token of the text, its bits per byte:
+
+        val_bpb          = loss / ln 2 / bytes_per_token
+        val_bpb_uniform  = log2(vocab_size) / bytes_per_token
+
+    The eval stage passes held-out pretraining text (the Shakespeare works no stage trains on),
+    so `val_bpb` says how well a model still reads plain English, lower is better, for every
+    model alike: the base model learned it; fine-tuning on conversations can unlearn it.
+    `val_bpb_uniform` is what a guess spread evenly over the vocabulary scores; a model above it
+    predicts the text worse than knowing nothing. A distributed `rt` shares the batches out over
+    the ranks (the sum runs in batch order either way)."""
     was_training = model.training
     model.eval()
     device = model.wte.weight.device
@@ -255,6 +318,7 @@ def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None
     out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": n}
     if bytes_per_token:
         out["val_bpb"] = loss / math.log(2) / bytes_per_token
+        out["val_bpb_uniform"] = math.log2(model.config.vocab_size) / bytes_per_token
     return out
 
 
@@ -318,9 +382,11 @@ def _mean(xs: Sequence[float]) -> float:
 #                 level, lang
 #   task          greedy answer to an instruction task: correct, kind
 #   arithmetic    greedy answer to a bare calculation: correct, op, lang
+#   multiturn     greedy answer to the second turn of a two-exchange conversation: correct, kind, lang
+#   scope         greedy answer to a request outside the model's skills: correct (no math template), lang
 #   math_sampled  the share of cfg.pass_k samples at cfg.temperature that are right: score
 #   rm            the reward model's score of the greedy answer: score
-ITEM_SETS = ("math", "task", "arithmetic", "math_sampled", "rm")
+ITEM_SETS = ("math", "task", "arithmetic", "multiturn", "scope", "math_sampled", "rm")
 
 
 def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:
@@ -354,6 +420,7 @@ class _Results:
 
 def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Sequence[dict],
                    tasks: Sequence[dict] = (), arithmetic: Sequence[dict] = (),
+                   multiturn: Sequence[dict] = (), scope: Sequence[dict] = (),
                    val_batches: Sequence[dict] = (), bytes_per_token: float | None = None,
                    ref=None, rm=None, toxicity: Callable[[list[str]], list[float]] | None = None,
                    toxicity_threshold: float = 0.5, n_samples_kept: int = 5, rt=None) -> tuple[dict, dict]:
@@ -369,7 +436,10 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
     times at cfg.temperature, the first cfg.rm_prompts scored by `rm` against `ref`'s greedy
     answers, the first cfg.kl_prompts sampled for KL to `ref`. tasks ({"id", "prompt",
     "answer", "kind"}) and arithmetic ({"id", "question", "answer", "op", "lang"}) are answered
-    greedily, all of them. `ref` is the SFT model; pass `ref=model` when evaluating SFT itself
+    greedily, all of them, and so are the second turns of `multiturn` ({"id", "messages": the
+    first three turns, "answer", "kind", "lang"}) and the requests of `scope` ({"id", "prompt",
+    "answer", "lang"}): their metrics (`score_multiturn`, `score_scope`) appear only when they
+    have items. `ref` is the SFT model; pass `ref=model` when evaluating SFT itself
     (KL 0, win rate 0.5 by definition, nothing recomputed); None skips win rate and KL. `rm`
     None skips the RM metrics. Sampling uses generators seeded from (seed, part, batch), so
     the same seed gives the same numbers. A distributed `rt` (the eval stage under torchrun)
@@ -381,6 +451,7 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
         with res.timed("ppl"):
             res.metrics.update(lm_eval(model, val_batches, bytes_per_token, rt=rt))
     answers = _greedy_sets(res, model, tokenizer, cfg, problems, tasks, arithmetic, n_samples_kept, rt)
+    _conversation_sets(res, model, tokenizer, cfg, multiturn, scope, n_samples_kept, rt)
     if cfg.pass_k_problems:
         _sampled_math(res, model, tokenizer, cfg, problems, derive_seed(seed, "eval", "pass_k"), rt)
     if rm is not None and cfg.rm_prompts:
@@ -446,6 +517,34 @@ def _greedy_sets(res: _Results, model, tokenizer, cfg: EvalConfig, problems, tas
                   for q, a, c in zip(arithmetic, arith_answers, arith_ok)]
     res.extras["item_samples"] = _first_of_each_group(shown, n_samples_kept)
     return answers
+
+
+def _conversation_sets(res: _Results, model, tokenizer, cfg: EvalConfig, multiturn, scope, n_samples_kept: int,
+                       rt) -> None:
+    """Greedy answers to the second turns of two-exchange conversations and to requests outside
+    the model's skills, scored; nothing is added for a set without items."""
+    shown = []
+    if multiturn:
+        with res.timed("multiturn"):
+            replies = generate_replies(model, tokenizer, [render_prompt(c["messages"], tokenizer) for c in multiturn],
+                                       max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)[0]
+        scored, ok = score_multiturn(multiturn, replies, cfg.confidence)
+        res.metrics.update(scored)
+        res.items += [{"set": "multiturn", "id": c.get("id", str(i)), "kind": c["kind"], "lang": c.get("lang", ""),
+                       "correct": k} for i, (c, k) in enumerate(zip(multiturn, ok))]
+        shown += [("multiturn", c["kind"], " / ".join(m["content"] for m in c["messages"] if m["role"] == "user"),
+                   c["answer"], a, k) for c, a, k in zip(multiturn, replies, ok)]
+    if scope:
+        with res.timed("scope"):
+            replies = answer_questions(model, tokenizer, [c["prompt"] for c in scope],
+                                       max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
+        scored, ok = score_scope(scope, replies, cfg.confidence)
+        res.metrics.update(scored)
+        res.items += [{"set": "scope", "id": c.get("id", str(i)), "lang": c.get("lang", ""), "correct": k}
+                      for i, (c, k) in enumerate(zip(scope, ok))]
+        shown += [("scope", c.get("lang", ""), c["prompt"], c["answer"], a, k) for c, a, k in zip(scope, replies, ok)]
+    if shown:
+        res.extras["item_samples"] += _first_of_each_group(shown, n_samples_kept)
 
 
 def _sampled_math(res: _Results, model, tokenizer, cfg: EvalConfig, problems, seed: int, rt) -> None:

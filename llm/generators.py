@@ -1,6 +1,6 @@
 """Deterministic generators for the embedded default data.
 
-Three families, all seeded (`random.Random(seed)`), so the same seed gives the same
+All seeded (`random.Random(seed)`), so the same seed gives the same
 records byte for byte:
 
 - `math_problem(rng, level, lang)`: GSM8K-style arithmetic word problems in English
@@ -19,6 +19,11 @@ records byte for byte:
   "What is 7 + 5?" or "7 + 5 等于多少？", with its value and a one-step solution in the word
   problems' format (`7 + 5 = 12`, `#### 12`). The evaluation asks `prepare.arithmetic_test`
   of them; SFT trains on `prepare.arithmetic_train` others (none the same calculation).
+- `multiturn_conversation(rng, lang, kind)`: two exchanges whose second question reads the
+  first (`MULTITURN_KINDS`): an operation on the previous result ("And times 2?" answered
+  `12 * 2 = 24`, `#### 24`), a new word problem after an old one, an instruction task after a sum.
+- `scope_request(rng, lang)`: a request outside these skills ("Write a poem about the sea."),
+  answered by `SCOPE_ANSWER`, a statement of what the model can do.
 - `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
   formatted) and a rejected one (a wrong result, or the right result in a broken
   format: no `####` line).
@@ -28,6 +33,7 @@ Every answer is computed, never typed in, so `#### N` always equals the worked r
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -304,3 +310,165 @@ def task_preference_pair(rng: random.Random) -> dict:
     t = task(rng)
     return {"prompt": [{"role": "user", "content": t.prompt}], "chosen": t.answer, "rejected": t.wrong,
             "kind": f"wrong_{t.kind}", "level": 0, "lang": "en"}
+
+
+# ---------------------------------------------------------------------------
+# Conversations of two exchanges, whose second turn reads the first
+
+MULTITURN_KINDS = ("followup", "new_problem", "task_after_sum")
+
+# A follow-up applies one operation to the previous answer. The operand's placeholder is {n}.
+_FOLLOWUPS_EN = {"+": ["Now add {n} to that.", "And plus {n}?", "Add {n} to the result."],
+                 "-": ["Now subtract {n} from that.", "And minus {n}?", "Take {n} away from the result."],
+                 "*": ["And times {n}?", "Now multiply that by {n}.", "Multiply the result by {n}."],
+                 "/": ["And divided by {n}?", "Now divide that by {n}.", "Divide the result by {n}."]}
+_FOLLOWUPS_ZH = {"+": ["再加上{n}呢？", "结果再加{n}是多少？"],
+                 "-": ["再减去{n}呢？", "结果再减{n}是多少？"],
+                 "*": ["再乘以{n}呢？", "结果再乘{n}是多少？"],
+                 "/": ["再除以{n}呢？", "结果再除以{n}是多少？"]}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    kind: str                      # one of MULTITURN_KINDS
+    lang: str                      # the language of the first turn ("en" | "zh")
+    messages: tuple[dict, ...]     # user, assistant, user, assistant
+    answer: str                    # what the last turn is scored against: the value, or a task's exact answer
+    expressions: tuple[str, ...]   # the bare calculations asked in any user turn ("7 + 5"), to keep apart from eval
+
+
+def _first_turn(rng: random.Random, lang: str, levels: list[int]) -> tuple[str, str, int, str]:
+    """(question, solution, value, bare expression or "") of a first turn: a bare calculation
+    half the time, else a word problem at one of `levels`."""
+    if rng.random() < 0.5:
+        q = arithmetic_question(rng, lang)
+        return q.question, q.solution, q.answer, q.expression
+    p = math_problem(rng, rng.choice(levels), lang)
+    return p.question, p.solution, p.answer, ""
+
+
+def _followup(rng: random.Random, value: int, lang: str) -> tuple[str, str, int]:
+    """(follow-up question, its solution, its value): one operation applied to `value`, kept a
+    non-negative whole number (a division only where it is exact)."""
+    ops = "+*" + ("-" if value >= 1 else "") + ("/" if any(value % d == 0 for d in range(2, 10)) and value else "")
+    op = rng.choice(ops)
+    if op == "+":
+        n = rng.randint(1, 20)
+    elif op == "-":
+        n = rng.randint(1, min(value, 20))
+    elif op == "*":
+        n = rng.randint(2, 5)
+    else:
+        n = rng.choice([d for d in range(2, 10) if value % d == 0])
+    new = _apply(value, op, n)
+    q = rng.choice((_FOLLOWUPS_EN if lang == "en" else _FOLLOWUPS_ZH)[op]).format(n=n)
+    return q, f"{value} {op} {n} = {new}\n#### {new}", new
+
+
+def multiturn_conversation(rng: random.Random, lang: str = "en", kind: str | None = None,
+                           levels: tuple[int, ...] = (1, 2, 3, 4)) -> Conversation:
+    """Two exchanges whose second question is read against the first (a random kind unless given):
+
+    - followup: a calculation or word problem, then one operation on its result ("And times 2?",
+      "再乘以2呢？"), answered from the previous value: `12 * 2 = 24`, `#### 24`;
+    - new_problem: a word problem, then another one that has nothing to do with it: the second
+      answer must not reuse the first one's numbers;
+    - task_after_sum: a bare calculation, then an instruction task (English: the tasks are),
+      answered as the task alone is.
+    Every answer is computed; `answer` is the last turn's (a number as text, or the task's answer)."""
+    if kind is None:
+        kind = rng.choice(MULTITURN_KINDS)
+    elif kind not in MULTITURN_KINDS:
+        raise ValueError(f"multiturn_conversation: unknown kind {kind!r}; expected one of {', '.join(MULTITURN_KINDS)}")
+    if kind == "followup":
+        q1, a1, value, expr = _first_turn(rng, lang, list(levels))
+        q2, a2, new = _followup(rng, value, lang)
+        answer, exprs = str(new), (expr,) if expr else ()
+    elif kind == "new_problem":
+        p1 = math_problem(rng, rng.choice(levels), lang)
+        p2 = math_problem(rng, rng.choice(levels), lang)
+        q1, a1, q2, a2, answer, exprs = p1.question, p1.solution, p2.question, p2.solution, str(p2.answer), ()
+    else:
+        q = arithmetic_question(rng, lang)
+        t = task(rng)
+        q1, a1, q2, a2, answer, exprs = q.question, q.solution, t.prompt, t.answer, t.answer, (q.expression,)
+    messages = ({"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                {"role": "user", "content": q2}, {"role": "assistant", "content": a2})
+    return Conversation(kind, lang, messages, answer, exprs)
+
+
+# ---------------------------------------------------------------------------
+# Requests outside the model's skills, answered with what it can do
+
+SCOPE_ANSWER = {
+    "en": ("I can solve arithmetic word problems and do simple text tasks such as reversing, repeating or"
+           " capitalizing words, sorting numbers, finding the largest number, counting words or giving the last"
+           " word of a list. I cannot help with this request."),
+    "zh": "我会解算术应用题，也会做一些简单的文字任务，比如倒写、重复单词、排序数字、找出最大的数或数单词。这个请求我帮不上忙。",
+}
+_TOPICS = ["the sea", "the moon", "autumn", "a lost dog", "friendship", "the city at night", "mountains", "rain",
+           "an old clock", "the stars", "a small village", "winter mornings", "the desert", "a train journey",
+           "birds", "the forest", "summer holidays", "a lighthouse", "coffee", "the river", "robots", "music",
+           "a birthday", "the wind", "gardens"]
+_FORMS = ["poem", "story", "song", "haiku", "letter", "speech", "short essay", "limerick"]
+_PEOPLE = ["Napoleon", "Marie Curie", "Albert Einstein", "Cleopatra", "Leonardo da Vinci", "Confucius", "Ada Lovelace",
+           "Isaac Newton", "Frida Kahlo", "Nelson Mandela", "Julius Caesar", "Charles Darwin", "Mozart",
+           "Queen Victoria", "Galileo", "Joan of Arc", "Abraham Lincoln", "Genghis Khan", "Jane Austen",
+           "Nikola Tesla"]
+_OPINIONS = ["modern art", "social media", "electric cars", "homework", "city life", "video games", "pineapple on"
+             " pizza", "remote work", "space travel", "reality television", "cats", "the four-day week",
+             "classical music", "fast food", "online shopping"]
+_PHRASES = ["good morning", "where is the station", "thank you very much", "I love books", "see you tomorrow",
+            "the weather is nice", "how much does it cost", "happy birthday"]
+_LANGUAGES = ["French", "German", "Spanish", "Japanese", "Italian", "Russian"]
+_COUNTRIES = ["France", "Brazil", "Kenya", "Canada", "Japan", "Egypt", "Peru", "Norway", "India", "Australia",
+              "Mexico", "Vietnam", "Ghana", "Chile", "Poland"]
+_THINGS = ["a rainbow", "the internet", "a vaccine", "an airplane engine", "the stock market", "a refrigerator",
+           "photosynthesis", "a black hole", "democracy", "a bicycle gear", "the heart", "an election"]
+_SCOPE_EN = [
+    ("Write a {form} about {topic}.", ("form", "topic")),
+    ("Who was {person}?", ("person",)),
+    ("Tell me about the life of {person}.", ("person",)),
+    ("What do you think about {opinion}?", ("opinion",)),
+    ("Is {opinion} a good idea?", ("opinion",)),
+    ("Translate \"{phrase}\" into {language}.", ("phrase", "language")),
+    ("What is the capital of {country}?", ("country",)),
+    ("Plan a trip to {country} for me.", ("country",)),
+    ("Explain how {thing} works.", ("thing",)),
+    ("Tell me a joke about {topic}.", ("topic",)),
+    ("Give me a title for a book about {topic}.", ("topic",)),
+]
+_FILL = {"form": _FORMS, "topic": _TOPICS, "person": _PEOPLE, "opinion": _OPINIONS, "phrase": _PHRASES,
+         "language": _LANGUAGES, "country": _COUNTRIES, "thing": _THINGS}
+_SCOPE_ZH = [("写一首关于{t}的诗。", ["大海", "月亮", "秋天", "春雨", "故乡", "星空", "长城", "梅花"]),
+             ("{t}是谁？", ["李白", "孔子", "秦始皇", "爱因斯坦", "居里夫人", "拿破仑", "鲁迅", "牛顿"]),
+             ("你觉得{t}怎么样？", ["网上购物", "电动汽车", "短视频", "在家上班", "现代艺术", "电子游戏"]),
+             ("把“{t}”翻译成英文。", ["早上好", "谢谢你", "我喜欢看书", "明天见", "今天天气很好", "生日快乐"]),
+             ("{t}的首都是哪里？", ["法国", "巴西", "日本", "埃及", "加拿大", "印度"])]
+
+
+@dataclass(frozen=True)
+class ScopeRequest:
+    prompt: str
+    answer: str   # SCOPE_ANSWER in the prompt's language
+    lang: str
+
+
+def scope_prompt_count(lang: str) -> int:
+    """How many distinct requests `scope_request` can make in `lang`."""
+    if lang == "en":
+        return sum(math.prod(len(_FILL[s]) for s in slots) for _, slots in _SCOPE_EN)
+    return sum(len(fills) for _, fills in _SCOPE_ZH)
+
+
+def scope_request(rng: random.Random, lang: str = "en") -> ScopeRequest:
+    """A general request that no generator here answers (a poem, a question about a person, an
+    opinion, a translation, a capital...), with the answer taught for all of them: what the
+    model can do, in the request's language."""
+    if lang == "en":
+        template, slots = rng.choice(_SCOPE_EN)
+        prompt = template.format(**{s: rng.choice(_FILL[s]) for s in slots})
+    else:
+        template, fills = rng.choice(_SCOPE_ZH)
+        prompt = template.format(t=rng.choice(fills))
+    return ScopeRequest(prompt, SCOPE_ANSWER[lang], lang)

@@ -14,6 +14,7 @@ more than about 8.
 
 `skills(items)` names what the items measure, in report order: math overall, English, Chinese,
 per level, the `#### N` format; instruction tasks overall and per kind; bare arithmetic; the
+second turns of conversations and the out-of-scope answers without math, when evaluated; the
 sampled math accuracy and the reward model's score (scores, not right/wrong).
 
 For a right/wrong skill on n paired items, with b items only the child gets right and c only
@@ -103,6 +104,10 @@ def skills(items: Iterable[dict]) -> list[tuple[str, str, str, Callable[[dict], 
                 for k in kinds]
     if "arithmetic" in present:
         out.append(("arithmetic", "bare arithmetic", "arithmetic", every, "correct"))
+    if "multiturn" in present:
+        out.append(("multiturn", "second turns", "multiturn", every, "correct"))
+    if "scope" in present:
+        out.append(("scope", "out-of-scope answers without math", "scope", every, "correct"))
     for s, (field, label) in _SCORE_SETS.items():
         if s in present:
             out.append(({"rm": "rm_score"}.get(s, s), label, s, every, field))

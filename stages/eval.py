@@ -11,14 +11,22 @@ and `eval` sections of params.yaml and
     --test       held-out math problems (never in any training split)
     --tasks      instruction tasks no policy trains on (may be empty)
     --arithmetic bare calculations, "What is 7 + 5?" (may be empty)
+    --multiturn  conversations of two exchanges, the second turn to answer (may be empty)
+    --scope      requests outside the model's skills, "Write a poem about the sea." (may be empty)
     --tokens     val.bin, meta.json: held-out pretraining text, for perplexity and bits per byte
 
 and computes (llm/evaluate.py evaluate_model): perplexity and bits per byte on
-`eval.ppl_batches` fixed windows of val.bin; greedy exact match on the first
+`eval.ppl_batches` fixed windows of val.bin (held-out Shakespeare: `val_bpb`, lower is better,
+beside `val_bpb_uniform`, a uniform guess over the vocabulary; a fine-tuned model far above the
+base model has forgotten the language); greedy exact match on the first
 `eval.math_problems` test problems, overall, per level and per language (English, Chinese),
 and the share of answers in the `#### N` format, with Wilson intervals at `eval.confidence`;
 greedy exact match on every instruction task (overall and per kind) and every arithmetic
-question; pass@k and the sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
+question; greedy exact match on the second turn of every two-exchange conversation (overall, per
+kind and per language: `multiturn_exact_match*`) and, for every out-of-scope request, whether
+the answer has no math template (no `####`, no `a op b = c`: `scope_no_math_rate`) and whether
+it is the taught statement of what the model can do (`scope_exact_match`), these keys only when
+the files have items; pass@k and the sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
 `eval.pass_k_problems` problems) with bootstrap intervals; the reward model's mean score of
 the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's greedy answers
 to the same prompts (ties count half); KL to SFT on `eval.kl_prompts` prompts (responses sampled
@@ -55,6 +63,8 @@ INPUTS = {"model": "the model directory evaluated", "sft": "the SFT model direct
           "rm": "the reward model directory", "test": "held-out math problems (JSONL)",
           "tasks": "evaluation-only instruction tasks (JSONL, may be empty)",
           "arithmetic": "evaluation-only bare calculations (JSONL, may be empty)",
+          "multiturn": "evaluation-only two-exchange conversations (JSONL, may be empty)",
+          "scope": "evaluation-only requests outside the model's skills (JSONL, may be empty)",
           "tokens": "token shards (val.bin, meta.json): held-out text for bits per byte"}
 OUTPUTS = {"metrics": "the metrics JSON", "samples": "the samples JSON (not a metric)",
            "items": "the per-item outcomes (JSONL): what the report's paired tests read"}
@@ -80,9 +90,11 @@ def _optional_jsonl(path: Path) -> list[dict]:
 
 def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: Path, rm: Path, test: Path,
         tasks: Path, arithmetic: Path, tokens: Path, metrics: Path, samples: Path, items: Path,
-        device: str | None = None, rt=None) -> tuple[dict, dict]:
+        multiturn: Path | None = None, scope: Path | None = None, device: str | None = None, rt=None
+        ) -> tuple[dict, dict]:
     """Evaluate the model `name` in directory `model`; write (rank 0) and return (metrics, samples).
-    rt: a distributed llm.runtime.Runtime shares the work out over its ranks."""
+    rt: a distributed llm.runtime.Runtime shares the work out over its ranks. multiturn, scope:
+    None scores neither (the command line always passes them)."""
     from llm.artifacts import load_model_dir
     from llm.evaluate import evaluate_model
     from llm.runtime import resolve_device
@@ -126,6 +138,8 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
 
     m, extras = evaluate_model(policy, tok, cfg, seed=derive_seed(common.seed, STAGE), problems=problems,
                                tasks=_optional_jsonl(tasks), arithmetic=_optional_jsonl(arithmetic),
+                               multiturn=_optional_jsonl(multiturn) if multiturn else [],
+                               scope=_optional_jsonl(scope) if scope else [],
                                val_batches=val_batches, bytes_per_token=tmeta["val_bytes"] / tmeta["val_tokens"],
                                ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold,
                                rt=rt)
@@ -157,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             return None
         parts = [f"math exact match {m['math_exact_match']:.1%} [{m['math_exact_match_lo']:.1%},"
                  f" {m['math_exact_match_hi']:.1%}]"]
-        for key, label in (("task_exact_match", "tasks"), ("arithmetic_exact_match", "arithmetic")):
+        for key, label in (("task_exact_match", "tasks"), ("arithmetic_exact_match", "arithmetic"),
+                           ("multiturn_exact_match", "second turns"), ("scope_no_math_rate", "out-of-scope no math")):
             if key in m:
                 parts.append(f"{label} {m[key]:.1%}")
         if "val_bpb" in m:

@@ -13,6 +13,8 @@ directory:
     rl/{train,val,test}.jsonl    {"id", "question", "answer", "level", "lang", "source"}
     tasks/test.jsonl             {"id", "prompt", "answer", "kind", "source"}              eval only
     arithmetic/test.jsonl        {"id", "question", "answer", "op", "lang", "source"}      eval only
+    multiturn/test.jsonl         {"id", "messages", "answer", "kind", "lang", "source"}    eval only
+    scope/test.jsonl             {"id", "prompt", "answer", "lang", "source"}              eval only
 
 and the metrics file (records and characters per source and split).
 

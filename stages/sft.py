@@ -18,6 +18,12 @@ at each learning rate is in docs/log.md. The loop is
 llm/trainer.py's, with the same checkpoints, resume, non-finite policy and `torchrun` support
 as pretrain.
 
+With `sft.replay_fraction` above 0, each batch of conversations gets windows of the pretraining
+text (--tokens train.bin, as long as the batch) appended, that share of its rows, with the loss
+on every one of their tokens (llm/batching.py ReplayBatches): fine-tuning on conversations
+alone lets the model forget the language it read in pretraining. The validation loss stays the
+conversations' own; `assistant_tokens_trained` then counts the text's scored tokens too.
+
 With `sft.average_last` above 1 the model written is the mean of the weights at the run's last
 that many checkpoints (llm/average.py), and its metrics give the validation loss of both
 (`val_loss` of the model written, `val_loss_last` of the final weights).
@@ -28,16 +34,18 @@ run directory (checkpoints; a persisted DVC out).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from llm.average import average_checkpoints
-from llm.batching import BucketBatchSampler, ExampleBatches, derive_seed, pad_collate, upsample_sources
+from llm.batching import (BucketBatchSampler, ExampleBatches, ReplayBatches, derive_seed, open_tokens, pad_collate,
+                          upsample_sources)
 from llm.chat import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
-from llm.fileio import DataError, read_jsonl, sha256_tree
+from llm.fileio import DataError, read_jsonl, sha256_file, sha256_tree
 from llm.metrics import write_metrics
 from llm.monitor import Plots, publish_curves
 from llm.runtime import Runtime, full_model_state, setup_runtime
@@ -46,7 +54,8 @@ from llm.trainer import evaluate, lm_loss, supervised_lm_loss, train
 
 STAGE = "sft"
 INPUTS = {"base": "the pretrained model directory", "data": "cleaned conversations: train.jsonl, val.jsonl",
-          "math_val": "held-out math problems (JSONL) for the final exact-match check"}
+          "math_val": "held-out math problems (JSONL) for the final exact-match check",
+          "tokens": "token shards (train.bin, meta.json): pretraining text, read when sft.replay_fraction > 0"}
 OUTPUTS = training_outputs("the SFT model directory")
 
 
@@ -67,8 +76,31 @@ def make_batch(examples, pad_id: int):
                                   loss_masks=[examples[i][1] for i in ix])
 
 
+def training_batches(train_ex, pad_id: int, cfg: SFTConfig, seed: int, rt: Runtime, replay=None):
+    """The batch source of the training conversations: length buckets, and with `replay` (a
+    token array; only when sft.replay_fraction > 0) windows of pretraining text appended."""
+    sampler = BucketBatchSampler([len(ids) for ids, _ in train_ex], batch_size=cfg.batch_size,
+                                 bucket_width=cfg.bucket_width, seed=seed, rank=rt.rank, world_size=rt.world_size)
+    batches = ExampleBatches(sampler, make_batch(train_ex, pad_id))
+    if replay is None:
+        return batches
+    return ReplayBatches(batches, replay, fraction=cfg.replay_fraction, seed=seed)
+
+
+def _replay_tokens(tokens: Path, tokenizer):
+    """The pretraining token shard replayed during SFT, checked against the model's tokenizer."""
+    path = tokens / "meta.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; run `dvc repro tokenize` first (sft.replay_fraction > 0 reads it)")
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    if meta.get("tokenizer_sha256") != tokenizer.sha256() or "dtype" not in meta:
+        raise DataError(f"{path}: train.bin was made with another tokenizer than the base model's (or meta.json"
+                        f" lacks dtype); re-run `dvc repro tokenize`, or set sft.replay_fraction: 0.0")
+    return open_tokens(tokens / "train.bin", meta["dtype"])
+
+
 def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: Path, math_val: Path, run_dir: Path,
-        model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
+        model: Path, metrics: Path, plots: Path, tokens: Path | None = None, progress: bool = True) -> dict | None:
     from llm.artifacts import load_model_dir, save_model_dir
     from llm.evaluate import math_eval
     from llm.model import GPT
@@ -85,12 +117,16 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     if not train_ex:
         raise DataError(f"{data}/train.jsonl: no conversation has a supervised token within seq_len={seq_len}")
     inputs = {"base": base_meta.get("fingerprint", ""), "data": sha256_tree(data)}
+    replay = None
+    if cfg.replay_fraction:  # only then: a run without replay keeps the fingerprint it had before the option
+        if tokens is None:
+            raise ValueError("sft.replay_fraction > 0 needs the pretraining token shards (--tokens)")
+        replay = _replay_tokens(tokens, tok)
+        inputs["tokens"] = sha256_file(tokens / "train.bin")
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
 
-    sampler = BucketBatchSampler([len(ids) for ids, _ in train_ex], batch_size=cfg.batch_size,
-                                 bucket_width=cfg.bucket_width, seed=seed, rank=rt.rank, world_size=rt.world_size)
-    batches = ExampleBatches(sampler, make_batch(train_ex, tok.pad_id))
+    batches = training_batches(train_ex, tok.pad_id, cfg, seed, rt, replay)
     # fixed validation batches: a seeded sample of the val conversations (shortest-first would
     # pick only the short instruction tasks), sorted by length within the sample to pad less
     g = torch.Generator().manual_seed(derive_seed(common.seed, STAGE, "val"))
@@ -102,6 +138,9 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
               f" {gpt.summary()}", flush=True)
+        if replay is not None:
+            print(f"{STAGE}: {cfg.replay_fraction:.0%} of each batch's rows are windows of {tokens}/train.bin"
+                  f" ({len(replay)} tokens of pretraining text, every token scored)", flush=True)
         for source, k in sorted(upsampled.items()):
             print(f"{STAGE}: {source} repeated {k}x (fewer than min_source_examples={cfg.min_source_examples})",
                   flush=True)
@@ -165,7 +204,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: SFTConfig, rt: Runtime) -> str | None:
         m = run(common, cfg, rt, base=args.base, data=args.data, math_val=args.math_val, run_dir=args.run_dir,
-                model=args.model, metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
+                model=args.model, metrics=args.metrics, plots=args.plots, tokens=args.tokens,
+                progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
         em = m.get("math_exact_match")

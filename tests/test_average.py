@@ -179,7 +179,7 @@ def _sft_section(**over) -> dict:
                batch_size=4, grad_accum=1, distributed="ddp", lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.0,
                beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=3, eval_batches=2, log_every=1, checkpoint_every=2,
                keep_checkpoints=3, nonfinite_policy="raise", nonfinite_budget=0, activation_checkpointing=False,
-               compile=False, average_last=1)
+               compile=False, replay_fraction=0.0, average_last=1)
     sec.update(over)
     return sec
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, WindowSampler, derive_seed,
-                          fixed_windows, open_tokens, pad_collate, upsample_sources)
+from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, ReplayBatches, WindowSampler, derive_seed,
+                          fixed_windows, open_tokens, pad_collate, replay_rows, upsample_sources)
 
 TOKENS = (np.arange(10_000) % 997).astype(np.uint16)  # token at i is i % 997: windows are checkable
 
@@ -194,3 +194,52 @@ def test_upsample_sources_repeats_only_the_small_sources_whole():
     assert upsample_sources(sources, minimum=2) == (list(range(len(sources))) + [9], {"tiny": 2})
     with pytest.raises(ValueError, match="minimum"):
         upsample_sources(sources, minimum=-1)
+
+
+def _examples(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(4, 30, (1,), generator=g))
+        ids = torch.randint(1000, 2000, (L,), generator=g).tolist()
+        out.append((ids, [j >= L // 2 for j in range(L)]))
+    return out
+
+
+def _example_batches(examples, batch_size=8, seed=3):
+    sampler = BucketBatchSampler([len(x) for x, _ in examples], batch_size=batch_size, bucket_width=5, seed=seed)
+    return ExampleBatches(sampler, lambda ix: pad_collate([examples[i][0] for i in ix], pad_id=0,
+                                                          loss_masks=[examples[i][1] for i in ix]))
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5])
+def test_replay_appends_its_share_of_text_rows_and_keeps_the_examples(fraction):
+    """Each batch keeps the example batch unchanged in its first rows and adds text windows as
+    long as it, `fraction` of all rows (up to rounding), scored on every token."""
+    examples = _examples()
+    plain, mixed = _example_batches(examples), ReplayBatches(_example_batches(examples), TOKENS, fraction=fraction,
+                                                             seed=5)
+    rows = texts = 0
+    for _ in range(20):
+        a, b = plain.next_batch(), mixed.next_batch()
+        B, T = a["idx"].shape
+        assert b["idx"].shape[1] == T and b["idx"].shape[0] == B + replay_rows(B, fraction)
+        for k in a:
+            assert torch.equal(b[k][:B], a[k]), k
+        text = b["idx"][B:]
+        assert torch.equal((text[:, 1:] - text[:, :-1]) % 997, torch.ones_like(text[:, 1:]))  # contiguous windows
+        assert torch.equal(b["targets"][B:], (text + 1) % 997) and bool(b["attention_mask"][B:].all())
+        rows, texts = rows + b["idx"].shape[0], texts + len(text)
+    assert texts / rows == pytest.approx(fraction, abs=0.05)
+    assert replay_rows(16, 0.2) == 4 and replay_rows(16, 0.5) == 16 and replay_rows(16, 0.0) == 0
+
+
+def test_replay_resumes_from_the_inner_cursor():
+    examples = _examples()
+    a = ReplayBatches(_example_batches(examples), TOKENS, fraction=0.3, seed=5)
+    for _ in range(3):
+        a.next_batch()
+    b = ReplayBatches(_example_batches(examples), TOKENS, fraction=0.3, seed=5)
+    b.load_state_dict(a.state_dict())
+    x, y = a.next_batch(), b.next_batch()
+    assert all(torch.equal(x[k], y[k]) for k in x)

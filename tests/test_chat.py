@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llm.artifacts import save_model_dir
-from llm.chat import COMMANDS, Chat, TextStream, _parser, main, render_prompt, run_command
+from llm.chat import COMMANDS, Chat, TextStream, _parser, main, render, render_prompt, run_command
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT
@@ -396,3 +396,17 @@ def test_in_tmux_ctrl_c_stops_an_answer_and_the_chat_goes_on(tok, tmp_path):
         assert "Traceback" not in (tmp_path / "err").read_text()
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_the_loss_mask_covers_every_assistant_turn_and_its_end_and_nothing_else(tok):
+    """Two exchanges: the supervised tokens are exactly both answers, each with its closing <|end|>."""
+    messages = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"},
+                {"role": "user", "content": "And times 2?"}, {"role": "assistant", "content": "12 * 2 = 24\n#### 24"}]
+    ids, mask = render(messages, tok)
+    end = tok.special["<|end|>"]
+    supervised = [i for i, m in zip(ids, mask) if m]
+    answers = [tok.encode(m["content"], allowed_special="none") for m in messages[1::2]]
+    assert supervised == answers[0] + [end] + answers[1] + [end]
+    # the user turns and every role header are outside the mask
+    unsupervised = [i for i, m in zip(ids, mask) if not m]
+    assert unsupervised.count(tok.special["<|assistant|>"]) == 2 and unsupervised.count(end) == 2

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from llm.artifacts import MissingArtifactError, save_model_dir
 from llm.batching import derive_seed, pad_collate
-from llm.chat import render
+from llm.chat import render, render_prompt
 from llm.config import EvalConfig, ModelConfig, load_sections
 from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
-from llm.generators import TASK_KINDS, arithmetic_question, math_problem, task
+from llm.generators import TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, scope_request, task
 from llm.model import GPT
 from llm.tokenizer import Tokenizer
 from tests.conftest import ROOT, common_params, dvc_command
@@ -90,7 +90,11 @@ def world(tmp_path_factory, one_thread):
              for i, t in enumerate(task(trng, kind) for kind in TASK_KINDS[:3] for _ in range(2))]
     arithmetic = [{"id": f"arithmetic-test-{i}", "question": q.question, "answer": str(q.answer), "op": q.op,
                    "lang": q.lang} for i, q in enumerate(arithmetic_question(trng, "en") for _ in range(5))]
-    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic)):
+    multiturn = [{"id": f"multiturn-test-{i}", "messages": list(c.messages[:3]), "answer": c.answer, "kind": c.kind,
+                  "lang": c.lang} for i, c in enumerate(multiturn_conversation(trng, "en", levels=(1,)) for _ in range(3))]
+    scope = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang}
+             for i, r in enumerate(scope_request(trng, "en") for _ in range(2))]
+    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic), ("multiturn", multiturn), ("scope", scope)):
         (root / "data/prepared" / kind).mkdir(parents=True)
         (root / "data/prepared" / kind / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
@@ -168,6 +172,7 @@ def test_lm_eval_of_a_uniform_model_is_log_vocab():
     out = lm_eval(model, [batch], bytes_per_token=2.0)
     assert out["val_loss"] == pytest.approx(math.log(50), rel=1e-6)
     assert out["val_bpb"] == pytest.approx(math.log2(50) / 2.0, rel=1e-6)
+    assert out["val_bpb_uniform"] == pytest.approx(math.log2(50) / 2.0, rel=1e-12)  # this model is that guess
     assert out["val_tokens"] == 32
 
 
@@ -192,7 +197,8 @@ def _check_outputs(out, name: str) -> dict:
     assert metrics["toxicity"] == "unavailable"
     assert [s["prompt"] for s in samples["sample_prompts"]] == EVAL_PARAMS["sample_prompts"]
     assert samples["model"] == name and samples["timing_s"]["total"] > 0
-    for key in ("task_exact_match", "task_exact_match_reverse", "arithmetic_exact_match", "math_sample_accuracy"):
+    for key in ("task_exact_match", "task_exact_match_reverse", "arithmetic_exact_match", "math_sample_accuracy",
+                "multiturn_exact_match", "scope_no_math_rate", "scope_exact_match"):
         assert metrics[f"{key}_lo"] <= metrics[key] <= metrics[f"{key}_hi"], key
     return metrics
 
@@ -201,6 +207,7 @@ def _paths(root, name: str, out) -> dict:
     return {"model": root / "models" / name, "sft": root / "models/sft", "rm": root / "models/reward",
             "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
             "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
+            "multiturn": root / "data/prepared/multiturn/test.jsonl", "scope": root / "data/prepared/scope/test.jsonl",
             "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
             "items": out / f"{name}_items.jsonl"}
 
@@ -313,3 +320,39 @@ def test_eval_stage_names_a_missing_reward_model(world, tmp_path):
     with pytest.raises(MissingArtifactError, match="models/reward"):
         run("sft", sections["common"], sections["eval"], **{**_paths(root, "sft", tmp_path / "out"),
                                                             "rm": models / "reward"})
+
+
+def test_second_turns_and_out_of_scope_requests_are_scored_only_when_they_have_items(world, monkeypatch):
+    """The second turn is answered with the whole earlier conversation as its prompt; its scores,
+    and the out-of-scope ones, appear only with items, and every existing key stays as it was."""
+    import llm.evaluate as ev
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
+    first = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"}]
+    multiturn = [{"id": "a", "messages": first + [{"role": "user", "content": "And times 2?"}], "answer": "24",
+                  "kind": "followup", "lang": "en"},
+                 {"id": "b", "messages": first + [{"role": "user", "content": "Reverse the word: castle"}],
+                  "answer": "eltsac", "kind": "task_after_sum", "lang": "en"}]
+    scope = [{"id": "c", "prompt": "Write a poem about the sea.", "answer": "I can do sums.", "lang": "en"}]
+    canned = {tuple(render_prompt(multiturn[0]["messages"], w["tok"])): "12 * 2 = 24\n#### 24",
+              tuple(render_prompt(multiturn[1]["messages"], w["tok"])): "castle",
+              tuple(render_prompt([{"role": "user", "content": scope[0]["prompt"]}], w["tok"])): "0 - 2 = 8 #### 8"}
+    real = ev.generate_replies
+
+    def fake(model, tok, prompts, **kw):  # canned answers for the conversations, the model's for the rest
+        if all(tuple(p) in canned for p in prompts):
+            return [canned[tuple(p)] for p in prompts], [1] * len(prompts)
+        assert not any(tuple(p) in canned for p in prompts)
+        return real(model, tok, prompts, **kw)
+
+    monkeypatch.setattr(ev, "generate_replies", fake)
+    plain, _ = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"])
+    m, extras = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"], multiturn=multiturn, scope=scope)
+    new = {k: m[k] for k in set(m) - set(plain)}
+    assert {k: m[k] for k in plain} == plain
+    assert new["multiturn_exact_match"] == 0.5 and new["multiturn_n"] == 2
+    assert new["multiturn_exact_match_followup"] == 1.0 and new["multiturn_exact_match_task_after_sum"] == 0.0
+    assert new["scope_no_math_rate"] == 0.0 and new["scope_exact_match"] == 0.0 and new["scope_n"] == 1
+    assert not any(k.startswith(("multiturn", "scope")) for k in plain)
+    sets = [(i["set"], i["id"], i["correct"]) for i in extras["items"] if i["set"] in ("multiturn", "scope")]
+    assert sets == [("multiturn", "a", True), ("multiturn", "b", False), ("scope", "c", False)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm.evaluate import bootstrap_interval, pass_at_k, wilson_interval, z_score
+from llm.evaluate import (bootstrap_interval, has_math_template, pass_at_k, score_multiturn, score_scope,
+                          wilson_interval, z_score)
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [
@@ -56,3 +57,29 @@ def test_bootstrap_interval_with_counts_is_of_the_ratio_of_sums():
     lo, hi = bootstrap_interval(sums, counts=lengths)
     assert lo < per_token < hi and hi < 0.1
     assert bootstrap_interval([2.0] * 10, counts=[4] * 10) == (0.5, 0.5)
+
+
+def test_second_turns_are_scored_as_math_or_as_tasks_per_kind():
+    items = [{"kind": "followup", "lang": "en", "answer": "24"}, {"kind": "followup", "lang": "zh", "answer": "9"},
+             {"kind": "new_problem", "lang": "en", "answer": "49"},
+             {"kind": "task_after_sum", "lang": "en", "answer": "elbba"},
+             {"kind": "task_after_sum", "lang": "en", "answer": "elbba"}]
+    responses = ["12 * 2 = 24\n#### 24", "#### 8", "30 + 19 = 49\n#### 49", "elbba", "elbba\n#### 5"]
+    m, ok = score_multiturn(items, responses)
+    assert ok == [True, False, True, True, False]  # a task answer with a math line after it is not the answer
+    assert m["multiturn_exact_match"] == 0.6 and m["multiturn_n"] == 5
+    assert m["multiturn_exact_match_followup"] == 0.5 and m["multiturn_exact_match_new_problem"] == 1.0
+    assert m["multiturn_exact_match_task_after_sum"] == 0.5
+    assert m["multiturn_exact_match_en"] == 0.75 and m["multiturn_exact_match_zh"] == 0.0
+
+
+def test_out_of_scope_answers_count_as_math_when_they_have_a_math_template():
+    statement = "I can solve arithmetic word problems."
+    items = [{"prompt": p, "answer": statement, "lang": "en"} for p in ("Write a poem.", "Who was Napoleon?",
+                                                                      "Translate hello.", "Opinion?")]
+    responses = ["0 - 2 = 8 #### 8", "12+5=17", statement, "Napoleon was born in 1769."]
+    m, ok = score_scope(items, responses)
+    assert ok == [False, False, True, True]
+    assert m["scope_no_math_rate"] == 0.5 and m["scope_exact_match"] == 0.25 and m["scope_n"] == 4
+    assert m["scope_no_math_rate_lo"] < 0.5 < m["scope_no_math_rate_hi"]
+    assert has_math_template("#### 3") and has_math_template("7 × 6 = 42") and not has_math_template("in 2024 - 2025")

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from llm.generators import (TASK_KINDS, MathProblem, arithmetic_question, math_problem, preference_pair, task,
-                            task_preference_pair, wrong_solution)
+from llm.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, MULTITURN_KINDS, SCOPE_ANSWER, TASK_KINDS, MathProblem,
+                            arithmetic_question, math_problem, multiturn_conversation, preference_pair,
+                            scope_prompt_count, scope_request, task, task_preference_pair, wrong_solution)
 
 _STEP = re.compile(r"^(-?\d+) ([-+*/]) (\d+) = (-?\d+)$")
 
@@ -120,3 +121,61 @@ def test_preference_pairs():
     assert kinds == {"broken_format", "wrong_answer"}
     t = task_preference_pair(rng)
     assert t["chosen"] != t["rejected"]
+
+
+_FOLLOWUP_OPS = {**{t: op for op, ts in _FOLLOWUPS_EN.items() for t in ts},
+                 **{t: op for op, ts in _FOLLOWUPS_ZH.items() for t in ts}}
+
+
+def _followup_op(question: str) -> tuple[str, int]:
+    """The operation and operand a follow-up asks, read from its template."""
+    for template, op in _FOLLOWUP_OPS.items():
+        m = re.fullmatch(re.escape(template).replace(r"\{n\}", r"(\d+)"), question)
+        if m:
+            return op, int(m.group(1))
+    raise AssertionError(f"not a follow-up: {question!r}")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_multiturn_second_answers_follow_from_the_earlier_turns(lang):
+    """Every conversation is user, assistant, user, assistant; a follow-up's answer is its
+    operation applied to the first answer's `#### N`; a new problem's and a task's answer are
+    their own, whatever came before."""
+    rng = random.Random(11)
+    kinds = set()
+    for _ in range(600):
+        c = multiturn_conversation(rng, lang, levels=(1, 2, 3, 4))
+        kinds.add(c.kind)
+        assert [m["role"] for m in c.messages] == ["user", "assistant", "user", "assistant"]
+        assert all(m["content"].strip() for m in c.messages)
+        first, last = c.messages[1]["content"], c.messages[3]["content"]
+        previous = int(first.rsplit("#### ", 1)[1])
+        if c.kind == "followup":
+            op, n = _followup_op(c.messages[2]["content"])
+            value = {"+": previous + n, "-": previous - n, "*": previous * n, "/": previous // n}[op]
+            assert value >= 0 and (op != "/" or previous % n == 0)
+            assert last == f"{previous} {op} {n} = {value}\n#### {value}" and c.answer == str(value)
+        elif c.kind == "new_problem":
+            assert last.endswith(f"#### {c.answer}")
+        else:
+            assert c.answer == last and "####" not in last and c.expressions
+    assert kinds == set(MULTITURN_KINDS)
+    again = random.Random(11)
+    assert multiturn_conversation(again, lang, levels=(1, 2, 3, 4)) == multiturn_conversation(
+        random.Random(11), lang, levels=(1, 2, 3, 4))
+
+
+def test_out_of_scope_requests_get_the_statement_of_what_the_model_can_do():
+    rng = random.Random(3)
+    for lang in ("en", "zh"):
+        requests = [scope_request(rng, lang) for _ in range(300)]
+        assert {r.answer for r in requests} == {SCOPE_ANSWER[lang]}
+        assert len({r.prompt for r in requests}) > 25  # many different requests, one answer
+    assert not any("####" in a or re.search(r"\d", a) for a in SCOPE_ANSWER.values())
+
+
+def test_scope_prompt_count_is_what_the_generator_reaches():
+    for lang in ("en", "zh"):
+        rng = random.Random(1)
+        seen = {scope_request(rng, lang).prompt for _ in range(40 * scope_prompt_count(lang))}
+        assert len(seen) == scope_prompt_count(lang)

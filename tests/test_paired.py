@@ -182,3 +182,15 @@ def test_linear_trend_is_the_fitted_lines_change_with_a_t_interval():
     assert exact == {"change": pytest.approx(6.0), "lo": pytest.approx(6.0), "hi": pytest.approx(6.0), "n": 4}
     assert linear_trend([1, 2, np.nan, 4], [1.0, 3.0, 5.0, float("nan")]) is None  # 2 finite points
     assert linear_trend([3, 3, 3], [1.0, 2.0, 3.0]) is None  # a single x
+
+
+def test_second_turns_and_out_of_scope_answers_are_compared_when_evaluated():
+    def items(multiturn, scope):
+        return ([{"set": "multiturn", "id": f"t{i}", "kind": "followup", "correct": bool(c)}
+                 for i, c in enumerate(multiturn)]
+                + [{"set": "scope", "id": f"s{i}", "correct": bool(c)} for i, c in enumerate(scope)])
+    assert not {"multiturn", "scope"} & {k for k, *_ in skills(_items([1, 0]))}
+    child, parent = _items([1, 0]) + items([1, 1], [1, 1, 1]), _items([1, 0]) + items([0, 1], [0, 0, 1])
+    out = compare(child, parent, n_boot=200, seed=0)
+    assert (out["multiturn"]["n"], out["multiturn"]["delta"]) == (2, 0.5)
+    assert (out["scope"]["n"], out["scope"]["delta"]) == (3, pytest.approx(2 / 3))

@@ -68,7 +68,7 @@ def test_eval_only_items_change_no_training_record(tmp_path):
     assert _run_prepare(a, task_test=10, arithmetic_test=30, arithmetic_train=0).returncode == 0
     assert _run_prepare(b, task_test=0, arithmetic_test=0, arithmetic_train=0).returncode == 0
     files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
-    assert len(files) == 11
+    assert len(files) == 13  # multiturn/test and scope/test are empty at their default counts
     for f in files:
         same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
         assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
@@ -208,3 +208,41 @@ def test_an_empty_required_split_names_the_kind_and_the_params():
     data, _ = build(_small_cfg(), seed=7)  # no Shakespeare and no source: no pretraining text held out
     with pytest.raises(DataError, match=r"no pretrain/val records: raise the matching prepare\.\* count"):
         check_required(data)
+
+
+def test_multiturn_and_scope_conversations_are_appended_and_their_test_items_held_out():
+    """The counts append their conversations to sft/train and write their test files, leaving every
+    other record as it is; no held-out conversation opens with a training prompt, no training
+    conversation asks a held-out question, and no held-out request is a training prompt."""
+    from llm.data import build
+    counts = dict(multiturn_train=300, multiturn_test=60, scope_train=80, scope_test=40)
+    on, _ = build(_small_cfg(**counts), seed=7)
+    off, _ = build(_small_cfg(), seed=7)
+    for kind in set(on) | set(off):
+        for split in set(on[kind]) | set(off[kind]):
+            if (kind, split) not in (("sft", "train"), ("multiturn", "test"), ("scope", "test")):
+                assert on[kind][split] == off[kind][split], (kind, split)
+    before = off["sft"]["train"]
+    assert on["sft"]["train"][:len(before)] == before
+    added = on["sft"]["train"][len(before):]
+    assert [r["source"] for r in added] == ["generated/multiturn"] * 300 + ["generated/scope"] * 80
+    assert not off["multiturn"]["test"] and not off["scope"]["test"]
+    tests, requests = on["multiturn"]["test"], on["scope"]["test"]
+    assert len(tests) == 60 and len(requests) == 40
+    assert {t["kind"] for t in tests} == {"followup", "new_problem", "task_after_sum"}
+    assert all([m["role"] for m in t["messages"]] == ["user", "assistant", "user"] for t in tests)
+    trained = {m["content"] for r in on["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
+    assert not {t["messages"][0]["content"] for t in tests} & trained
+    assert not {t["messages"][2]["content"] for t in tests if t["kind"] == "new_problem"} & trained
+    assert not {r["prompt"] for r in requests} & trained
+    held_out = {r["question"] for s in ("val", "test") for r in on["rl"][s]}
+    assert not held_out & {m["content"] for r in added for m in r["messages"] if m["role"] == "user"}
+
+
+def test_more_out_of_scope_requests_than_the_generator_has_is_refused_naming_the_key():
+    import pytest
+
+    from llm.data import build
+    from llm.fileio import DataError
+    with pytest.raises(DataError, match=r"prepare\.scope_train \(there are \d+ English and \d+ Chinese ones"):
+        build(_small_cfg(scope_test=10, scope_train=1000), seed=7)

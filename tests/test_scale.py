@@ -315,7 +315,7 @@ def _fsdp_workspace(root: Path, stage: str) -> Path:
     p = params()
     # the task kinds have about 6 conversations each here: below 8 they are repeated (both sides)
     p["sft"] = {**tcfg(), "bucket_width": 16, "eval_math_problems": 4, "max_new_tokens": 8, "min_source_examples": 8,
-                "average_last": 2}
+                "replay_fraction": 0.0, "average_last": 2}
     p["dpo"]["trainable"] = ["norm_f.weight", "blocks.1.*"]  # FSDP with frozen parameters
     p[stage].update(grad_accum=2, distributed="fsdp")
     (ws / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
