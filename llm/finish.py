@@ -12,9 +12,14 @@ Pretrain, SFT, the reward model, DPO, PPO and GRPO all end here, in this order:
    measured vs limit, the params key); nothing below is written, so the outputs of the last
    run that passed stay as they were;
 2. the model directory (llm.artifacts.save_model_dir, with its meta.json);
-3. the curves: <run dir>/plots published to the dvc plots directory (llm.monitor.publish_curves);
+3. the curves: <run dir>/plots published to the dvc plots directory (`publish_curves`), the
+   TSVs without their timing columns;
 4. the metrics (llm.metrics.write_metrics: the metrics file and, apart, its run file and the
    run's timings).
+
+What changes from run to run (step times, tokens per second, thread counts) stays in the run
+directory, so a rerun that makes the same model byte for byte writes the same DVC outputs and
+leaves dvc.lock as it was.
 
 Under torchrun every rank checks the gates (they hold the same numbers, so all fail together)
 and rank 0 alone writes (`write=rank 0`).
@@ -30,9 +35,9 @@ from torch import nn
 
 from llm.artifacts import save_model_dir
 from llm.errors import QualityGateError
-from llm.fileio import atomic_write_json
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
+from llm.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from llm.metrics import is_timing_key, write_metrics
+from llm.monitor import Plots
 
 
 @dataclass(frozen=True)
@@ -85,3 +90,26 @@ def finish_stage(stage: str, *, gates: Sequence[Gate] = (), run_dir: Path, model
         publish_curves(run_dir / "plots", plots, stage)
         write_metrics(metrics, numbers)
     return numbers
+
+
+def publish_curves(src: Path, dst: Path, stage: str) -> None:
+    """Copy a finished run's `<stage>.tsv` and `<stage>_val.tsv` without their timing columns
+    (llm.metrics.is_timing_key: step_s, tokens_per_s, ...) and its `<stage>.png` from `src` (the
+    run directory's plots/, which keeps every column) to `dst` (what `dvc plots` reads), each
+    atomically."""
+    for name in (f"{stage}.tsv", f"{stage}_val.tsv"):
+        f = src / name
+        if f.is_file():
+            atomic_write_text(dst / name, without_timings(f.read_text(encoding="utf-8")))
+    png = src / f"{stage}.png"
+    if png.is_file():
+        atomic_write_bytes(dst / png.name, png.read_bytes())
+
+
+def without_timings(tsv: str) -> str:
+    """A TSV (header line first, every line ending in a newline) without its timing columns."""
+    rows = [line.split("\t") for line in tsv.splitlines()]
+    if not rows:
+        return ""
+    keep = [i for i, column in enumerate(rows[0]) if not is_timing_key(column)]
+    return "".join("\t".join(row[i] for i in keep) + "\n" for row in rows)
