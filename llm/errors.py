@@ -9,8 +9,10 @@ them. These are raised from several places, and every stage reports them the sam
   (llm/loop.py); or, in debug mode (llm/model.py `enable_debug`), the first sub-module whose
   output holds one.
 - `QualityGateError`: a stage trained to the end but its output is not fit to hand on (reward
-  model accuracy below `reward.min_accuracy`, KL above `*.max_kl`, no informative GRPO group for
-  too long). The message says which gate, the numbers and what to change; no model is written.
+  model accuracy below `reward.min_accuracy`, KL above `*.max_kl`), or a run that learns nothing
+  (no informative GRPO group for `grpo.max_zero_std_steps` steps). Every gate fails with one
+  message shape: which gate, measured vs limit, the params key to change, what to do; no model
+  is written (the end of a stage checks its gates first: llm/finish.py).
 - `CheckpointError`: a checkpoint that cannot be trusted (llm/checkpoint.py): a bad manifest,
   a hash that does not match, a non-finite tensor.
 - `DiskFullError`: the disk or the user's quota filled up while an output was written. The
@@ -36,7 +38,20 @@ class NonFiniteError(FloatingPointError):
 
 
 class QualityGateError(RuntimeError):
-    """A stage's output would be unusable downstream; the message names the gate and the numbers."""
+    """A stage's output would be unusable downstream. Every gate's message has one shape:
+
+        <stage>: quality gate failed: <gate> <measured> is <above|below|at> <key>=<limit> (<detail>).
+        <advice>; <consequence>
+
+    e.g. "ppo: quality gate failed: final KL to the reference 0.31 is above ppo.max_kl=0.2 (...)".
+    The fields stay on the exception for a caller that wants them."""
+
+    def __init__(self, stage: str, gate: str, measured: float, relation: str, key: str, limit: float, *,
+                 detail: str = "", advice: str = "", consequence: str = "no model was written"):
+        self.stage, self.gate, self.measured, self.key, self.limit = stage, gate, measured, key, limit
+        why = f" ({detail})" if detail else ""
+        super().__init__(f"{stage}: quality gate failed: {gate} {measured:.4g} is {relation} {key}={limit}{why}."
+                         f" {advice}; {consequence}")
 
 
 class CheckpointError(RuntimeError):

@@ -32,7 +32,7 @@ No value function: the baseline is the group. One step:
 
 Quality gate: if every group of a step has zero reward variance for
 max_zero_std_steps consecutive steps, nothing is being learned (all wrong or all right);
-the step raises llm.errors.QualityGateError with the numbers.
+the step raises llm.errors.QualityGateError with the numbers (no model is written).
 
 Per-step row (TRL names): reward, reward_std (mean within-group std, as TRL), frac_reward_zero_std,
 kl (mean per-token k3 under the current policy), entropy (of the sampling distribution, estimated
@@ -44,7 +44,8 @@ fewer under dynamic sampling), rollout_s / scoring_s / update_s, tokens_per_s.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,11 +55,23 @@ from llm.losses import aggregate, group_advantages, kl_estimate, masked_mean, pp
 from llm.errors import QualityGateError
 from llm.loop import Updater
 from llm.rewards import RewardFn, step_credit
-from llm.rl import Mean, Shares, gather_rows, global_sums, minibatches, step_generator
-from llm.rollout import response_forward, rollout
+from llm.rollout import Rollout, response_forward, rollout
 from llm.runtime import Runtime
+from llm.shares import Shares, rollout_stats, step_generator, update_epochs
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
+
+
+class Scored(NamedTuple):
+    """A step's rollouts (this rank's rows) with what its update needs of them, each (B, N)."""
+    ro: Rollout
+    mask: Tensor            # response tokens
+    old_lp: Tensor          # log pi_old of the sampled tokens
+    ref_lp: Tensor | None   # log ref of them (None when beta = 0)
+    adv: Tensor             # the advantage of each token
+
+# the statistics of step 3 (TRL's names); "kl" too when beta > 0
+STATS = ("policy_loss", "loss", "clip_ratio", "approxkl")
 
 
 class GRPO:
@@ -83,29 +96,53 @@ class GRPO:
         self.zero_std_streak = int(state["zero_std_streak"])
 
     def step(self, step: int, updater: Updater) -> dict[str, float]:
-        cfg, policy, rt = self.cfg, self.model, self.rt
+        cfg, policy, G = self.cfg, self.model, self.cfg.group_size
         device = next(policy.parameters()).device
-        T, G = cfg.temperature, cfg.group_size
 
-        # 1. rollout: every prompt G times; this rank's share of the groups ----------------
+        # 1. rollout: every prompt G times; this rank's share of the groups (the global list is
+        #    the same on every rank)
         t0 = time.perf_counter()
-        prompts, problems = self.prompts_fn(step)                          # the global list, the same on every rank
-        share = Shares.of(len(prompts), G, rt)                              # rows [lo, hi) of B_all = n * G
-        first, last = share.lo // G, share.hi // G
-        prompts, problems = prompts[first:last], problems[first:last]
-        n = len(prompts)
+        prompts, problems = self.prompts_fn(step)
+        share = Shares.of(len(prompts), G, self.rt)                         # rows [lo, hi) of B_all = n_all * G
+        prompts, problems = prompts[share.lo // G:share.hi // G], problems[share.lo // G:share.hi // G]
         ro = rollout(policy, [p for p in prompts for _ in range(G)], max_new_tokens=cfg.max_new_tokens,
-                     temperature=T, stop_ids=self.stop_ids, pad_id=self.pad_id,
+                     temperature=cfg.temperature, stop_ids=self.stop_ids, pad_id=self.pad_id,
                      generator=step_generator(self.seed, "rollout", step, device),
                      row_offset=share.lo, total_rows=share.total)
         t1 = time.perf_counter()
 
-        # 2. scoring ---------------------------------------------------------------------
-        mask = ro.response_mask                                             # (B, N), B = n * G (this rank's)
-        B = len(ro)
+        # 2. scoring: a reward per completion, group-relative advantages (plus step credit), the
+        #    old and the reference log-probs
         rewards, rstats = self.reward_fn(ro, [p for p in problems for _ in range(G)])   # (B,)
-        grouped = rewards.float().view(n, G)
-        adv, zero_std = group_advantages(grouped)                           # (n, G), (n,)
+        adv, zero_std = group_advantages(rewards.float().view(len(prompts), G))   # (n, G), (n,)
+        batch = self.scored(ro, adv)
+        # the rows step 3 trains on (dynamic sampling: those of the first informative groups),
+        # and with beta = 0 the rows that carry a loss (a nonzero advantage somewhere)
+        trained = torch.arange(share.total)
+        if cfg.oversample > 1:
+            trained = first_informative_groups(share.gather(zero_std), cfg.prompts_per_step, G)
+        informative = share.gather((batch.adv != 0).any(1)).to(device) if batch.ref_lp is None else None
+        lengths = share.gather(ro.lengths).to(device).float()              # (B_all,)
+        t2 = time.perf_counter()
+        row, entropy, rollouts, n_tokens = self.rollout_numbers(share, ro, rewards, zero_std, rstats, step)
+
+        # 3. epochs of minibatch updates of clipped surrogate + beta * k3
+        stat_keys = STATS + (("kl",) if batch.ref_lp is not None else ())
+        stats = update_epochs(updater, share, trained, partial(self.minibatch_loss, batch, lengths),
+                              lengths=lengths, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size, seed=self.seed,
+                              step=step, device=device, stat_keys=stat_keys, carries_loss=informative)
+        t3 = time.perf_counter()
+
+        for k in ("kl", "clip_ratio", "approxkl"):
+            stats.setdefault(k, 0.0)  # beta = 0: KL not tracked; no informative completion: nothing clipped
+        return {**row, "groups_trained": len(trained) / G, **stats, "entropy": entropy, **rollouts,
+                "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2, "tokens_per_s": n_tokens / (t3 - t0)}
+
+    def scored(self, ro: Rollout, adv: Tensor) -> Scored:
+        """Step 2's per-token advantages and log-probs of this rank's rollouts."""
+        cfg, device = self.cfg, next(self.model.parameters()).device
+        mask = ro.response_mask                                             # (B, N)
+        B = len(ro)
         # per token: the group-relative outcome advantage, plus the verifier's step credit
         # (+1 on right step results, -1 on a slip) when grpo.step_credit > 0
         adv = adv.reshape(B, 1).expand(B, mask.shape[1]).to(device)         # (B, N)
@@ -117,92 +154,56 @@ class GRPO:
             if torch.is_autocast_enabled(device.type):
                 # bf16/fp16: decode-step and full-sequence numerics differ by ~1e-2, so take the
                 # ratio's denominator from the same kind of forward as its numerator
-                old_lp = response_forward(policy, ro, T).logprobs
+                old_lp = response_forward(self.model, ro, cfg.temperature).logprobs
             if cfg.beta > 0:
-                ref_lp = response_forward(self.ref, ro, T).logprobs         # (B, N)
-        # what every rank needs of the others' rows (B_all,): response lengths, and which rows
-        # have a nonzero advantage somewhere (the others add nothing to the loss when beta = 0)
-        lengths_all = gather_rows(ro.lengths, rt).to(device).float()
-        informative_all = gather_rows((adv != 0).any(1), rt).to(device)
-        trained = torch.arange(share.total)                                 # the global rows step 3 sees
-        if cfg.oversample > 1:
-            trained = first_informative_groups(gather_rows(zero_std, rt), cfg.prompts_per_step, G)
-        t2 = time.perf_counter()
+                ref_lp = response_forward(self.ref, ro, cfg.temperature).logprobs   # (B, N)
+        return Scored(ro, mask, old_lp, ref_lp, adv)
 
-        (reward_sum, std_sum, n_zero, ent_sum, n_resp, len_sum, stop_sum, n_tokens, *rvals) = global_sums(
-            [rewards.double().sum(), grouped.std(dim=1).sum(), zero_std.sum(), (-ro.logprobs * mask).sum(),
-             mask.sum(), ro.lengths.sum(), ro.stopped.sum(), ro.attention_mask.sum(),
-             *(v * B for v in rstats.values())], rt)
-        n_all, B_all = len(lengths_all) // G, share.total
-        self.zero_std_streak = self.zero_std_streak + 1 if n_zero == n_all else 0
-        if self.zero_std_streak >= cfg.max_zero_std_steps:
-            raise QualityGateError(
-                f"grpo: quality gate failed: no informative group (every group's rewards were equal) for"
-                f" {self.zero_std_streak} consecutive steps up to step {step + 1} (grpo.max_zero_std_steps="
-                f"{cfg.max_zero_std_steps}); last mean reward {reward_sum / B_all:.3f}. The prompts are"
-                f" too hard (or too easy) for this policy: use easier grpo.curriculum_levels, a longer"
-                f" grpo.curriculum_steps, a larger grpo.group_size or a higher grpo.temperature")
-
-        # 3. epochs of minibatch updates ----------------------------------------------------
-        # Minibatches are a permutation of the global batch; this rank works on its rows of
-        # each and scales its loss by its part of the minibatch's normaliser (`part`), so the
-        # ranks' losses sum to the minibatch's loss. With beta = 0 a completion whose advantage
-        # is 0 (its group had equal rewards) adds exactly nothing to the loss, so only the
-        # others go through forward and backward, with the same normaliser.
-        skip_zero = ref_lp is None
-        stats = Mean()
-        for epoch in range(cfg.epochs):
-            g = step_generator(self.seed, f"minibatch-{epoch}", step)
-            for idx in minibatches(len(trained), cfg.minibatch_size, g):
-                idx = trained[idx].to(device)
-                kept = idx[informative_all[idx]] if skip_zero else idx       # the rows with a loss, all ranks
-                rows = share.local(kept)                                     # this rank's, local indices
-                part = _normaliser_part(rows, idx, mask, lengths_all, cfg.loss_agg)
-                if len(kept) == 0:  # a zero loss: AdamW still takes its (momentum) step, as on the full batch
-                    loss = sum(p.sum() for p in updater.params) * 0.0
-                    applied, gnorm = updater.minimize(loss)
-                    stats.add(grad_norm=gnorm, skipped=float(not applied))
-                    stats.add_share(loss=0.0, policy_loss=0.0)
-                    continue
-                if len(rows) == 0:  # none of the minibatch's rows is this rank's: it still joins the update
-                    loss = sum(p.sum() for p in updater.params) * 0.0
-                    pg, pst, kl_mb, tok_mb = 0.0, {"clip_ratio": 0.0, "approxkl": 0.0}, 0.0, 0.0
-                else:
-                    mb, m = ro.select(rows), mask[rows]
-                    lp = response_forward(policy, mb, T).logprobs                 # (b, N)
-                    a = adv[rows]                                                  # (b, N)
-                    pg_tok, pst = ppo_policy_loss(lp, old_lp[rows], a, m, cfg.clip_epsilon)
-                    per_tok = pg_tok
-                    kl_mb = 0.0
-                    if ref_lp is not None:
-                        kl_tok = kl_estimate(lp, ref_lp[rows], "k3")               # (b, N), >= 0
-                        per_tok = pg_tok + cfg.beta * kl_tok
-                        kl_mb = masked_mean(kl_tok.detach(), m)
-                    loss = aggregate(per_tok, m, cfg.loss_agg, max_len=cfg.max_new_tokens) * part
-                    pg = part * aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
-                    tok_mb = float(lengths_all[kept].sum())
-                applied, gnorm = updater.minimize(loss)
-                # token-mean statistics: this rank's mean weighted by its share of the kept tokens
-                w = float(mask[rows].sum()) / tok_mb if tok_mb else 0.0
-                stats.add(grad_norm=gnorm, skipped=float(not applied))
-                stats.add_share(policy_loss=pg, loss=loss.detach(), clip_ratio=w * pst["clip_ratio"],
-                                approxkl=w * pst["approxkl"])
-                if ref_lp is not None:
-                    stats.add_share(kl=w * kl_mb)
-        t3 = time.perf_counter()
-
-        res = stats.result(rt)
-        res.setdefault("kl", 0.0)  # beta = 0: no reference, KL not tracked in training
-        for k in ("clip_ratio", "approxkl"):
-            res.setdefault(k, 0.0)  # no informative completion this step: nothing was clipped
+    def rollout_numbers(self, share: Shares, ro: Rollout, rewards: Tensor, zero_std: Tensor, rstats: dict,
+                        step: int) -> tuple[dict, float, dict, float]:
+        """The rollouts' numbers on the global batch (the row's reward columns, the entropy, llm.shares.
+        rollout_stats' row and token count); raises the quality gate on groups of equal rewards."""
+        G = self.cfg.group_size
+        reward_sum, std_sum, n_zero, ent_sum, n_resp = share.sums(
+            rewards.double().sum(), rewards.float().view(-1, G).std(dim=1).sum(), zero_std.sum(),
+            (-ro.logprobs * ro.response_mask).sum(), ro.response_mask.sum())
+        n_all, B_all = share.total // G, share.total
+        self.check_zero_std(n_zero == n_all, step, reward_sum / B_all)
+        rollouts, n_tokens = rollout_stats(share, ro, rstats)
+        row = {"reward": reward_sum / B_all, "reward_std": std_sum / n_all, "frac_reward_zero_std": n_zero / n_all}
         # entropy of the sampling distribution, estimated by -log pi_old(a_t) of the sampled tokens
         # (unbiased, and free: no (B, N, V) softmax over all completions)
-        res["entropy"] = ent_sum / max(n_resp, 1.0)
-        return {"reward": reward_sum / B_all, "reward_std": std_sum / n_all,
-                "frac_reward_zero_std": n_zero / n_all, "groups_trained": len(trained) / G, **res,
-                "response_length": len_sum / B_all, "stop_rate": stop_sum / B_all,
-                **{k: v / B_all for k, v in zip(rstats, rvals)}, "rollout_s": t1 - t0, "scoring_s": t2 - t1,
-                "update_s": t3 - t2, "tokens_per_s": n_tokens / (t3 - t0)}
+        return row, ent_sum / max(n_resp, 1.0), rollouts, n_tokens
+
+    def check_zero_std(self, all_equal: bool, step: int, reward: float) -> None:
+        """The quality gate: every group's rewards equal for max_zero_std_steps steps in a row."""
+        cfg = self.cfg
+        self.zero_std_streak = self.zero_std_streak + 1 if all_equal else 0
+        if self.zero_std_streak >= cfg.max_zero_std_steps:
+            raise QualityGateError(
+                "grpo", "consecutive steps with no informative group (every group's rewards equal)",
+                self.zero_std_streak, "at", "grpo.max_zero_std_steps", cfg.max_zero_std_steps,
+                detail=f"up to step {step + 1}; last mean reward {reward:.3f}",
+                advice="The prompts are too hard (or too easy) for this policy: use easier grpo.curriculum_levels,"
+                       " a longer grpo.curriculum_steps, a larger grpo.group_size or a higher grpo.temperature")
+
+    def minibatch_loss(self, b: Scored, lengths: Tensor, rows: Tensor, idx: Tensor, w: float) -> tuple[Tensor, dict]:
+        """Step 3 on this rank's `rows` of minibatch `idx`: the per-token loss aggregated by loss_agg,
+        times this rank's part of the minibatch's normaliser (the ranks' losses sum to the
+        minibatch's); the token-mean statistics times `w` (llm.shares.update_epochs)."""
+        cfg, m = self.cfg, b.mask[rows]
+        part = _normaliser_part(rows, idx, b.mask, lengths, cfg.loss_agg)
+        lp = response_forward(self.model, b.ro.select(rows), cfg.temperature).logprobs   # (b, N)
+        pg_tok, pst = ppo_policy_loss(lp, b.old_lp[rows], b.adv[rows], m, cfg.clip_epsilon)
+        per_tok, stats = pg_tok, {}
+        if b.ref_lp is not None:
+            kl_tok = kl_estimate(lp, b.ref_lp[rows], "k3")                  # (b, N), >= 0
+            per_tok = pg_tok + cfg.beta * kl_tok
+            stats["kl"] = w * masked_mean(kl_tok.detach(), m)
+        loss = aggregate(per_tok, m, cfg.loss_agg, max_len=cfg.max_new_tokens) * part
+        pg = part * aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
+        return loss, {"policy_loss": pg, "loss": loss.detach(), "clip_ratio": w * pst["clip_ratio"],
+                      "approxkl": w * pst["approxkl"], **stats}
 
 
 def first_informative_groups(zero_std: Tensor, k: int, group_size: int) -> Tensor:

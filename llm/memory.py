@@ -73,7 +73,7 @@ CPU_PROCESS = int(0.3 * GIB)
 EXACT = ("weights", "gradients", "optimizer", "kv_cache")
 ESTIMATED = ("activations", "logits", "context")
 SFT_EVAL_BATCH = 64      # stages/sft.py: the held-out math check after training
-HELDOUT_BATCH = 64       # llm.rl.heldout_eval's default, used by PPO and GRPO
+HELDOUT_BATCH = 64       # llm.heldout.heldout_eval's default, used by PPO and GRPO
 
 
 @dataclass

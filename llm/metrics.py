@@ -1,83 +1,104 @@
-"""Metrics files: what a person compares, apart from how the run went.
+"""Metrics files: what a person compares, apart from what else a run records and how it went.
 
 Every stage writes its numbers with one call,
 
     write_metrics("metrics/ppo.json", m)
 
-which splits `m` by the rule below into two files:
+which splits `m` by the rules below into three files:
 
     metrics/ppo.json       quality and size figures: what `dvc metrics diff` and `dvc exp show`
                            compare (dvc.yaml declares it under `metrics:`)
-    metrics/run/ppo.json   timings, throughput, where and how it ran, samples and labels: still
-                           written and read by the report, but not a DVC metric (an output in
-                           DVC's cache), so an experiment's diff is not buried under timings
-                           that change on every run
+    metrics/run/ppo.json   what else the run made that is not a metric (samples, per-problem
+                           rewards, provenance, labels): a DVC output that is not a metric, so
+                           an experiment's diff stays short
+    runs/ppo/run.json      the run's timings, throughput and what it ran with that changes
+                           from run to run: beside the stage's checkpoints in its run directory,
+                           which DVC does not track, so that a rerun on the same machine whose
+                           models come out byte for byte the same leaves dvc.lock unchanged
 
-The rule, applied key by key at every level of nesting (a nested dict is split the same way,
-and each half keeps the path to its keys):
+The path of the last is derived from the metrics file's: `<root>/metrics/<stage>.json` ->
+`<root>/runs/<stage>/run.json` (timings_path; every stage's metrics file is
+metrics/<stage>.json in dvc.yaml). The rules, applied key by key at every level of nesting (a
+nested dict is split the same way, and each part keeps the path to its keys):
 
-- a timing, a rate per second or a memory figure goes to the run file: a key one of whose
-  `_`-separated words is `s`, `seconds`, `time` or `mem` (`train_time_s`, `tokens_per_s`,
-  `rollout_s_total`, `seconds`, `mem_peak_gb`), and `mfu` and `generation_fraction` (a share of
-  the step time): they change with the machine and its load, not with what was learned;
-- so does provenance and what was in force: `device`, `dtype`, `world_size`, `workers`,
-  `resumed_from`, `inputs`, `fingerprint`, `warning`, every `*_sha256`, and the quality gates'
-  thresholds echoed from params.yaml (`max_kl`, `min_accuracy`; `dvc exp show` lists params);
-- so does every value that is not a number, a boolean or null: strings, lists (samples, names);
+- timings (the runs/ file): a key one of whose `_`-separated words is `s`, `seconds`, `time`
+  or `mem` (`train_time_s`, `tokens_per_s`, `rollout_s_total`, `seconds`, `mem_peak_gb`), and
+  `mfu`, `generation_fraction` (a share of the step time), `num_threads` (`auto` follows the
+  machine's load) and `resumed_from` (where a killed run picked up): they change with the
+  machine, its load and the run's history, not with what was learned;
+- the run file: provenance and what was in force: `device`, `dtype`, `world_size`, `workers`,
+  `inputs`, `fingerprint`, `warning`, every `*_sha256`, the quality gates' thresholds echoed
+  from params.yaml (`max_kl`, `min_accuracy`; `dvc exp show` lists params), and every value
+  that is not a number, a boolean or null: strings, lists (samples, names);
 - everything else (numbers, booleans, null for "not measured") is a metric.
 
-`read_metrics(path)` joins the two files back into the dict the stage had (`join_metrics` is
-the inverse of `split_metrics`). `headline(metrics_dir)` gathers the few numbers per model that
-a person compares first into metrics/summary.json (see its docstring).
+`read_metrics(path)` joins the files back into the dict the stage had (`join_metrics` is the
+inverse of `split_metrics` and `split_timings`). `headline(metrics_dir)` gathers the few numbers
+per model that a person compares first into metrics/summary.json (see its docstring).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llm.fileio import DataError, atomic_write_json, read_text
 
-# The rule (module docstring). Key names, not values: a key is a timing whatever run it comes from.
-RUN_WORDS = frozenset({"s", "seconds", "time", "mem"})
-RUN_KEYS = frozenset({"mfu", "generation_fraction",
-                      "device", "dtype", "world_size", "workers", "resumed_from", "inputs", "fingerprint", "warning",
+# The rules (module docstring). Key names, not values: a key is a timing whatever run it comes from.
+TIMING_WORDS = frozenset({"s", "seconds", "time", "mem"})
+TIMING_KEYS = frozenset({"mfu", "generation_fraction", "num_threads", "resumed_from"})
+RUN_KEYS = frozenset({"device", "dtype", "world_size", "workers", "inputs", "fingerprint", "warning",
                       "max_kl", "min_accuracy"})
 
 RUN_DIR = "run"  # metrics/<stage>.json -> metrics/run/<stage>.json
+RUNS = "runs"    # metrics/<stage>.json -> runs/<stage>/run.json
+
+
+def is_timing_key(key: str) -> bool:
+    """True when `key` names a timing, a rate, memory, or what changes from run to run (the runs/ file)."""
+    return key in TIMING_KEYS or not TIMING_WORDS.isdisjoint(key.split("_"))
 
 
 def is_run_key(key: str) -> bool:
-    """True when `key` names a timing, a rate, memory, provenance or an echoed threshold (not a metric)."""
-    return key in RUN_KEYS or key.endswith("_sha256") or not RUN_WORDS.isdisjoint(key.split("_"))
+    """True when `key` is no metric by its name: a timing (is_timing_key), provenance or an echoed threshold."""
+    return is_timing_key(key) or key in RUN_KEYS or key.endswith("_sha256")
 
 
 def _is_metric_value(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float))
 
 
-def split_metrics(d: dict) -> tuple[dict, dict]:
-    """(metrics, run info) of one stage's dict, by the rule in the module docstring.
-
-    A nested dict that is empty stays on the metrics side; one whose keys all go one way is not
-    repeated empty on the other, so join_metrics(*split_metrics(d)) == d.
-    """
-    metrics: dict = {}
-    run: dict = {}
+def _split(d: dict, key_out: Callable[[str], bool], value_out: Callable[[Any], bool]) -> tuple[dict, dict]:
+    """(kept, out) of `d`: a key for which key_out holds goes out whole; a nested dict is split the
+    same way; any other value goes out when value_out holds. A nested dict that is empty stays; one
+    whose keys all go one way is not repeated empty on the other."""
+    kept: dict = {}
+    out: dict = {}
     for k, v in d.items():
-        if is_run_key(str(k)):
-            run[k] = v
+        if key_out(str(k)):
+            out[k] = v
         elif isinstance(v, dict) and v:
-            m, r = split_metrics(v)
-            if m:
-                metrics[k] = m
-            if r:
-                run[k] = r
-        elif isinstance(v, dict) or _is_metric_value(v):
-            metrics[k] = v
+            a, b = _split(v, key_out, value_out)
+            if a:
+                kept[k] = a
+            if b:
+                out[k] = b
+        elif isinstance(v, dict) or not value_out(v):
+            kept[k] = v
         else:
-            run[k] = v
-    return metrics, run
+            out[k] = v
+    return kept, out
+
+
+def split_metrics(d: dict) -> tuple[dict, dict]:
+    """(metrics, the rest) of one stage's dict, by the rules in the module docstring;
+    join_metrics(*split_metrics(d)) == d."""
+    return _split(d, is_run_key, lambda v: not _is_metric_value(v))
+
+
+def split_timings(d: dict) -> tuple[dict, dict]:
+    """(the rest, timings) of one stage's dict: the timings are what goes to the runs/ file."""
+    return _split(d, is_timing_key, lambda v: False)
 
 
 def join_metrics(metrics: dict, run: dict, _where: str = "") -> dict:
@@ -102,12 +123,22 @@ def run_info_path(path: str | Path) -> Path:
     return path.parent / RUN_DIR / path.name
 
 
-def write_metrics(path: str | Path, d: dict) -> tuple[dict, dict]:
-    """Write `d` as the metrics file `path` and its run file (run_info_path); returns the halves."""
-    metrics, run = split_metrics(d)
+def timings_path(path: str | Path) -> Path:
+    """Where the timings of the metrics file `path` go: metrics/ppo.json -> runs/ppo/run.json (the
+    stage's run directory, beside metrics/ under the same root; untracked by DVC)."""
+    path = Path(path)
+    return path.parent.parent / RUNS / path.stem / "run.json"
+
+
+def write_metrics(path: str | Path, d: dict) -> tuple[dict, dict, dict]:
+    """Write `d` as the metrics file `path`, its run file (run_info_path) and its timings
+    (timings_path); returns the three parts."""
+    rest, timings = split_timings(d)
+    metrics, run = split_metrics(rest)
+    atomic_write_json(timings_path(path), timings)
     atomic_write_json(run_info_path(path), run)
     atomic_write_json(path, metrics)
-    return metrics, run
+    return metrics, run, timings
 
 
 def _read_json(path: Path) -> Any:
@@ -118,17 +149,19 @@ def _read_json(path: Path) -> Any:
 
 
 def read_metrics(path: str | Path) -> dict:
-    """The dict a stage wrote with write_metrics: its metrics file joined with its run file (when
-    there is one: files written before the split hold everything in the metrics file)."""
+    """The dict a stage wrote with write_metrics: its metrics file joined with its run file and its
+    timings, each when there is one (files written before a split hold more in the metrics file;
+    timings are absent where the run directory was removed or the outputs came from DVC's cache)."""
     path = Path(path)
-    metrics = _read_json(path)
-    run_path = run_info_path(path)
-    if not run_path.is_file():
-        return metrics
-    try:
-        return join_metrics(metrics, _read_json(run_path))
-    except ValueError as e:
-        raise DataError(f"{path} and {run_path}: {e}; rerun the stage that writes them") from None
+    out = _read_json(path)
+    for extra in (run_info_path(path), timings_path(path)):
+        if not extra.is_file():
+            continue
+        try:
+            out = join_metrics(out, _read_json(extra))
+        except ValueError as e:
+            raise DataError(f"{path} and {extra}: {e}; rerun the stage that writes them") from None
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -34,7 +34,8 @@ rollout_s / scoring_s / update_s, tokens_per_s.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -43,9 +44,9 @@ from llm.config import PPOConfig
 from llm.losses import gae, kl_estimate, masked_mean, ppo_policy_loss, ppo_value_loss, whiten
 from llm.loop import Updater
 from llm.rewards import RewardFn
-from llm.rl import Mean, Shares, gather_rows, global_sums, minibatches, step_generator
-from llm.rollout import response_forward, rollout
-from llm.runtime import Runtime, all_reduce
+from llm.rollout import Rollout, response_forward, rollout
+from llm.runtime import Runtime
+from llm.shares import Shares, rollout_stats, step_generator, update_epochs
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
 
@@ -139,6 +140,19 @@ def token_rewards(score: Tensor, kl: Tensor, kl_coef: float, lengths: Tensor) ->
     return rewards
 
 
+class Scored(NamedTuple):
+    """A step's rollouts (this rank's rows) with what its update needs of them, each (B, N)."""
+    ro: Rollout
+    mask: Tensor        # response tokens
+    old_lp: Tensor      # log pi_old of the sampled tokens, 0 off the responses
+    old_values: Tensor  # V_old at the state before each response token, 0 off the responses
+    adv: Tensor         # GAE advantages (whitened over the global batch)
+    returns: Tensor     # the value targets
+
+# the statistics of step 5, each a token mean over a minibatch (TRL's names)
+STATS = ("policy_loss", "value_loss", "entropy", "clip_ratio", "approxkl", "vf_clipfrac", "loss")
+
+
 class PPO:
     def __init__(self, policy: nn.Module, ref: nn.Module, cfg: PPOConfig, *, prompts_fn: PromptsFn,
                  reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int,
@@ -161,93 +175,82 @@ class PPO:
         self.alert.load_state_dict(state["alert"])
 
     def step(self, step: int, updater: Updater) -> dict[str, float]:
-        cfg, policy, rt = self.cfg, self.model, self.rt
+        cfg, policy, T = self.cfg, self.model, self.cfg.temperature
         device = next(policy.parameters()).device
-        T = cfg.temperature
 
-        # 1. rollout: this rank's share of the step's prompts ------------------------------
+        # 1. rollout: this rank's share of the step's prompts (the global list is the same on every rank)
         t0 = time.perf_counter()
-        prompts, problems = self.prompts_fn(step)                          # the global list, the same on every rank
-        share = Shares.of(len(prompts), 1, rt)
+        prompts, problems = self.prompts_fn(step)
+        share = Shares.of(len(prompts), 1, self.rt)
         prompts, problems = prompts[share.lo:share.hi], problems[share.lo:share.hi]
         ro = rollout(policy, prompts, max_new_tokens=cfg.max_new_tokens, temperature=T, stop_ids=self.stop_ids,
                      pad_id=self.pad_id, generator=step_generator(self.seed, "rollout", step, device),
                      row_offset=share.lo, total_rows=share.total)
         t1 = time.perf_counter()
 
-        # 2. scoring -----------------------------------------------------------------------
         mask = ro.response_mask                                             # (B, N)
-        B, B_all = len(ro), share.total
         with torch.no_grad():
+            # 2. scoring: old log-probs and values, the reference's log-probs, the score
             old = response_forward(policy, ro, T, values=True)
             ref_lp = response_forward(self.ref, ro, T).logprobs            # (B, N)
             score, rstats = self.reward_fn(ro, problems)                   # (B,)
             score = score.to(device)
-            old_lp = old.logprobs.masked_fill(~mask, 0.0)
-            old_values = old.values.masked_fill(~mask, 0.0)
+            old_lp, old_values = old.logprobs.masked_fill(~mask, 0.0), old.values.masked_fill(~mask, 0.0)
             # 3. per-token rewards: KL penalty everywhere, the score at the last response token
             kl_tok = kl_estimate(old_lp, ref_lp, cfg.kl_estimator).masked_fill(~mask, 0.0)   # (B, N)
             kl_coef = self.kl_ctl.value
             rewards = token_rewards(score, kl_tok, kl_coef, ro.lengths)     # (B, N)
-            # 4. GAE and whitening (mean and variance over the global batch's response tokens)
+            # 4. GAE; advantages whitened over the global batch's response tokens
             adv, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:
-                adv = whiten(adv, mask, reduce=lambda t: all_reduce(t, rt) if rt is not None else t)
-        lengths_all = gather_rows(ro.lengths, rt).to(device).float()       # (B_all,) every rank's rows
+                adv = whiten(adv, mask, reduce=share.reduce)
+        lengths = share.gather(ro.lengths).to(device).float()              # (B_all,)
         t2 = time.perf_counter()
 
-        # 5. epochs of minibatch updates -----------------------------------------------------
-        # minibatches are a permutation of the global batch; each rank's losses are its rows'
-        # token means weighted by its share of the minibatch's tokens (`w`): they sum to the
-        # minibatch's token means over the ranks
-        stats = Mean()
-        for epoch in range(cfg.epochs):
-            g = step_generator(self.seed, f"minibatch-{epoch}", step)
-            for idx in minibatches(B_all, cfg.minibatch_size, g):
-                idx = idx.to(device)
-                rows = share.local(idx)
-                if len(rows) == 0:  # none of the minibatch's rows is this rank's: it still joins the update
-                    loss = sum(p.sum() for p in updater.params) * 0.0
-                    applied, gnorm = updater.minimize(loss)
-                    stats.add(grad_norm=gnorm, skipped=float(not applied))
-                    stats.add_share(policy_loss=0.0, value_loss=0.0, entropy=0.0, clip_ratio=0.0, approxkl=0.0,
-                                    vf_clipfrac=0.0, loss=0.0)
-                    continue
-                mb, m = ro.select(rows), mask[rows]
-                w = float(m.sum()) / max(float(lengths_all[idx].sum()), 1.0)  # exactly 1 in one process
-                out = response_forward(policy, mb, T, values=True, entropy=True, entropy_grad=cfg.ent_coef > 0)
-                pg_tok, pst = ppo_policy_loss(out.logprobs, old_lp[rows], adv[rows], m, cfg.clip_epsilon)
-                policy_loss = masked_mean(pg_tok, m) * w
-                value_loss, vf_clipfrac = ppo_value_loss(out.values, old_values[rows], returns[rows], m,
-                                                         cfg.value_clip)
-                value_loss = value_loss * w
-                entropy = masked_mean(out.entropy, m) * w
-                loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
-                applied, gnorm = updater.minimize(loss)
-                stats.add(grad_norm=gnorm, skipped=float(not applied))
-                stats.add_share(policy_loss=policy_loss.detach(), value_loss=value_loss.detach(),
-                                entropy=entropy.detach(), clip_ratio=w * pst["clip_ratio"],
-                                approxkl=w * pst["approxkl"], vf_clipfrac=w * vf_clipfrac, loss=loss.detach())
+        # 5. epochs of minibatch updates of clipped surrogate + clipped value loss - entropy bonus
+        batch = Scored(ro, mask, old_lp, old_values, adv, returns)
+        stats = update_epochs(updater, share, torch.arange(share.total), partial(self.minibatch_loss, batch),
+                              lengths=lengths, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size, seed=self.seed,
+                              step=step, device=device, stat_keys=STATS)
         t3 = time.perf_counter()
 
-        # 6. KL control and alerts, on the global batch ----------------------------------------
-        kl_sum, n_tok, kl_seq_sum, score_sum, score_sq, len_sum, stop_sum, n_tokens, *rvals = global_sums(
-            [kl_tok.double().sum(), mask.sum(), kl_tok.double().sum(1).sum(), score.double().sum(),
-             (score.double() ** 2).sum(), ro.lengths.sum(), ro.stopped.sum(), ro.attention_mask.sum(),
-             *(v * B for v in rstats.values())], rt)
+        # 6. KL control and alerts, on the global batch
+        kl_sum, n_tok, kl_seq_sum, score_sum, score_sq = share.sums(
+            kl_tok.double().sum(), mask.sum(), kl_tok.double().sum(1).sum(), score.double().sum(),
+            (score.double() ** 2).sum())
         kl = kl_sum / max(n_tok, 1.0)
-        self.kl_ctl.update(kl, n_steps=B_all)
-        for msg in (self.alert.check(kl, step + 1),
-                    self.alert.finish(step + 1) if step + 1 == cfg.max_steps else None):  # the last step
-            if msg:
-                self.log(f"ppo: {msg}")
+        self.kl_ctl.update(kl, n_steps=share.total)
+        self.check_kl(kl, step)
+
+        rollouts, n_tokens = rollout_stats(share, ro, rstats)
+        B_all = share.total
         reward = score_sum / B_all
         reward_var = (score_sq - B_all * reward ** 2) / (B_all - 1) if B_all > 1 else 0.0
         return {"reward": reward, "reward_std": max(reward_var, 0.0) ** 0.5,
                 "non_score_reward": -kl_coef * kl_seq_sum / B_all,
-                "kl": kl, "kl_seq": kl_seq_sum / B_all, "kl_coef": kl_coef,
-                **stats.result(rt), "response_length": len_sum / B_all, "stop_rate": stop_sum / B_all,
-                **{k: v / B_all for k, v in zip(rstats, rvals)},
-                "kl_alerts": self.alert.alerts,
-                "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
+                "kl": kl, "kl_seq": kl_seq_sum / B_all, "kl_coef": kl_coef, **stats, **rollouts,
+                "kl_alerts": self.alert.alerts, "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
                 "tokens_per_s": n_tokens / (t3 - t0)}
+
+    def minibatch_loss(self, b: Scored, rows: Tensor, idx: Tensor, w: float) -> tuple[Tensor, dict]:
+        """Step 5 on this rank's `rows` of one minibatch: policy_loss + vf_coef * value_loss -
+        ent_coef * entropy, each a token mean over the rows times `w` (llm.shares.update_epochs)."""
+        cfg, m = self.cfg, b.mask[rows]
+        out = response_forward(self.model, b.ro.select(rows), cfg.temperature, values=True, entropy=True,
+                               entropy_grad=cfg.ent_coef > 0)
+        pg_tok, pst = ppo_policy_loss(out.logprobs, b.old_lp[rows], b.adv[rows], m, cfg.clip_epsilon)
+        policy_loss = masked_mean(pg_tok, m) * w
+        value_loss, vf_clipfrac = ppo_value_loss(out.values, b.old_values[rows], b.returns[rows], m, cfg.value_clip)
+        value_loss = value_loss * w
+        entropy = masked_mean(out.entropy, m) * w
+        loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
+        return loss, {"policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
+                      "entropy": entropy.detach(), "clip_ratio": w * pst["clip_ratio"], "approxkl": w * pst["approxkl"],
+                      "vf_clipfrac": w * vf_clipfrac, "loss": loss.detach()}
+
+    def check_kl(self, kl: float, step: int) -> None:
+        """Step 6's alerts: KL outside the band, and after the last step a KL that never reached it."""
+        for msg in (self.alert.check(kl, step + 1),
+                    self.alert.finish(step + 1) if step + 1 == self.cfg.max_steps else None):
+            if msg:
+                self.log(f"ppo: {msg}")

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llm.config import TASK_KINDS
-from llm.metrics import join_metrics, run_info_path
+from llm.metrics import join_metrics, run_info_path, timings_path
 from llm.paired import compare, read_items
 
 MODELS = ("base", "sft", "ppo", "grpo", "dpo")
@@ -197,9 +197,11 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
     for st in STAGES:
         d = _read_json(root / f"{st}.json", notes)
         if isinstance(d, dict):
-            run = run_info_path(root / f"{st}.json")  # its timings and provenance (llm/metrics.py)
-            run_d = _read_json(run, notes) if run.is_file() else None
-            stages[st] = join_metrics(d, run_d) if isinstance(run_d, dict) else d
+            for extra in (run_info_path(root / f"{st}.json"), timings_path(root / f"{st}.json")):
+                # its provenance and samples, and its timings (llm/metrics.py), where present
+                extra_d = _read_json(extra, notes) if extra.is_file() else None
+                d = join_metrics(d, extra_d) if isinstance(extra_d, dict) else d
+            stages[st] = d
     for name in TSVS:
         f = root / "plots" / f"{name}.tsv"
         if f.is_file():

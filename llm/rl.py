@@ -1,143 +1,42 @@
-"""What PPO and GRPO share around their step: prompts, held-out evaluation, the stage's set-up and finish.
+"""The glue of the RL stages (stages/ppo.py, stages/grpo.py) around their algorithm: prompts, set-up, run, finish.
 
     setup = setup_rl_stage("grpo", common, cfg, rt.device, sft=..., data=..., levels=...)
     algo = GRPO(setup.policy, setup.ref, cfg, ...)      # llm/grpo.py or llm/ppo.py: one RL step each
-    metrics = finish_rl_stage(setup, algo, cfg, rt, run_dir=..., model_out=..., metrics_path=..., plots=...)
+    metrics = finish_rl_stage(setup, algo, cfg, rt, run_dir=..., model=..., metrics=..., plots=...,
+                              extra_metrics=lambda result: {...})
 
-An RL step (one rollout batch: sample, score, update) is the algorithm's business; the
-algorithm is a step body of the run skeleton (llm/loop.py), which does what every training
-stage does: resume, checkpoints (policy with its value head, AdamW moments, the algorithm's
-state such as the KL coefficient), signals, the optimizer step with clipping and the
-non-finite policy. Sampling randomness is counter-based (`step_generator`: a torch.Generator
-seeded from (seed, what, step)), so a resumed run repeats the uninterrupted one exactly on
-the CPU.
-
-Data parallel (common.nproc > 1, under torchrun; `Shares`): every rank draws the step's
-global prompt list from the same generator and takes an equal, contiguous share of its rows
-(a GRPO group is never split); it samples its rows with the whole batch's random numbers
-(llm.generate.generate's row_offset), so each row's tokens are those one process would
-sample. Each rank's loss is its rows' part of the global loss (its numerator over the
-global denominator), the Updater sums the gradients over the ranks, and every statistic
-(advantage whitening, the KL controller, the gates, every logged number) is taken on the
-global batch. Minibatches are a permutation of the global batch, so minibatch k holds the
-same rows as in one process; a rank with none of them still joins the update. The result
-is one process's trajectory up to the order of floating-point sums.
-
-Also here: `MathPrompts` (prompt pools by level, sampled per step), `heldout_eval` (greedy exact
-match via llm.evaluate.math_eval, plus KL to the reference on the policy's own samples via
-llm.rollout.sampled_kl, and the reward of those samples), `summarize` (start-vs-end numbers
-for the metrics file) and `check_final_kl` (the quality gate on the final KL).
-
-Definition used everywhere here: `kl` is the mean over response tokens of KL(pi || ref)
-per token (TRL GRPO's `kl`); `kl_seq` is its sum over a response, averaged over responses
-(TRL PPO's `objective/kl`). Held-out `kl` is exact per token (summed over the vocabulary at
-each sampled state), so it has no estimator noise; training-time `kl` uses the stage's
-estimator (k1 or k3) on the sampled tokens.
+An RL step (one rollout batch: sample, score, update) is the algorithm's business, and its
+data-parallel bookkeeping is llm/shares.py's; the algorithm is a step body of the run
+skeleton (llm/loop.py), which does what every training stage does: resume, checkpoints
+(policy with its value head, AdamW moments, the algorithm's state such as the KL
+coefficient), signals, the optimizer step with clipping and the non-finite policy. Here:
+`MathPrompts` (prompt pools by level, sampled per step), `setup_rl_stage` (models, reward,
+prompts, fingerprint), `finish_rl_stage` (train, held-out evaluation with llm/heldout.py, the
+final-KL gate, the stage's outputs through llm.finish.finish_stage) and `summarize`
+(start-vs-end numbers for the metrics file).
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from llm.artifacts import load_model_dir, save_model_dir
+from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
 from llm.chat import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
-from llm.errors import QualityGateError
-from llm.evaluate import math_eval
 from llm.fileio import read_jsonl, sha256_file
+from llm.finish import Gate, finish_stage, run_plots
+from llm.heldout import heldout_eval, heldout_reward_change, heldout_rewards
 from llm.loop import LoopResult, Updater, run_loop
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
-from llm.paired import bootstrap_mean, linear_trend
+from llm.monitor import Plots
+from llm.paired import linear_trend
 from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
-from llm.rollout import sampled_kl
-from llm.runtime import Runtime, all_gather_object, all_reduce
-
-
-def step_generator(seed: int, what: str, step: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh generator for one use at one step: nothing to save in a checkpoint."""
-    return torch.Generator(device=device).manual_seed(derive_seed(seed, what, step))
-
-
-def minibatches(n: int, size: int, generator: torch.Generator) -> list[Tensor]:
-    """A shuffled partition of range(n) into chunks of `size` (the last may be shorter)."""
-    perm = torch.randperm(n, generator=generator)
-    return list(perm.split(size))
-
-
-class Mean:
-    """Running means of named floats over minibatches (minibatch statistics -> one row).
-
-    `add` takes numbers every rank holds alike (the gradient norm); `add_share` takes this
-    rank's share of a global number (its rows' part of the minibatch loss), summed over the
-    ranks by `result(rt)`. Every rank must call both for the same minibatches and keys."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.shares: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
-
-    def add(self, **values: float | Tensor) -> None:
-        for k, v in values.items():
-            self.sums[k] += float(v)
-            self.counts[k] += 1
-
-    def add_share(self, **values: float | Tensor) -> None:
-        for k, v in values.items():
-            self.shares[k] += float(v)
-            self.counts[k] += 1
-
-    def result(self, rt: Runtime | None = None) -> dict[str, float]:
-        keys = sorted(self.shares)
-        if keys and rt is not None and rt.distributed:
-            summed = all_reduce(torch.tensor([self.shares[k] for k in keys], dtype=torch.float64, device=rt.device),
-                                rt).tolist()
-            shares = dict(zip(keys, summed))
-        else:
-            shares = dict(self.shares)
-        return {k: (self.sums[k] if k in self.sums else shares[k]) / self.counts[k] for k in self.counts}
-
-
-@dataclass
-class Shares:
-    """This rank's contiguous share of a global batch of `total` rows: rows [lo, hi)."""
-    lo: int
-    hi: int
-    total: int
-
-    @classmethod
-    def of(cls, n_items: int, rows_per_item: int, rt: Runtime | None) -> "Shares":
-        """Items (prompts; each rows_per_item rows, a GRPO group) shared out equally over the ranks."""
-        rank, world = (rt.rank, rt.world_size) if rt is not None else (0, 1)
-        if n_items % world:
-            raise ValueError(f"{n_items} prompts per step cannot be shared equally by {world} processes")
-        per = n_items // world * rows_per_item
-        return cls(rank * per, (rank + 1) * per, n_items * rows_per_item)
-
-    def local(self, idx: Tensor) -> Tensor:
-        """The rows of global indices `idx` that are this rank's, as local indices (in idx's order)."""
-        return idx[(idx >= self.lo) & (idx < self.hi)] - self.lo
-
-
-def gather_rows(x: Tensor, rt: Runtime | None) -> Tensor:
-    """Every rank's (n, ...) rows of x concatenated in rank order: the global batch's (on CPU)."""
-    return torch.cat([t for t in all_gather_object(x.detach().cpu(), rt)])
-
-
-def global_sums(values: list[float | Tensor], rt: Runtime | None) -> list[float]:
-    """Each value summed over the ranks (float64; the values themselves in one process)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if rt is not None and rt.distributed:
-        t = all_reduce(t.to(rt.device), rt)
-    return t.tolist()
+from llm.runtime import Runtime
 
 
 class Algorithm(Protocol):
@@ -196,76 +95,6 @@ class MathPrompts:
         pool = self.pool(levels)
         idx = torch.randint(len(pool), (n,), generator=generator).tolist()
         return [pool[i][0] for i in idx], [pool[i][1] for i in idx]
-
-
-@torch.no_grad()
-def heldout_eval(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequence[dict], *, max_new_tokens: int,
-                 temperature: float, seed: int, batch_size: int = 64, reward_fn: RewardFn | None = None,
-                 confidence: float = 0.95, rt: Runtime | None = None) -> tuple[dict[str, float], list[dict]]:
-    """Held-out numbers for one model state, and a few sample answers.
-
-    - math exact match (greedy; llm.evaluate.math_eval) with its Wilson interval;
-    - `kl`: exact per-token KL(policy || ref) at the states of the policy's own samples
-      (llm.rollout.sampled_kl at `temperature`, a fixed seed: the same draws every evaluation
-      for the same policy);
-    - `reward`: mean reward_fn score of those samples (e.g. the RM), if given; with a combined
-      reward (rm_verifier_reward) also its RM part alone, `rm_score`.
-    A distributed `rt` shares the batches out over the ranks; every rank returns the numbers.
-    """
-    ev = math_eval(policy, tokenizer, problems, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                   confidence=confidence, rt=rt)
-    out = {k: v for k, v in ev.items() if k != "samples" and isinstance(v, (int, float))}
-
-    def score(ro, ix: list[int]) -> tuple[float, int, float | None]:
-        r, stats = reward_fn(ro, [problems[i] for i in ix])
-        return float(r.double().sum()), len(ix), stats.get("rm_score")
-
-    kl = _heldout_samples(policy, ref, tokenizer, problems, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed, batch_size=batch_size, visit=score if reward_fn is not None else None, rt=rt)
-    out["kl"] = kl.per_token
-    if kl.visits:
-        out["reward"] = sum(v[0] for v in kl.visits) / sum(v[1] for v in kl.visits)
-        with_rm = [v for v in kl.visits if v[2] is not None]
-        if with_rm:
-            out["rm_score"] = sum(v[2] * v[1] for v in with_rm) / sum(v[1] for v in with_rm)
-    return out, ev["samples"]
-
-
-def _heldout_samples(policy, ref, tokenizer, problems, *, max_new_tokens, temperature, seed, batch_size, visit, rt):
-    """The policy's samples for the held-out problems (one seed: the same draws every call for the
-    same policy) and the exact KL to `ref` at their states; `visit` sees each batch's rollouts."""
-    return sampled_kl(policy, ref, [user_prompt(p["question"], tokenizer) for p in problems],
-                      max_new_tokens=max_new_tokens, temperature=temperature,
-                      stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
-                      seed=derive_seed(seed, "heldout"), batch_size=batch_size, visit=visit, rt=rt)
-
-
-@torch.no_grad()
-def heldout_rewards(policy: nn.Module, ref: nn.Module, tokenizer, problems: Sequence[dict], *, max_new_tokens: int,
-                    temperature: float, seed: int, reward_fn: RewardFn, batch_size: int = 64,
-                    rt: Runtime | None = None) -> list[float]:
-    """The reward of `policy`'s sample for each held-out problem, in problem order: the samples
-    `heldout_eval` draws (the same seed and batches), so their mean is its `reward`."""
-    def score(ro, ix: list[int]) -> list[tuple[int, float]]:
-        r, _ = reward_fn(ro, [problems[i] for i in ix])
-        return list(zip(ix, r.double().tolist()))
-
-    kl = _heldout_samples(policy, ref, tokenizer, problems, max_new_tokens=max_new_tokens, temperature=temperature,
-                          seed=seed, batch_size=batch_size, visit=score, rt=rt)
-    out = [0.0] * len(problems)
-    for i, r in (x for batch in kl.visits for x in batch):
-        out[i] = r
-    return out
-
-
-def heldout_reward_change(start: Sequence[float], end: Sequence[float], *, seed: int, confidence: float = 0.95,
-                          n_boot: int = 10000) -> dict[str, float]:
-    """The change of the mean held-out reward from `start` to `end` (per-problem rewards of the same
-    problems and sampling seed), with the percentile bootstrap interval of the paired mean
-    difference: {"delta", "lo", "hi"}."""
-    d = np.asarray(end, dtype=np.float64) - np.asarray(start, dtype=np.float64)
-    lo, hi = bootstrap_mean(d, confidence=confidence, n_boot=n_boot, rng=np.random.default_rng(seed))
-    return {"delta": float(d.mean()), "lo": lo, "hi": hi}
 
 
 RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "reward", "reward (held-out)")]),
@@ -346,13 +175,11 @@ def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> s
             f"{ctl}{math}; wrote {model}/ and {metrics}")
 
 
-def check_final_kl(kl: float, max_kl: float, stage: str) -> None:
+def final_kl_gate(kl: float, max_kl: float, stage: str) -> Gate:
     """Quality gate: the policy moved too far from the reference to be trusted."""
-    if not math.isfinite(kl) or kl > max_kl:
-        raise QualityGateError(f"{stage}: quality gate failed: final KL to the reference {kl:.4f} is above"
-                               f" {stage}.max_kl={max_kl} (mean per-token KL on held-out prompts); the policy drifted"
-                               f" too far. Lower {stage}.lr, raise the KL penalty, or run fewer steps;"
-                               f" no model was written")
+    return Gate("final KL to the reference", kl, "max", f"{stage}.max_kl", max_kl,
+                detail="mean per-token KL on held-out prompts; the policy drifted too far",
+                advice=f"Lower {stage}.lr, raise the KL penalty, or run fewer steps")
 
 
 # ---------------------------------------------------------------------------
@@ -418,17 +245,17 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
 def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
                     metrics: Path, plots: Path, extra_metrics: Callable[[LoopResult], dict[str, Any]],
                     progress: bool = True, trend_after: int = 0) -> dict[str, Any]:
-    """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), apply the final-KL gate, then write
-    the policy to `model`, the metrics to `metrics` and the curves to `plots`; returns the metrics.
+    """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), then end the stage
+    (llm.finish.finish_stage: the final-KL gate, the policy to `model`, the curves to `plots`, the
+    metrics to `metrics`); returns the metrics.
 
     The metrics are `summarize`'s (the reward's trend fitted after step `trend_after`), the
     final KL (held-out, else the last training steps') and its gate, `extra_metrics(result)`
     (the algorithm's own numbers), the prompt counts, the step resumed from and three held-out
     samples; with a reward on held-out problems, each problem's reward at the start (the
     reference's sample) and at the end, and the paired interval of the mean change
-    (heldout_reward_delta_lo / _hi). A failed gate raises QualityGateError before the model and
-    the metrics are written. Under torchrun every rank trains and evaluates (a share of each
-    held-out batch) and rank 0 alone writes."""
+    (heldout_reward_delta_lo / _hi). Under torchrun every rank trains and evaluates (a share of
+    each held-out batch) and rank 0 alone writes."""
     stage = setup.stage
     samples: list[dict] = []
 
@@ -442,11 +269,8 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
         with rt.autocast():
             return eval_fn(algo.model)
 
-    curves = run_dir / "plots"  # copied to `plots` once the gate passes
     result = run_rl(algo, cfg, rt, stage=stage, run_dir=run_dir, fingerprint=setup.fingerprint,
-                    evaluate=evaluate if setup.val else None,
-                    plots=Plots(tsv=curves / f"{stage}.tsv", png=curves / f"{stage}.png", tb_dir=run_dir / "tb",
-                                panels=RL_PANELS),
+                    evaluate=evaluate if setup.val else None, plots=run_plots(stage, run_dir, RL_PANELS),
                     progress=progress)
     if setup.val and not samples:
         # resumed from a checkpoint at the last step: no held-out evaluation ran in this process,
@@ -455,27 +279,27 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
             eval_fn(setup.policy)
     out = summarize(result, trend_after=trend_after)
     if setup.val and setup.reward_fn is not None:
-        # the held-out reward's change with an interval: each problem's reward under the final
-        # policy against under the reference (the start; the same seed, so the same draws as
-        # the first held-out evaluation), paired by problem
-        kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=setup.seed,
-                  reward_fn=setup.reward_fn, rt=rt)
-        with rt.autocast():
-            start = heldout_rewards(setup.ref, setup.ref, setup.tokenizer, setup.val, **kw)
-            end = heldout_rewards(setup.policy, setup.ref, setup.tokenizer, setup.val, **kw)
-        ch = heldout_reward_change(start, end, seed=derive_seed(setup.seed, "heldout_boot"))
-        out.update({"heldout_reward_delta_lo": ch["lo"], "heldout_reward_delta_hi": ch["hi"],
-                    "heldout_rewards_start": start, "heldout_rewards_end": end})  # lists: the run file
+        out.update(_heldout_reward_change(setup, cfg, rt))
     final_kl = result.val_history[-1]["kl"] if result.val_history else out["kl_train_end"]
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
                 "resumed_from": result.resumed_from, "math_samples": samples})
-    check_final_kl(final_kl, cfg.max_kl, stage)  # the same numbers on every rank: all fail together
-    if not rt.is_main:
-        return out
-    save_model_dir(model, setup.policy.cpu(), setup.tokenizer,
-                   {"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
-                    "parent": str(setup.sft), "steps": result.step})
-    publish_curves(curves, plots, stage)
-    write_metrics(metrics, out)
-    return out
+    return finish_stage(stage, gates=[final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir, model=model,
+                        weights=setup.policy.cpu() if rt.is_main else setup.policy, tokenizer=setup.tokenizer,
+                        meta={"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
+                              "parent": str(setup.sft), "steps": result.step},
+                        plots=plots, metrics=metrics, numbers=out, write=rt.is_main)
+
+
+def _heldout_reward_change(setup: RLSetup, cfg: RLConfig, rt: Runtime) -> dict[str, Any]:
+    """The held-out reward's change with an interval: each problem's reward under the final policy
+    against under the reference (the start; the same seed, so the same draws as the first
+    held-out evaluation), paired by problem."""
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=setup.seed,
+              reward_fn=setup.reward_fn, rt=rt)
+    with rt.autocast():
+        start = heldout_rewards(setup.ref, setup.ref, setup.tokenizer, setup.val, **kw)
+        end = heldout_rewards(setup.policy, setup.ref, setup.tokenizer, setup.val, **kw)
+    ch = heldout_reward_change(start, end, seed=derive_seed(setup.seed, "heldout_boot"))
+    return {"heldout_reward_delta_lo": ch["lo"], "heldout_reward_delta_hi": ch["hi"],
+            "heldout_rewards_start": start, "heldout_rewards_end": end}  # lists: the run file

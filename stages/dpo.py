@@ -45,10 +45,8 @@ from pathlib import Path
 from llm.batching import derive_seed
 from llm.config import CommonConfig, DPOConfig, fingerprint
 from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
-from llm.errors import QualityGateError
-from llm.fileio import atomic_write_json, sha256_tree
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
+from llm.fileio import sha256_tree
+from llm.finish import Gate, finish_stage, run_plots
 from llm.optim import set_trainable
 from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
 from llm.rollout import sampled_kl
@@ -64,8 +62,7 @@ OUTPUTS = training_outputs("the DPO model directory")
 
 def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir, save_model_dir
-    from llm.chat import render_prompt
+    from llm.artifacts import load_model_dir
     from llm.model import GPT
 
     t_start = time.perf_counter()
@@ -96,12 +93,9 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
                            pad_id=tok.pad_id, rank=rt.rank, world_size=rt.world_size, ref=ref_train)
     val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
                                      n_batches=cfg.eval_batches, ref=ref_val)
-    curves = run_dir / "plots"  # copied to metrics/plots only when the gate passes
     result = train(policy, cfg, rt, stage=STAGE, seed=seed, batches=batches,
                    loss_fn=dpo_loss_fn(cfg.beta, cfg.loss_type, cfg.label_smoothing, full_head=cfg.compile),
-                   val_batches=val_batches,
-                   run_dir=run_dir, fingerprint=fp,
-                   plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   val_batches=val_batches, run_dir=run_dir, fingerprint=fp, plots=run_plots(STAGE, run_dir),
                    progress=progress)
 
     state = full_model_state(policy, rt)
@@ -114,15 +108,8 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
     held = dpo_metrics(out_model, val_pairs, ref_val, beta=cfg.beta, loss_type=cfg.loss_type,
                        label_smoothing=cfg.label_smoothing, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
                        device=rt.device, autocast=rt.autocast)
-    # KL to the SFT model on held-out prompts (unique, in file order)
-    prompts, seen = [], set()
-    for i in pairs.val_kept:
-        ids = tuple(render_prompt(pairs.val_records[i]["prompt"], tok))
-        if ids not in seen and len(ids) < seq_len:
-            seen.add(ids)
-            prompts.append(list(ids))
-    prompts = prompts[:cfg.kl_prompts]
     t0 = time.perf_counter()
+    prompts = heldout_prompts(pairs, tok, seq_len)[:cfg.kl_prompts]
     with rt.autocast():
         kl = sampled_kl(out_model, reference, prompts, max_new_tokens=cfg.max_new_tokens, temperature=1.0,
                         stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id,
@@ -147,19 +134,33 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
         "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
         "stage_time_s": time.perf_counter() - t_start,
     }
-    if kl.per_token > cfg.max_kl:
-        atomic_write_json(run_dir / "failed_metrics.json", out)
-        raise QualityGateError(
-            f"quality gate failed: KL to the SFT model {kl.per_token:.4f} nats/token (on {kl.tokens} sampled"
-            f" tokens of {len(prompts)} held-out prompts) is above dpo.max_kl={cfg.max_kl}; held-out"
-            f" rewards_accuracy {held['rewards_accuracy']:.3f}. {model}/ and {metrics} were NOT written;"
-            f" the run's numbers are in {run_dir / 'failed_metrics.json'}. Raise dpo.beta, lower dpo.lr or"
-            f" dpo.max_steps, or raise dpo.max_kl if this drift is intended.")
-    save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                 "parent": str(sft), "steps": result.step})
-    publish_curves(curves, plots, STAGE)
-    write_metrics(metrics, out)
-    return out
+    return finish_stage(STAGE, gates=[kl_gate(out, cfg)], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+                        meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
+                              "steps": result.step},
+                        plots=plots, metrics=metrics, numbers=out)
+
+
+def kl_gate(m: dict, cfg: DPOConfig) -> Gate:
+    """Quality gate: the policy drifted too far from the SFT model (metrics `m`: kl and its counts)."""
+    return Gate("KL to the SFT model in nats/token", m["kl"], "max", "dpo.max_kl", cfg.max_kl,
+                detail=f"on {m['kl_tokens']} sampled tokens of {m['kl_prompts']} held-out prompts; held-out"
+                       f" rewards_accuracy {m['rewards_accuracy']:.3f}",
+                advice="Raise dpo.beta, lower dpo.lr or dpo.max_steps, or raise dpo.max_kl if this drift is"
+                       " intended")
+
+
+def heldout_prompts(pairs, tok, seq_len: int) -> list[list[int]]:
+    """The held-out pairs' prompts for the KL to the SFT model: unique, in file order, shorter than
+    the context."""
+    from llm.chat import render_prompt
+
+    prompts, seen = [], set()
+    for i in pairs.val_kept:
+        ids = tuple(render_prompt(pairs.val_records[i]["prompt"], tok))
+        if ids not in seen and len(ids) < seq_len:
+            seen.add(ids)
+            prompts.append(list(ids))
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:

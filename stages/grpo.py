@@ -46,7 +46,8 @@ OUTPUTS = training_outputs("the GRPO model directory")
 def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True) -> dict:
     from llm.grpo import GRPO
-    from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
+    from llm.rl import finish_rl_stage, setup_rl_stage
+    from llm.shares import step_generator
 
     # both level lists are checked now, not at step curriculum_steps
     setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data,

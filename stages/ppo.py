@@ -49,7 +49,8 @@ OUTPUTS = training_outputs("the PPO model directory")
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict:
     from llm.ppo import PPO
-    from llm.rl import finish_rl_stage, setup_rl_stage, step_generator
+    from llm.rl import finish_rl_stage, setup_rl_stage
+    from llm.shares import step_generator
 
     setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
                            reward_source=cfg.reward_source, rm=rm)

@@ -34,8 +34,7 @@ import numpy as np
 from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint
 from llm.fileio import DataError, sha256_file
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
+from llm.finish import finish_stage, run_plots
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
 from llm.trainer import train
@@ -100,19 +99,15 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path,
     batches = WindowSampler(train_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size,
                             grad_accum=cfg.grad_accum, seed=seed, rank=rt.rank, world_size=rt.world_size)
     val = fixed_windows(val_tok, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, n_batches=cfg.eval_batches)
-    curves = run_dir / "plots"
     result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, val_batches=val, run_dir=run_dir,
-                   fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png",
-                                               tb_dir=run_dir / "tb"),
+                   fingerprint=fp, plots=run_plots(STAGE, run_dir),
                    bytes_per_token=meta["val_bytes"] / meta["val_tokens"], progress=progress)
 
     state = full_model_state(gpt, rt)  # every rank joins (FSDP gathers); a dict on rank 0 only
     if not rt.is_main:
         return None
-    from llm.artifacts import save_model_dir
     out_model = GPT(model_cfg, seed=0)
     out_model.load_state_dict(state)
-    save_model_dir(model, out_model, tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs, "steps": result.step})
     m = result.metrics
     out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
@@ -125,9 +120,9 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path,
         "world_size": m["world_size"], "device": m["device"], "dtype": m["dtype"], "num_threads": m["num_threads"],
         **{k: v for k, v in m.items() if k.startswith("mem_")},
     }
-    publish_curves(curves, plots, STAGE)
-    write_metrics(metrics, out)
-    return out
+    return finish_stage(STAGE, run_dir=run_dir, model=model, weights=out_model, tokenizer=tok,
+                        meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "steps": result.step},
+                        plots=plots, metrics=metrics, numbers=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,10 +37,8 @@ from pathlib import Path
 from llm.batching import derive_seed
 from llm.chat import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint
-from llm.errors import QualityGateError
-from llm.fileio import atomic_write_json, sha256_tree
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
+from llm.fileio import sha256_tree
+from llm.finish import Gate, finish_stage, run_plots
 from llm.optim import set_trainable
 from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
 from llm.reward_model import RewardModel, reward_loss_fn, score_sequences
@@ -55,7 +53,7 @@ OUTPUTS = training_outputs("the reward model directory")
 
 def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.artifacts import load_model_dir
     from llm.model import GPT
 
     t0 = time.perf_counter()
@@ -78,12 +76,10 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
         set_trainable(gpt, [f"{h}_head.*" for h in gpt.head_names if h.startswith("reward")], f"{STAGE}.train_trunk")
     rm = RewardModel(gpt)
-    # the loop writes its curves under run_dir; they are copied to metrics/plots only if the gate passes
-    curves = run_dir / "plots"
     result = train(rm, cfg, rt, stage=STAGE, seed=seed, batches=batches,
                    loss_fn=reward_loss_fn(cfg.label_smoothing, cfg.margin), val_batches=val_batches,
                    run_dir=run_dir, fingerprint=fp,
-                   plots=Plots(tsv=curves / f"{STAGE}.tsv", png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   plots=run_plots(STAGE, run_dir),
                    progress=progress)
 
     state = full_model_state(rm, rt)
@@ -110,22 +106,18 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "num_threads": m["num_threads"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     }
-    if held["accuracy"] < cfg.min_accuracy:
-        atomic_write_json(run_dir / "failed_metrics.json", out)
-        worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
-        raise QualityGateError(
-            f"quality gate failed: held-out accuracy {held['accuracy']:.3f} on {n} pairs is below"
-            f" reward.min_accuracy={cfg.min_accuracy} (margin {held['margin']:.3f}; weakest kinds: "
-            + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst)
-            + f"). {model}/ and {metrics} were NOT written; the run's numbers are in"
-              f" {run_dir / 'failed_metrics.json'}. Train longer (reward.max_steps), adjust reward.lr,"
-              f" or lower reward.min_accuracy if this is expected.")
-    save_model_dir(model, out_model.cpu(), tok, {
-        "stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft), "steps": result.step,
-        "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"], "on": f"{data}/val.jsonl"}})
-    publish_curves(curves, plots, STAGE)
-    write_metrics(metrics, out)
-    return out
+    worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
+    gate = Gate("held-out accuracy", held["accuracy"], "min", "reward.min_accuracy", cfg.min_accuracy,
+                detail=f"on {n} pairs, margin {held['margin']:.3f}; weakest kinds: "
+                       + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
+                advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
+                       " is expected")
+    return finish_stage(STAGE, gates=[gate], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+                        meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
+                              "steps": result.step,
+                              "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"],
+                                               "on": f"{data}/val.jsonl"}},
+                        plots=plots, metrics=metrics, numbers=out)
 
 
 def _last(result, key: str) -> float | None:

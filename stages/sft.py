@@ -46,8 +46,7 @@ from llm.batching import (BucketBatchSampler, ExampleBatches, ReplayBatches, der
 from llm.chat import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
 from llm.fileio import DataError, read_jsonl, sha256_file, sha256_tree
-from llm.metrics import write_metrics
-from llm.monitor import Plots, publish_curves
+from llm.finish import finish_stage, run_plots
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
 from llm.trainer import evaluate, lm_loss, supervised_lm_loss, train
@@ -99,9 +98,30 @@ def _replay_tokens(tokens: Path, tokenizer):
     return open_tokens(tokens / "train.bin", meta["dtype"])
 
 
+def fixed_val_batches(val_ex, cfg: SFTConfig, seed: int, pad_id: int) -> list:
+    """Fixed validation batches: a seeded sample of the val conversations (shortest-first would
+    pick only the short instruction tasks), sorted by length within the sample to pad less."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(val_ex), generator=g)[: cfg.eval_batches * cfg.batch_size].tolist()
+    val_sorted = sorted((val_ex[i] for i in pick), key=lambda x: len(x[0]))
+    return [make_batch(val_sorted, pad_id)(list(range(i, min(i + cfg.batch_size, len(val_sorted)))))
+            for i in range(0, len(val_sorted), cfg.batch_size)]
+
+
+def _evaluate_average(out_model, averaged: list[int], m: dict, val_batches, loss_fn, rt: Runtime) -> None:
+    """The validation loss of the averaged model written (in m; the final weights' as val_loss_last)."""
+    m["val_loss_last"] = m.get("val_loss")
+    if val_batches:  # one process reads it
+        m.update(evaluate(out_model.to(rt.device), val_batches, loss_fn, replace(rt, rank=0, world_size=1)))
+    losses = (f" (val loss {m['val_loss']:.4f}; the final weights' {m['val_loss_last']:.4f})"
+              if val_batches else "")
+    print(f"{STAGE}: the model is the mean of the weights at steps {', '.join(map(str, averaged))}{losses}",
+          flush=True)
+
+
 def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: Path, math_val: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, tokens: Path | None = None, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.artifacts import load_model_dir
     from llm.evaluate import math_eval
     from llm.model import GPT
 
@@ -127,13 +147,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     seed = derive_seed(common.seed, STAGE)
 
     batches = training_batches(train_ex, tok.pad_id, cfg, seed, rt, replay)
-    # fixed validation batches: a seeded sample of the val conversations (shortest-first would
-    # pick only the short instruction tasks), sorted by length within the sample to pad less
-    g = torch.Generator().manual_seed(derive_seed(common.seed, STAGE, "val"))
-    pick = torch.randperm(len(val_ex), generator=g)[: cfg.eval_batches * cfg.batch_size].tolist()
-    val_sorted = sorted((val_ex[i] for i in pick), key=lambda x: len(x[0]))
-    val_batches = [make_batch(val_sorted, tok.pad_id)(list(range(i, min(i + cfg.batch_size, len(val_sorted)))))
-                   for i in range(0, len(val_sorted), cfg.batch_size)]
+    val_batches = fixed_val_batches(val_ex, cfg, derive_seed(common.seed, STAGE, "val"), tok.pad_id)
     if rt.is_main:
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"
@@ -145,14 +159,12 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
             print(f"{STAGE}: {source} repeated {k}x (fewer than min_source_examples={cfg.min_source_examples})",
                   flush=True)
 
-    curves = run_dir / "plots"
     # the LM head only at the assistant tokens: the cpu profile's forward and backward 1.26x
     # faster (docs/log.md). A compiled model keeps the full head: selecting positions gives a
     # shape the graph cannot know in advance
     loss_fn = lm_loss if cfg.compile else supervised_lm_loss
     result = train(gpt, cfg, rt, stage=STAGE, seed=seed, batches=batches, loss_fn=loss_fn, val_batches=val_batches,
-                   run_dir=run_dir, fingerprint=fp, plots=Plots(tsv=curves / f"{STAGE}.tsv",
-                                                                png=curves / f"{STAGE}.png", tb_dir=run_dir / "tb"),
+                   run_dir=run_dir, fingerprint=fp, plots=run_plots(STAGE, run_dir),
                    progress=progress)
 
     state = full_model_state(gpt, rt)
@@ -167,13 +179,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
                                               source=f"this {STAGE} run")
     out_model.load_state_dict(state)
     if averaged:
-        m["val_loss_last"] = m.get("val_loss")
-        if val_batches:  # the validation loss of the model written; one process reads it
-            m.update(evaluate(out_model.to(rt.device), val_batches, loss_fn, replace(rt, rank=0, world_size=1)))
-        losses = (f" (val loss {m['val_loss']:.4f}; the final weights' {m['val_loss_last']:.4f})"
-                  if val_batches else "")
-        print(f"{STAGE}: the model is the mean of the weights at steps {', '.join(map(str, averaged))}{losses}",
-              flush=True)
+        _evaluate_average(out_model, averaged, m, val_batches, loss_fn, rt)
     out_model.eval()
     out = {
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "val_ppl": m.get("val_ppl"),
@@ -193,12 +199,10 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
                        batch_size=64)
         out.update({k: v for k, v in ev.items() if k != "samples"})
         out["math_samples"] = ev["samples"][:3]
-    save_model_dir(model, out_model.cpu(), tok, {"stage": STAGE, "fingerprint": fp, "inputs": inputs,
-                                                 "parent": str(base), "steps": result.step,
-                                                 **({"averaged_checkpoints": averaged} if averaged else {})})
-    publish_curves(curves, plots, STAGE)
-    write_metrics(metrics, out)
-    return out
+    return finish_stage(STAGE, run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+                        meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(base),
+                              "steps": result.step, **({"averaged_checkpoints": averaged} if averaged else {})},
+                        plots=plots, metrics=metrics, numbers=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -218,7 +218,7 @@ def test_dpo_kl_gate_fails_and_writes_nothing(tmp_path):
     write_params(ws, dpo=dict(max_kl=1.0e-9, lr=1.0e-2, min_lr=1.0e-3))
     run = run_stage(ws, "dpo")
     assert run.returncode == 1, run.stderr
-    assert "dpo.max_kl=1e-09" in run.stderr and "NOT written" in run.stderr
+    assert "dpo.max_kl=1e-09" in run.stderr and "no model was written" in run.stderr
     assert not (ws / "models/dpo").exists() and not (ws / "metrics/dpo.json").exists()
     assert not (ws / "metrics/plots/dpo.tsv").exists()
     assert json.loads((ws / "runs/dpo/failed_metrics.json").read_text())["kl"] > 1e-9

@@ -154,18 +154,27 @@ def test_run_directories_are_no_dvc_output_and_git_ignored(name, stage):
 
 @pytest.mark.parametrize("name,stage", list(_stage_defs()))
 def test_metrics_files_have_their_run_file_declared(name, stage):
-    """A stage that writes its metrics with llm.metrics.write_metrics (the RL stages through
-    llm.rl.finish_rl_stage) also writes the run file (timings, provenance) beside them: dvc.yaml
-    declares it as an output that is not a metric, so `dvc metrics diff` never lists a timing."""
-    from llm.metrics import run_info_path
+    """A stage that writes its metrics with llm.metrics.write_metrics (the training stages through
+    llm.finish.finish_stage) also writes the run file (samples, provenance) beside them: dvc.yaml
+    declares it as an output that is not a metric, so `dvc metrics diff` never lists it. Its
+    timings go to runs/<stage>/run.json, which is no output at all and git-ignored, so a rerun
+    that makes the same models leaves dvc.lock as it was."""
+    import subprocess
+
+    from llm.metrics import run_info_path, timings_path
 
     opts, _ = _path_args(stage["cmd"])
     script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
-    if not any(f"{fn}(" in script.read_text() for fn in ("write_metrics", "finish_rl_stage")):
+    if not any(f"{fn}(" in script.read_text() for fn in ("write_metrics", "finish_stage", "finish_rl_stage")):
         return
     run = str(run_info_path(opts["metrics"]))
     assert run in _declared_paths(stage, "outs"), f"stage {name}: {run} is not among its outs"
     assert run not in _declared_paths(stage, "metrics"), f"stage {name}: {run} must not be a metric"
+    timings = str(timings_path(opts["metrics"]))
+    outs = sum((_declared_paths(stage, k) for k in ("outs", "metrics", "plots")), [])
+    assert not any(_covers(timings, o) for o in outs), f"stage {name}: {timings} is declared as an output"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", timings], cwd=ROOT).returncode == 0
+    assert ignored, f"stage {name}: {timings} is not git-ignored (.gitignore)"
 
 
 def test_every_stage_but_eval_and_report_can_be_restored_from_the_run_cache_on_another_machine():

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm.fileio import DataError
-from llm.metrics import headline, is_run_key, join_metrics, read_metrics, run_info_path, split_metrics, write_metrics
+from llm.metrics import (headline, is_run_key, is_timing_key, join_metrics, read_metrics, run_info_path, split_metrics,
+                         split_timings, timings_path, write_metrics)
 
 
 def test_timings_rates_provenance_and_non_numbers_go_to_the_run_file():
@@ -52,9 +53,12 @@ _trees = st.recursive(_leaves, lambda inner: st.dictionaries(_keys, inner, max_s
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_keys, _trees, max_size=8))
-def test_joining_the_two_halves_gives_the_stage_dict_back(d):
+def test_joining_the_parts_gives_the_stage_dict_back(d):
     metrics, run = split_metrics(d)
     assert join_metrics(metrics, run) == d
+    rest, timings = split_timings(d)
+    metrics, run = split_metrics(rest)
+    assert join_metrics(join_metrics(metrics, run), timings) == d
 
     def leaves(tree: dict):
         for k, v in tree.items():
@@ -75,15 +79,42 @@ def test_a_key_in_both_files_is_named_when_joining(tmp_path):
         read_metrics(path)
 
 
-def test_write_metrics_writes_both_files_and_read_metrics_joins_them(tmp_path):
-    d = {"val_loss": 5.35, "train_time_s": 103.2, "device": "cpu", "by_kind": {"math": {"n": 230, "seconds": 1.5}}}
+def test_write_metrics_writes_three_files_and_read_metrics_joins_them(tmp_path):
+    d = {"val_loss": 5.35, "train_time_s": 103.2, "device": "cpu", "num_threads": 2, "resumed_from": None,
+         "by_kind": {"math": {"n": 230, "seconds": 1.5, "samples": ["a"]}}}
     path = tmp_path / "metrics" / "pretrain.json"
     write_metrics(path, d)
     assert run_info_path(path) == tmp_path / "metrics" / "run" / "pretrain.json"
+    assert timings_path(path) == tmp_path / "runs" / "pretrain" / "run.json"
     assert json.loads(path.read_text()) == {"val_loss": 5.35, "by_kind": {"math": {"n": 230}}}
-    assert json.loads(run_info_path(path).read_text()) == {"train_time_s": 103.2, "device": "cpu",
-                                                           "by_kind": {"math": {"seconds": 1.5}}}
+    assert json.loads(run_info_path(path).read_text()) == {"device": "cpu", "by_kind": {"math": {"samples": ["a"]}}}
+    assert json.loads(timings_path(path).read_text()) == {"train_time_s": 103.2, "num_threads": 2,
+                                                          "resumed_from": None, "by_kind": {"math": {"seconds": 1.5}}}
     assert read_metrics(path) == d
+
+
+def test_a_rerun_that_only_differs_in_its_timings_writes_the_same_dvc_outputs(tmp_path):
+    """What changes from run to run on one machine (times, rates, threads, where a killed run
+    resumed) goes to runs/<stage>/run.json alone, so DVC's outputs stay byte for byte."""
+    path = tmp_path / "metrics" / "ppo.json"
+    first = {"reward_end": 0.5, "train_time_s": 10.0, "tokens_per_s": 900.0, "num_threads": 2, "resumed_from": None,
+             "mem_peak_gb": 1.0, "generation_fraction": 0.4, "mfu": None, "math_samples": [{"q": "1+1"}]}
+    again = {**first, "train_time_s": 12.5, "tokens_per_s": 750.0, "num_threads": 1, "resumed_from": 4,
+             "mem_peak_gb": 1.1, "generation_fraction": 0.5}
+    write_metrics(path, first)
+    outputs = path.read_bytes(), run_info_path(path).read_bytes()
+    timings = timings_path(path).read_bytes()
+    write_metrics(path, again)
+    assert (path.read_bytes(), run_info_path(path).read_bytes()) == outputs
+    assert timings_path(path).read_bytes() != timings
+    assert read_metrics(path) == again
+
+
+@pytest.mark.parametrize("key,timing", [("train_time_s", True), ("tokens_per_s", True), ("num_threads", True),
+                                        ("resumed_from", True), ("mem_peak_gb", True), ("device", False),
+                                        ("max_kl", False), ("val_loss", False), ("kl_seq", False)])
+def test_timing_keys(key, timing):
+    assert is_timing_key(key) is timing
 
 
 def test_a_metrics_file_from_before_the_split_reads_whole(tmp_path):
@@ -114,7 +145,7 @@ def test_headline_takes_each_number_from_its_file_and_invents_none(tmp_path):
 def test_the_report_reads_a_stage_s_timings_from_its_run_file(tmp_path):
     from llm.report import collect, recorded_seconds
 
-    write_metrics(tmp_path / "pretrain.json", {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"})
-    data = collect(tmp_path)
+    write_metrics(tmp_path / "metrics/pretrain.json", {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"})
+    data = collect(tmp_path / "metrics")
     assert data["stages"]["pretrain"] == {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"}
     assert recorded_seconds(data["stages"]["pretrain"]) == (103.2, "train_time_s")

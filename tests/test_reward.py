@@ -364,7 +364,7 @@ def test_quality_gate_fails_on_an_untrained_rm_and_keeps_the_previous_outputs(tm
     run = run_stage(ws, "reward")
     assert run.returncode == 1
     assert "reward.min_accuracy=0.99" in run.stderr and "held-out accuracy" in run.stderr
-    assert "NOT written" in run.stderr
+    assert "no model was written" in run.stderr
     assert sorted(p.name for p in (ws / "models/reward").iterdir()) == ["previous.txt"]
     assert (ws / "metrics/reward.json").read_text() == '{"accuracy": 0.95}\n'
     assert not (ws / "metrics/plots/reward.tsv").exists()
