@@ -125,8 +125,11 @@ def run_info_path(path: str | Path) -> Path:
 
 def timings_path(path: str | Path) -> Path:
     """Where the timings of the metrics file `path` go: metrics/ppo.json -> runs/ppo/run.json (the
-    stage's run directory, beside metrics/ under the same root; untracked by DVC)."""
+    stage's run directory, beside metrics/ under the same root; untracked by DVC); an evaluation's
+    metrics/eval/sft.json -> runs/eval@sft/run.json (the DVC stage that writes it)."""
     path = Path(path)
+    if path.parent.name == "eval":
+        return path.parent.parent.parent / RUNS / f"eval@{path.stem}" / "run.json"
     return path.parent.parent / RUNS / path.stem / "run.json"
 
 

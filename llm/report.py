@@ -185,7 +185,8 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
         evals[m] = e
         s = _read_json(root / "eval" / f"{m}_samples.json", notes)
         if isinstance(s, dict):
-            samples[m] = s
+            t = timings_path(root / "eval" / f"{m}.json")  # the run's timings, where they are kept
+            samples[m] = {**s, **(_read_json(t, []) or {})} if t.is_file() else s
         f = root / "eval" / f"{m}_items.jsonl"
         if not f.is_file():
             notes.append(f"{f}: missing (eval@{m} predates per-item outcomes; rerun it for paired tests)")

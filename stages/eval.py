@@ -43,7 +43,8 @@ batch loop; rank 0 writes files byte for byte equal to a one-process run's (timi
 Writes
 
     --metrics    flat metrics (numbers; "toxicity": "unavailable" at most), for `dvc metrics diff`
-    --samples    sample generations, math and RM samples, timings (not metrics)
+    --samples    sample generations, math and RM samples (not metrics); the timings go to
+                 runs/eval@<name>/run.json, which DVC does not track
     --items      one line per scored item: its outcome (right or wrong, or a score), no texts
                  (llm/evaluate.py ITEM_SETS); the report pairs these with the parent model's
 """
@@ -55,6 +56,7 @@ from pathlib import Path
 from llm.batching import derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, EvalConfig
 from llm.fileio import DataError, atomic_write_json, read_jsonl, write_jsonl
+from llm.metrics import timings_path
 from llm.paired import rm_separation
 
 STAGE = "eval"
@@ -149,12 +151,16 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
         m.update({"rm_auc": sep["auc"], "rm_auc_lo": sep["lo"], "rm_auc_hi": sep["hi"],
                   "rm_score_right": sep["mean_right"], "rm_score_wrong": sep["mean_wrong"],
                   "rm_auc_right": sep["n_right"], "rm_auc_wrong": sep["n_wrong"]})
+    # the timings go beside the run's other untracked files, so that a rerun of the same model
+    # writes the same samples file and leaves dvc.lock as it was
+    timing = {"timing_s": extras.pop("timing_s")}
     s = {"model": name, "model_fingerprint": meta.get("fingerprint", ""), "device": dev, **extras}
     if rt is None or rt.is_main:
+        atomic_write_json(timings_path(metrics), timing)
         atomic_write_json(metrics, m)
         atomic_write_json(samples, s)
         write_jsonl(items, outcomes)
-    return m, s
+    return m, {**s, **timing}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ grpo.oversample k > 1 it samples k times as many problems and trains on the firs
 prompts_per_step groups whose rewards differ (dynamic sampling). With
 `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores whole groups of
 the step's prompts, and the trajectory is one process's up to the order of float sums
-(llm/rl.py). Held-out exact
+(llm/shares.py). Held-out exact
 match (greedy), held-out reward and KL to the reference are measured before the first step,
 every grpo.eval_every steps and at the end.
 

@@ -16,7 +16,7 @@ adds the per-token KL penalty (ppo.kl_estimator, coefficient from the adaptive K
 runs GAE and ppo.epochs passes of clipped-surrogate + clipped-value + entropy updates over
 minibatches (llm/ppo.py). A KL outside [kl_alert_low, kl_alert_high] is reported as an ALERT.
 With `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores a share of
-the prompts, and the trajectory is one process's up to the order of float sums (llm/rl.py).
+the prompts, and the trajectory is one process's up to the order of float sums (llm/shares.py).
 Held-out exact match (greedy), held-out reward (sampled responses scored the same way) and KL
 to the reference are measured before the first step, every ppo.eval_every steps and at the end.
 
