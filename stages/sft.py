@@ -86,8 +86,14 @@ def training_batches(train_ex, pad_id: int, cfg: SFTConfig, seed: int, rt: Runti
     return ReplayBatches(batches, replay, fraction=cfg.replay_fraction, seed=seed)
 
 
-def _replay_tokens(tokens: Path, tokenizer):
-    """The pretraining token shard replayed during SFT, checked against the model's tokenizer."""
+def _replay_tokens(cfg: SFTConfig, tokens: Path | None, tokenizer, inputs: dict):
+    """The pretraining token shard replayed during SFT, checked against the model's tokenizer, or
+    None when sft.replay_fraction is 0. Only with replay does the shard's hash join `inputs`, so a
+    run without it keeps the fingerprint it had before the option."""
+    if not cfg.replay_fraction:
+        return None
+    if tokens is None:
+        raise ValueError("sft.replay_fraction > 0 needs the pretraining token shards (--tokens)")
     path = tokens / "meta.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; run `dvc repro tokenize` first (sft.replay_fraction > 0 reads it)")
@@ -95,6 +101,7 @@ def _replay_tokens(tokens: Path, tokenizer):
     if meta.get("tokenizer_sha256") != tokenizer.sha256() or "dtype" not in meta:
         raise DataError(f"{path}: train.bin was made with another tokenizer than the base model's (or meta.json"
                         f" lacks dtype); re-run `dvc repro tokenize`, or set sft.replay_fraction: 0.0")
+    inputs["tokens"] = sha256_file(tokens / "train.bin")
     return open_tokens(tokens / "train.bin", meta["dtype"])
 
 
@@ -119,10 +126,18 @@ def _evaluate_average(out_model, averaged: list[int], m: dict, val_batches, loss
           flush=True)
 
 
+def _math_check(model, tok, math_val: Path, cfg: SFTConfig) -> dict:
+    """Greedy exact match on the first sft.eval_math_problems held-out problems, and three samples."""
+    from llm.evaluate import math_eval
+
+    problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
+    ev = math_eval(model, tok, problems, max_new_tokens=cfg.max_new_tokens, batch_size=64)
+    return {**{k: v for k, v in ev.items() if k != "samples"}, "math_samples": ev["samples"][:3]}
+
+
 def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: Path, math_val: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, tokens: Path | None = None, progress: bool = True) -> dict | None:
     from llm.artifacts import load_model_dir
-    from llm.evaluate import math_eval
     from llm.model import GPT
 
     gpt, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
@@ -137,12 +152,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     if not train_ex:
         raise DataError(f"{data}/train.jsonl: no conversation has a supervised token within seq_len={seq_len}")
     inputs = {"base": base_meta.get("fingerprint", ""), "data": sha256_tree(data)}
-    replay = None
-    if cfg.replay_fraction:  # only then: a run without replay keeps the fingerprint it had before the option
-        if tokens is None:
-            raise ValueError("sft.replay_fraction > 0 needs the pretraining token shards (--tokens)")
-        replay = _replay_tokens(tokens, tok)
-        inputs["tokens"] = sha256_file(tokens / "train.bin")
+    replay = _replay_tokens(cfg, tokens, tok, inputs)
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
 
@@ -194,11 +204,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     if averaged:
         out.update(averaged_steps=averaged, val_loss_last=m["val_loss_last"])
     if cfg.eval_math_problems:
-        problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
-        ev = math_eval(out_model.to(rt.device), tok, problems, max_new_tokens=cfg.max_new_tokens,
-                       batch_size=64)
-        out.update({k: v for k, v in ev.items() if k != "samples"})
-        out["math_samples"] = ev["samples"][:3]
+        out.update(_math_check(out_model.to(rt.device), tok, math_val, cfg))
     return finish_stage(STAGE, run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
                         meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(base),
                               "steps": result.step, **({"averaged_checkpoints": averaged} if averaged else {})},
