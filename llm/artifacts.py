@@ -291,7 +291,8 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     config's types and bounds, the safetensors header (and the file's size against it), every
     file's size bound and then its sha256, the header's names, shapes and dtypes against those the
     config implies; then the tensors are read and checked finite and within MAX_WEIGHT, and the
-    tokenizer is loaded and checked against the config's vocabulary.
+    tokenizer is loaded and checked against the config's vocabulary. One function on purpose: the
+    checks' order is the guarantee (nothing costly before the cheap checks pass), read top to bottom.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file

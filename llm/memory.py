@@ -222,7 +222,10 @@ class _Setting:
 
 
 def stage_memory(params: dict) -> dict[str, StageMemory]:
-    """Memory per GPU of every model-holding stage at these params (bytes). See the module docstring."""
+    """Memory per GPU of every model-holding stage at these params (bytes). See the module docstring.
+
+    One long function on purpose: each stage's block is a few lines of the same arithmetic on the
+    shared sizes above it, and read in pipeline order they are the table `llm.profile memory` prints."""
     st = _Setting(params)
     m, T = st.m, st.m.seq_len
     lm = st.size(("lm",))

@@ -216,7 +216,9 @@ def _img(png: bytes | None, alt: str) -> str:
 
 
 def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | None] | None = None) -> str:
-    """The report as one offline HTML page (no URL anywhere; images inlined)."""
+    """The report as one offline HTML page (no URL anywhere; images inlined).
+
+    Long on purpose: the page's sections in the order a reader sees them, each a few appends."""
     images = images or {}
     h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', "<title>Report card</title>",
          f"<style>{_CSS}</style></head><body>", "<h1>Report card</h1>"]
