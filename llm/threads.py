@@ -1,30 +1,44 @@
-"""How many CPU threads torch uses: `common.num_threads`.
+"""How many CPU threads torch uses: `common.num_threads`, and `auto`, which measures.
 
-    n = apply_num_threads(common.num_threads)   # once, when a stage starts (llm/runtime.py setup_runtime)
+    n = apply_num_threads(common.num_threads)      # when a stage starts (llm/runtime.py setup_runtime)
+    tuner = ThreadTuner(stage_candidates(stage, usable_cpus()), start=n)   # llm/loop.py, under auto
+    n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
 
-`auto` (the default) applies one rule, once per process:
+`auto` (the default) starts from one rule and then keeps measuring:
 
     usable  = the CPUs this process may run on (os.sched_getaffinity), capped by a cgroup CPU quota
     busy    = how many of those CPUs other processes kept busy during a 0.3 s look at /proc/stat
               (this process's own CPU time taken out), rounded to the nearest whole CPU
-    threads = max(1, usable - busy)
+    start   = max(1, usable - busy)
 
-Why: torch's intra-op threads meet at a barrier after every parallel op, so one thread that
-the OS has handed to another process holds up all the others. Next to one other CPU-bound
-process, 2 threads ran the `pretrain` step 2.7x slower than 1 thread on the 2-core reference
-machine (bench/threads.py; bench/README.md); a count that leaves the busy CPUs alone does not
-collapse. The count is decided once, not re-checked between steps, so that a run does not
-change its arithmetic halfway.
+Why measure: torch's intra-op threads meet at a barrier after every parallel op, so one thread
+that the OS has handed to another process holds up all the others; next to a CPU-bound process
+two threads on two CPUs can run a step several times slower than one (bench/threads.py,
+bench/README.md). A count chosen once goes stale when such a process arrives or leaves
+mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
+So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
+every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
+number of CPUs busy with other processes change (in two steps in a row), it runs `trial_steps` steps at each
+candidate count, keeps the fastest, and doubles `every` while the choice holds (up to
+`max_every`; back to the first value when it changes), so the trials cost little on a steady
+machine. The steps used per count are recorded (`counts`; the training stages write them to
+their metrics as `threads_steps`, and every step's row of the history has its `num_threads`).
 
-Reproducibility: the count depends on the machine and on its load when the stage starts, and a
-different count can change floating-point results (how reductions are split between threads).
-Same machine, same load class -> same count -> the same numbers. On the reference 2-core
-machine, 1, 2 and 4 threads train bit-identical weights for the `pretrain` model and 3 threads
-do not (bench/threads.py); where bitwise reruns matter on other machines, set a fixed
-`common.num_threads`. The chosen count is printed, and the training stages record it in their
-metrics as `num_threads`.
+Reproducibility under `auto`: a different count can change floating-point results (how a
+reduction is split between threads), so `auto` only moves between counts that give the same
+bits for the stage's step (`stage_candidates`). Measured on the reference 2-core machine
+(bench/threads.py `bitwise_same_as_1_thread`): the supervised step (pretrain, SFT, reward
+model, DPO: llm/trainer.py) trains bit-identical weights with 1 and 2 threads (and 4; 3 does
+not); the RL steps (PPO, GRPO) do not, so under `auto` they run on one thread whatever the load
+(the count the committed RL models were trained with; the fastest count next to a competing
+process; slower than two threads on an idle machine). The supervised stages choose among the
+powers of two up to the usable CPUs. So under `auto`: the supervised stages rerun bit for bit
+on any load on a machine where those counts give the same bits (bench/threads.py checks a
+machine), and the RL stages rerun bit for bit anywhere.
+Where that has not been checked, set a fixed `common.num_threads`.
 
-An integer >= 1 is used as given; 0 leaves torch's own default (one thread per core).
+An integer >= 1 is used as given for the whole stage; 0 leaves torch's own default (one thread
+per core). Neither is revisited.
 """
 from __future__ import annotations
 
@@ -32,8 +46,15 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 SAMPLE_SECONDS = 0.3
+# Stages whose step gives the same bits with 1, 2 and 4 threads (bench/threads.py measures it);
+# under `auto` the others stay on one thread.
+COUNT_FREE_STAGES = ("pretrain", "sft", "reward", "dpo")
+TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
+MAX_TRIAL_EVERY = 320
+TRIAL_STEPS = 1       # steps timed at each candidate count per revisit
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" or "max <period>" (cgroup v2)
 
 
@@ -72,27 +93,135 @@ def _own_ticks() -> int:
     return int(fields[11]) + int(fields[12])
 
 
+class LoadProbe:
+    """How many of this process's CPUs other processes kept busy since the previous call, from
+    /proc/stat and /proc/self/stat (a file read, no waiting: cheap enough to call between steps).
+    The first call, and every call where /proc is not available, returns None."""
+
+    def __init__(self):
+        self._last: tuple[int, int, int] | None = None
+
+    def __call__(self) -> float | None:
+        try:
+            cpus = os.sched_getaffinity(0)
+            (busy, total), own = _cpu_ticks(cpus), _own_ticks()
+        except (AttributeError, OSError, ValueError):
+            return None
+        last, self._last = self._last, (busy, total, own)
+        if last is None or total <= last[1]:
+            return None
+        per_cpu = (total - last[1]) / len(cpus)  # ticks one CPU had in the interval
+        return max(0.0, (busy - last[0]) - (own - last[2])) / per_cpu
+
+
 def busy_cpus(seconds: float = SAMPLE_SECONDS) -> float:
     """How many of this process's CPUs other processes kept busy over `seconds`, e.g. 1.0 when
     one CPU-bound process runs beside us. 0.0 where /proc is not available."""
-    try:
-        cpus = os.sched_getaffinity(0)
-        b0, t0 = _cpu_ticks(cpus)
-        o0 = _own_ticks()
-        time.sleep(seconds)
-        b1, t1 = _cpu_ticks(cpus)
-        o1 = _own_ticks()
-    except (AttributeError, OSError, ValueError):
-        return 0.0
-    if t1 <= t0:
-        return 0.0
-    per_cpu = (t1 - t0) / len(cpus)  # ticks one CPU had in the interval
-    return max(0.0, (b1 - b0) - (o1 - o0)) / per_cpu
+    probe = LoadProbe()
+    probe()
+    time.sleep(seconds)
+    busy = probe()
+    return 0.0 if busy is None else busy
 
 
 def choose_num_threads(usable: int, busy: float) -> int:
     """The `auto` rule: max(1, usable - busy rounded half up). Pure, for tests and benches."""
     return max(1, usable - math.floor(busy + 0.5))
+
+
+def stage_candidates(stage: str, usable: int) -> list[int]:
+    """The counts `auto` may move between in `stage`: those that give its step the same bits
+    (module docstring): the powers of two up to `usable` for the supervised stages, [1] else."""
+    if stage not in COUNT_FREE_STAGES:
+        return [1]
+    return [2 ** i for i in range(usable.bit_length()) if 2 ** i <= usable]
+
+
+class ThreadTuner:
+    """`auto` between steps: times `trial_steps` steps at each candidate count every `every`
+    steps (or when `probe` sees the load change) and keeps the fastest (module docstring).
+
+        n = tuner.before_step()      # sets torch's count for the coming step; between steps only
+        tuner.after_step(seconds)    # the step's wall time
+
+    candidates: the counts allowed (stage_candidates); start: the count to begin with (moved to
+    the nearest candidate). probe() -> CPUs busy with other processes since its last call, or
+    None (LoadProbe); set_threads: torch.set_num_threads (both injectable for tests)."""
+
+    def __init__(self, candidates: list[int], *, start: int, every: int = TRIAL_EVERY,
+                 max_every: int = MAX_TRIAL_EVERY, trial_steps: int = TRIAL_STEPS,
+                 probe: Callable[[], float | None] | None = None,
+                 set_threads: Callable[[int], None] | None = None):
+        assert candidates and all(c >= 1 for c in candidates), candidates
+        self.candidates = sorted(set(candidates))
+        self.current = min(self.candidates, key=lambda c: (abs(c - start), c))
+        self.first_every, self.every, self.max_every, self.trial_steps = every, every, max_every, trial_steps
+        self.probe = probe if probe is not None else LoadProbe()
+        self._set = set_threads if set_threads is not None else _torch_set_num_threads
+        self.counts: dict[int, int] = {}         # steps run at each count
+        self.trials = 0                          # revisits done
+        self._since = 0                          # steps since the last decision
+        self._queue: list[int] = []              # counts still to time in the running trial
+        self._times: dict[int, list[float]] = {}
+        self._busy: int | None = None            # CPUs busy with others at the last decision, rounded
+        self._pending: int | None = None         # a different value seen in the previous probe
+        self._in_step: int | None = None         # the count of the step under way
+        self._applied: int | None = None
+
+    def before_step(self) -> int:
+        assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
+        if not self._queue and len(self.candidates) > 1 and (self._since >= self.every or self._load_changed()):
+            # the current count last, so that a tie keeps it and the step after the trial runs warm
+            self._queue = [c for c in self.candidates if c != self.current] + [self.current]
+            self._queue = [c for c in self._queue for _ in range(self.trial_steps)]
+            self._times = {}
+        n = self._queue[0] if self._queue else self.current
+        if n != self._applied:
+            self._set(n)
+            self._applied = n
+        self._in_step = n
+        return n
+
+    def after_step(self, seconds: float) -> None:
+        n, self._in_step = self._in_step, None
+        assert n is not None, "after_step without before_step"
+        self.counts[n] = self.counts.get(n, 0) + 1
+        if not self._queue:
+            self._since += 1
+            return
+        self._queue.pop(0)
+        self._times.setdefault(n, []).append(seconds)
+        if self._queue:
+            return
+        best = min(self._times, key=lambda c: (min(self._times[c]), c != self.current, c))
+        self.every = min(2 * self.every, self.max_every) if best == self.current else self.first_every
+        self.current, self._since = best, 0
+        self.trials += 1
+        busy = self.probe()  # the baseline: the load over the trial's last step
+        self._busy = None if busy is None else math.floor(busy + 0.5)
+        self._pending = None
+
+    def _load_changed(self) -> bool:
+        """Whether the CPUs busy with other processes (rounded) differ from the last decision's
+        in two probes in a row: one step's probe alone flickers with short jobs."""
+        busy = self.probe()
+        if busy is None:
+            return False
+        now = math.floor(busy + 0.5)
+        if self._busy is None:
+            self._busy = now
+        changed = now != self._busy and now == self._pending
+        self._pending = now if now != self._busy else None
+        return changed
+
+    def summary(self) -> dict[str, int]:
+        """{"<count>": steps run with it}: what a stage records as `threads_steps`."""
+        return {str(c): k for c, k in sorted(self.counts.items())}
+
+
+def _torch_set_num_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
 
 
 def apply_num_threads(setting: int | str) -> int:

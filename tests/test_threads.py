@@ -23,15 +23,25 @@ def test_auto_leaves_the_busy_cpus_alone(usable, busy, want):
     assert threads.choose_num_threads(usable, busy) == want
 
 
-def test_busy_cpus_takes_this_process_own_time_out(monkeypatch):
-    # two CPUs, 30 ticks each in the interval: 45 busy ticks, 15 of them ours -> 30 = one CPU
+@pytest.fixture
+def one_of_two_cpus_busy(monkeypatch):
+    """Two /proc/stat reads: two CPUs, 30 ticks each in the interval, 45 busy ticks, 15 of them ours."""
     ticks = iter([(100, 1000), (145, 1060)])
     own = iter([7, 22])
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(threads, "_cpu_ticks", lambda cpus: next(ticks))
     monkeypatch.setattr(threads, "_own_ticks", lambda: next(own))
     monkeypatch.setattr(threads.time, "sleep", lambda s: None)
-    assert threads.busy_cpus() == pytest.approx(1.0)
+
+
+def test_busy_cpus_takes_this_process_own_time_out(one_of_two_cpus_busy):
+    assert threads.busy_cpus() == pytest.approx(1.0)  # 45 - 15 = 30 ticks = one CPU
+
+
+def test_the_load_probe_reads_the_time_since_its_last_call(one_of_two_cpus_busy):
+    probe = threads.LoadProbe()
+    assert probe() is None  # nothing to compare with yet
+    assert probe() == pytest.approx(1.0)
 
 
 def test_busy_cpus_sees_a_cpu_bound_neighbour():
@@ -85,3 +95,110 @@ def test_params_take_auto_or_a_count_and_nothing_else():
         with pytest.raises(ConfigError) as e:
             load_params_text(yaml.safe_dump(d))
         assert f"common.num_threads: expected one of 'auto' or an int in [0, 1024], got {got}" in str(e.value)
+
+
+class FakeClock:
+    """Step seconds by thread count, changed mid-run by the test: the machine as a test wants it."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.seconds = seconds
+
+
+def run_steps(tuner: threads.ThreadTuner, clock: FakeClock, n: int) -> list[int]:
+    used = []
+    for _ in range(n):
+        c = tuner.before_step()
+        used.append(c)
+        tuner.after_step(clock.seconds[c])
+    return used
+
+
+def test_the_tuner_moves_to_the_fastest_count_when_it_revisits():
+    clock = FakeClock({1: 1.0, 2: 2.0})  # two threads slow: a competitor on the other CPU
+    set_to = []
+    t = threads.ThreadTuner([1, 2], start=2, every=4, probe=lambda: None, set_threads=set_to.append)
+    used = run_steps(t, clock, 10)
+    assert used == [2, 2, 2, 2, 1, 2, 1, 1, 1, 1]  # 4 steps, trial (1 then the current 2), then 1
+    assert set_to == [2, 1, 2, 1]                     # torch's count set only when it changes
+    assert t.summary() == {"1": 5, "2": 5} and t.trials == 1
+
+
+def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
+    t = threads.ThreadTuner([1, 2], start=2, every=2, max_every=8, probe=lambda: None, set_threads=lambda n: None)
+    run_steps(t, FakeClock({1: 2.0, 2: 1.0}), 40)
+    assert t.current == 2 and t.every == 8
+    assert t.counts[1] == t.trials < 6  # one trial step per revisit, revisits spaced out 2, 4, 8, 8, ...
+
+
+def test_a_load_change_seen_twice_starts_a_revisit_at_once():
+    busy = [0.0]
+    clock = FakeClock({1: 1.0, 2: 0.6})
+    t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    assert run_steps(t, clock, 5) == [2] * 5
+    busy[0], clock.seconds = 1.0, {1: 1.0, 2: 3.0}  # a CPU-bound process arrives
+    used = run_steps(t, clock, 6)
+    assert used == [2, 1, 2, 1, 1, 1]  # the first probe that sees it only notes it, the second starts a trial
+    busy[0] = 1.3  # still one busy CPU: no new trial
+    assert run_steps(t, clock, 5) == [1] * 5
+
+
+def test_the_tuner_only_uses_the_allowed_counts():
+    clock = FakeClock({1: 5.0, 2: 1.0, 3: 0.1, 4: 0.9})
+    t = threads.ThreadTuner([1, 2, 4], start=3, every=1, probe=lambda: None, set_threads=lambda n: None)
+    used = run_steps(t, clock, 30)
+    assert set(used) == {1, 2, 4} and t.current == 4  # 3 would be fastest, but it is not allowed
+
+
+def test_the_count_never_changes_inside_a_step():
+    t = threads.ThreadTuner([1, 2], start=1, every=1, probe=lambda: None, set_threads=lambda n: None)
+    t.before_step()
+    with pytest.raises(AssertionError, match="only between steps"):
+        t.before_step()
+
+
+@pytest.mark.parametrize("stage,usable,want", [
+    ("pretrain", 2, [1, 2]), ("sft", 6, [1, 2, 4]), ("dpo", 1, [1]),
+    ("grpo", 2, [1]), ("ppo", 8, [1]),  # RL steps round differently with 1 and 2 threads: one count
+])
+def test_auto_moves_only_between_counts_that_give_a_stage_the_same_bits(stage, usable, want):
+    assert threads.stage_candidates(stage, usable) == want
+
+
+class CountThreads:
+    """A step body that only records torch's thread count inside each step."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def step(self, step, updater):
+        self.seen.append(torch.get_num_threads())
+        return {"loss": 1.0}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_path, monkeypatch, restore_threads):
+    import functools
+
+    from llm import loop
+    from llm.config import LoopConfig
+    from llm.runtime import Runtime
+
+    monkeypatch.setattr(loop, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
+    monkeypatch.setattr(loop, "usable_cpus", lambda: 2)
+    cfg = LoopConfig(max_steps=9, lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95,
+                     grad_clip=0.0, eval_every=100, checkpoint_every=100, keep_checkpoints=2,
+                     nonfinite_policy="raise", nonfinite_budget=0)
+    model = torch.nn.Linear(2, 2)
+    rt = Runtime(torch.device("cpu"), auto_threads=True)
+    body = CountThreads()
+    torch.set_num_threads(2)
+    res = loop.run_loop(body, loop.Updater(model, cfg, rt, stage="pretrain"), cfg, rt, stage="pretrain",
+                        model=model, run_dir=tmp_path, fingerprint="fp", progress=False)
+    assert [r["num_threads"] for r in res.history] == body.seen
+    assert set(body.seen) == {1, 2}  # the trial at step 3 ran one step on the other count
+    assert res.threads_steps == {"1": body.seen.count(1), "2": body.seen.count(2)}
