@@ -27,14 +27,15 @@ their metrics as `threads_steps`, and every step's row of the history has its `n
 Reproducibility under `auto`: a different count can change floating-point results (how a
 reduction is split between threads), so `auto` only moves between counts that give the same
 bits for the stage's step (`stage_candidates`). Measured on the reference 2-core machine
-(bench/threads.py `bitwise_same_as_1_thread`): the supervised step (pretrain, SFT, reward
-model, DPO: llm/trainer.py) trains bit-identical weights with 1 and 2 threads (and 4; 3 does
-not); the RL steps (PPO, GRPO) do not, so under `auto` they run on one thread whatever the load
-(the count the committed RL models were trained with; the fastest count next to a competing
-process; slower than two threads on an idle machine). The supervised stages choose among the
-powers of two up to the usable CPUs. So under `auto`: the supervised stages rerun bit for bit
-on any load on a machine where those counts give the same bits (bench/threads.py checks a
-machine), and the RL stages rerun bit for bit anywhere.
+(bench/threads.py `bitwise_same_as_1_thread`): the pretrain step trains bit-identical weights
+with 1, 2 and 4 threads (3 does not), and SFT runs the same model and loss (masked); they
+choose among the powers of two up to the usable CPUs. The RL steps (PPO, GRPO) give different
+weights with 1 and 2 threads, and the reward model's and DPO's steps (other losses) have not
+been checked, so under `auto` those stages run on one thread whatever the load (the count the
+committed RL models were trained with, and the fastest count next to a competing process;
+slower than two threads on an idle machine). So under `auto`: pretrain and SFT rerun bit for
+bit on any load on a machine where those counts give the same bits (bench/threads.py checks a
+machine), and the other stages rerun bit for bit anywhere.
 Where that has not been checked, set a fixed `common.num_threads`.
 
 An integer >= 1 is used as given for the whole stage; 0 leaves torch's own default (one thread
@@ -49,9 +50,10 @@ from pathlib import Path
 from typing import Callable
 
 SAMPLE_SECONDS = 0.3
-# Stages whose step gives the same bits with 1, 2 and 4 threads (bench/threads.py measures it);
-# under `auto` the others stay on one thread.
-COUNT_FREE_STAGES = ("pretrain", "sft", "reward", "dpo")
+# Stages whose step gives the same bits with 1, 2 and 4 threads (bench/threads.py measures the
+# pretrain step; SFT trains that model with the same loss, masked); under `auto` the others stay
+# on one thread.
+COUNT_FREE_STAGES = ("pretrain", "sft")
 TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
 MAX_TRIAL_EVERY = 320
 TRIAL_STEPS = 1       # steps timed at each candidate count per revisit

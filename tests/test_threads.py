@@ -157,8 +157,9 @@ def test_the_count_never_changes_inside_a_step():
 
 
 @pytest.mark.parametrize("stage,usable,want", [
-    ("pretrain", 2, [1, 2]), ("sft", 6, [1, 2, 4]), ("dpo", 1, [1]),
+    ("pretrain", 2, [1, 2]), ("sft", 6, [1, 2, 4]), ("sft", 1, [1]),
     ("grpo", 2, [1]), ("ppo", 8, [1]),  # RL steps round differently with 1 and 2 threads: one count
+    ("dpo", 4, [1]), ("reward", 2, [1]),  # not checked: one count
 ])
 def test_auto_moves_only_between_counts_that_give_a_stage_the_same_bits(stage, usable, want):
     assert threads.stage_candidates(stage, usable) == want
