@@ -283,8 +283,10 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         say(f"{stage}: TensorBoard events in {plots.tb_dir}")
     # common.num_threads: auto revisits the thread count between steps, among the counts that give
     # this stage's step the same bits (llm/threads.py); a fixed count stays as set
-    tuner = (ThreadTuner(stage_candidates(stage, usable_cpus()), start=torch.get_num_threads())
-             if rt.auto_threads and rt.device.type == "cpu" else None)
+    tuner = None
+    if rt.auto_threads and rt.device.type == "cpu":
+        usable = usable_cpus()
+        tuner = ThreadTuner(stage_candidates(stage, usable), start=torch.get_num_threads(), usable=usable)
     threads_steps: dict[str, int] = {}
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,
                   progress=progress, train_history=hist, val_history=val_hist)

@@ -18,7 +18,8 @@ bench/README.md). A count chosen once goes stale when such a process arrives or 
 mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
 So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
 every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
-number of CPUs busy with other processes change (in two steps in a row), it runs `trial_steps` steps at each
+number of CPUs busy with other processes change what the starting rule would choose (in two
+steps in a row), it runs `trial_steps` steps at each
 candidate count, keeps the fastest, and doubles `every` while the choice holds (up to
 `max_every`; back to the first value when it changes), so the trials cost little on a steady
 machine. The steps used per count are recorded (`counts`; the training stages write them to
@@ -147,16 +148,20 @@ class ThreadTuner:
         tuner.after_step(seconds)    # the step's wall time
 
     candidates: the counts allowed (stage_candidates); start: the count to begin with (moved to
-    the nearest candidate). probe() -> CPUs busy with other processes since its last call, or
-    None (LoadProbe); set_threads: torch.set_num_threads (both injectable for tests)."""
+    the nearest candidate); usable: the CPUs (default: the largest candidate). probe() -> CPUs
+    busy with other processes since its last call, or None (LoadProbe); set_threads:
+    torch.set_num_threads (both injectable for tests). A load change starts a revisit only when
+    it changes what the starting rule would choose among the candidates: on 2 CPUs, a second
+    busy CPU next to a first changes nothing (1 thread either way) and costs no trial."""
 
-    def __init__(self, candidates: list[int], *, start: int, every: int = TRIAL_EVERY,
+    def __init__(self, candidates: list[int], *, start: int, usable: int | None = None, every: int = TRIAL_EVERY,
                  max_every: int = MAX_TRIAL_EVERY, trial_steps: int = TRIAL_STEPS,
                  probe: Callable[[], float | None] | None = None,
                  set_threads: Callable[[int], None] | None = None):
         assert candidates and all(c >= 1 for c in candidates), candidates
         self.candidates = sorted(set(candidates))
-        self.current = min(self.candidates, key=lambda c: (abs(c - start), c))
+        self.current = self._nearest(start)
+        self.usable = usable if usable is not None else self.candidates[-1]
         self.first_every, self.every, self.max_every, self.trial_steps = every, every, max_every, trial_steps
         self.probe = probe if probe is not None else LoadProbe()
         self._set = set_threads if set_threads is not None else _torch_set_num_threads
@@ -165,8 +170,8 @@ class ThreadTuner:
         self._since = 0                          # steps since the last decision
         self._queue: list[int] = []              # counts still to time in the running trial
         self._times: dict[int, list[float]] = {}
-        self._busy: int | None = None            # CPUs busy with others at the last decision, rounded
-        self._pending: int | None = None         # a different value seen in the previous probe
+        self._rule: int | None = None            # the starting rule's count at the last decision's load
+        self._pending: int | None = None         # a different count seen in the previous probe
         self._in_step: int | None = None         # the count of the step under way
         self._applied: int | None = None
 
@@ -200,20 +205,24 @@ class ThreadTuner:
         self.current, self._since = best, 0
         self.trials += 1
         busy = self.probe()  # the baseline: the load over the trial's last step
-        self._busy = None if busy is None else math.floor(busy + 0.5)
+        self._rule = None if busy is None else self._nearest(choose_num_threads(self.usable, busy))
         self._pending = None
 
+    def _nearest(self, n: int) -> int:
+        return min(self.candidates, key=lambda c: (abs(c - n), c))
+
     def _load_changed(self) -> bool:
-        """Whether the CPUs busy with other processes (rounded) differ from the last decision's
-        in two probes in a row: one step's probe alone flickers with short jobs."""
+        """Whether the starting rule, at the load since the last step, would choose another of the
+        candidates than at the last decision, in two probes in a row (one probe alone flickers
+        with short jobs)."""
         busy = self.probe()
         if busy is None:
             return False
-        now = math.floor(busy + 0.5)
-        if self._busy is None:
-            self._busy = now
-        changed = now != self._busy and now == self._pending
-        self._pending = now if now != self._busy else None
+        now = self._nearest(choose_num_threads(self.usable, busy))
+        if self._rule is None:
+            self._rule = now
+        changed = now != self._rule and now == self._pending
+        self._pending = now if now != self._rule else None
         return changed
 
     def summary(self) -> dict[str, int]:

@@ -203,3 +203,11 @@ def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_pa
     assert [r["num_threads"] for r in res.history] == body.seen
     assert set(body.seen) == {1, 2}  # the trial at step 3 ran one step on the other count
     assert res.threads_steps == {"1": body.seen.count(1), "2": body.seen.count(2)}
+
+
+def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
+    busy = [1.0]  # one CPU-bound neighbour on 2 CPUs: 1 thread
+    t = threads.ThreadTuner([1, 2], start=1, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 3)
+    busy[0] = 2.0  # a second neighbour: still 1 thread by the rule
+    assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == 0
