@@ -18,9 +18,9 @@ bench/README.md). A count chosen once goes stale when such a process arrives or 
 mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
 So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
 every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
-number of CPUs busy with other processes change what the starting rule would choose (in two
-steps in a row), it runs `trial_steps` steps at each
-candidate count, keeps the fastest, and doubles `every` while the choice holds (up to
+number of CPUs busy with other processes change what the starting rule would choose, it runs
+`trial_steps` steps at each other candidate count, compares them with the step just run at the
+current one, keeps the fastest, and doubles `every` while the choice holds (up to
 `max_every`; back to the first value when it changes), so the trials cost little on a steady
 machine. The steps used per count are recorded (`counts`; the training stages write them to
 their metrics as `threads_steps`, and every step's row of the history has its `num_threads`).
@@ -58,6 +58,7 @@ COUNT_FREE_STAGES = ("pretrain", "sft")
 TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
 MAX_TRIAL_EVERY = 320
 TRIAL_STEPS = 1       # steps timed at each candidate count per revisit
+LOAD_GAP = 2          # steps after a decision before a load change can start another revisit
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" or "max <period>" (cgroup v2)
 
 
@@ -171,17 +172,21 @@ class ThreadTuner:
         self._queue: list[int] = []              # counts still to time in the running trial
         self._times: dict[int, list[float]] = {}
         self._rule: int | None = None            # the starting rule's count at the last decision's load
-        self._pending: int | None = None         # a different count seen in the previous probe
+        self._last: float | None = None          # seconds of the last step at the current count
         self._in_step: int | None = None         # the count of the step under way
         self._applied: int | None = None
 
     def before_step(self) -> int:
         assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
-        if not self._queue and len(self.candidates) > 1 and (self._since >= self.every or self._load_changed()):
-            # the current count last, so that a tie keeps it and the step after the trial runs warm
-            self._queue = [c for c in self.candidates if c != self.current] + [self.current]
-            self._queue = [c for c in self._queue for _ in range(self.trial_steps)]
-            self._times = {}
+        if not self._queue and len(self.candidates) > 1 and (
+                self._since >= self.every or (self._since >= LOAD_GAP and self._load_changed())):
+            # the step just run is the current count's time (the probe covered that step): only
+            # the other counts are tried, so a load that slows the current count costs no more
+            # steps at it than the one that showed it
+            self._queue = [c for c in self.candidates if c != self.current for _ in range(self.trial_steps)]
+            self._times = {self.current: [self._last]} if self._last is not None else {}
+            if self._last is None:
+                self._queue += [self.current] * self.trial_steps
         n = self._queue[0] if self._queue else self.current
         if n != self._applied:
             self._set(n)
@@ -195,6 +200,7 @@ class ThreadTuner:
         self.counts[n] = self.counts.get(n, 0) + 1
         if not self._queue:
             self._since += 1
+            self._last = seconds
             return
         self._queue.pop(0)
         self._times.setdefault(n, []).append(seconds)
@@ -206,24 +212,20 @@ class ThreadTuner:
         self.trials += 1
         busy = self.probe()  # the baseline: the load over the trial's last step
         self._rule = None if busy is None else self._nearest(choose_num_threads(self.usable, busy))
-        self._pending = None
 
     def _nearest(self, n: int) -> int:
         return min(self.candidates, key=lambda c: (abs(c - n), c))
 
     def _load_changed(self) -> bool:
-        """Whether the starting rule, at the load since the last step, would choose another of the
-        candidates than at the last decision, in two probes in a row (one probe alone flickers
-        with short jobs)."""
+        """Whether the starting rule, at the load since the last probe (the last step), would
+        choose another of the candidates than at the last decision."""
         busy = self.probe()
         if busy is None:
             return False
         now = self._nearest(choose_num_threads(self.usable, busy))
         if self._rule is None:
             self._rule = now
-        changed = now != self._rule and now == self._pending
-        self._pending = now if now != self._rule else None
-        return changed
+        return now != self._rule
 
     def summary(self) -> dict[str, int]:
         """{"<count>": steps run with it}: what a stage records as `threads_steps`."""

@@ -118,9 +118,10 @@ def test_the_tuner_moves_to_the_fastest_count_when_it_revisits():
     set_to = []
     t = threads.ThreadTuner([1, 2], start=2, every=4, probe=lambda: None, set_threads=set_to.append)
     used = run_steps(t, clock, 10)
-    assert used == [2, 2, 2, 2, 1, 2, 1, 1, 1, 1]  # 4 steps, trial (1 then the current 2), then 1
-    assert set_to == [2, 1, 2, 1]                     # torch's count set only when it changes
-    assert t.summary() == {"1": 5, "2": 5} and t.trials == 1
+    # 4 steps at 2; a trial step at 1 against the last step at 2: 1 wins; 4 steps later, 2 again
+    assert used == [2, 2, 2, 2, 1, 1, 1, 1, 1, 2]
+    assert set_to == [2, 1, 2]  # torch's count set only when it changes
+    assert t.summary() == {"1": 5, "2": 5} and t.trials == 2 and t.current == 1
 
 
 def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
@@ -130,16 +131,18 @@ def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
     assert t.counts[1] == t.trials < 6  # one trial step per revisit, revisits spaced out 2, 4, 8, 8, ...
 
 
-def test_a_load_change_seen_twice_starts_a_revisit_at_once():
+def test_a_load_change_starts_a_revisit_at_the_next_step():
     busy = [0.0]
     clock = FakeClock({1: 1.0, 2: 0.6})
     t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
     assert run_steps(t, clock, 5) == [2] * 5
-    busy[0], clock.seconds = 1.0, {1: 1.0, 2: 3.0}  # a CPU-bound process arrives
-    used = run_steps(t, clock, 6)
-    assert used == [2, 1, 2, 1, 1, 1]  # the first probe that sees it only notes it, the second starts a trial
+    clock.seconds = {1: 1.0, 2: 3.0}  # a CPU-bound process arrives during the next step ...
+    assert run_steps(t, clock, 1) == [2]
+    busy[0] = 1.0  # ... and the probe before the step after it sees it
+    assert run_steps(t, clock, 4) == [1] * 4  # one trial step at 1 (1.0 s against 3.0 s), then 1
+    assert t.trials == 1
     busy[0] = 1.3  # still one busy CPU: no new trial
-    assert run_steps(t, clock, 5) == [1] * 5
+    assert run_steps(t, clock, 5) == [1] * 5 and t.trials == 1
 
 
 def test_the_tuner_only_uses_the_allowed_counts():
