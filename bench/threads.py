@@ -15,8 +15,9 @@ Conditions, rotated each round:
   busy      one CPU-bound process (a Python loop) running beside the whole stage
   arriving  that process starts after a third of the stage's steps, once `auto` has chosen
 Thread settings:
-  auto   common.num_threads: auto as the training loop runs it: the starting count from the load
-         rule, then llm/threads.py's ThreadTuner between steps (the stage's allowed counts)
+  auto   common.num_threads: auto as the training loop runs it (llm/threads.py auto_tuner): the
+         starting count from the load rule, then ThreadTuner between steps among the stage's
+         allowed counts (one thread throughout for a stage that has only one)
   1      one thread
   all    one thread per usable CPU (what torch does by default)
 Reported per condition: seconds per stage for each setting, and `auto_over_best_fixed`, auto's
@@ -47,7 +48,7 @@ from bench.common import loadavg, machine, ratios, rotations, show, summary  # n
 from llm.config import ModelConfig, load_sections  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.optim import build_optimizer  # noqa: E402
-from llm.threads import ThreadTuner, busy_cpus, choose_num_threads, stage_candidates, usable_cpus  # noqa: E402
+from llm.threads import auto_tuner, usable_cpus  # noqa: E402
 from llm.trainer import lm_loss  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def stages_seconds(model: GPT, opt, batch: dict, settings: list[str], steps: int
     in an order rotated each step, before step i + 1 of any, so that a change of the machine's
     load hits all of them alike. A competitor starts before step `arrive_at` (None: never).
     Returns ({setting: seconds of its steps}, {count: steps auto ran with it})."""
-    tuner = ThreadTuner(stage_candidates(stage, usable), start=choose_num_threads(usable, busy_cpus()), usable=usable)
+    tuner = auto_tuner(stage, say=lambda m: None)  # None: the stage stays on one thread
     fixed = {"1": 1, "all": usable}
     secs, used, hog = {s: 0.0 for s in settings}, {}, None
     try:
@@ -72,14 +73,15 @@ def stages_seconds(model: GPT, opt, batch: dict, settings: list[str], steps: int
             if i == arrive_at:
                 hog = competitor()
             for s in rotations(settings, steps)[i]:
-                n = tuner.before_step() if s == "auto" else fixed[s]
+                n = fixed[s] if s != "auto" else tuner.before_step() if tuner is not None else 1
                 torch.set_num_threads(n)  # the other settings changed it since the tuner last did
                 t0 = time.perf_counter()
                 train_step(model, opt, batch)
                 dt = time.perf_counter() - t0
                 secs[s] += dt
                 if s == "auto":
-                    tuner.after_step(dt)
+                    if tuner is not None:
+                        tuner.after_step(dt)
                     used[n] = used.get(n, 0) + 1
     finally:
         if hog is not None:

@@ -52,7 +52,7 @@ from llm.errors import CheckpointError, NonFiniteError
 from llm.monitor import Monitor, Plots
 from llm.optim import build_optimizer, lr_for, set_lr
 from llm.runtime import Runtime, all_gather_object, all_reduce, barrier
-from llm.threads import ThreadTuner, stage_candidates, usable_cpus
+from llm.threads import auto_tuner
 
 
 class StopFlag:
@@ -283,10 +283,7 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         say(f"{stage}: TensorBoard events in {plots.tb_dir}")
     # common.num_threads: auto revisits the thread count between steps, among the counts that give
     # this stage's step the same bits (llm/threads.py); a fixed count stays as set
-    tuner = None
-    if rt.auto_threads and rt.device.type == "cpu":
-        usable = usable_cpus()
-        tuner = ThreadTuner(stage_candidates(stage, usable), start=torch.get_num_threads(), usable=usable)
+    tuner = auto_tuner(stage, say) if rt.auto_threads and rt.device.type == "cpu" else None
     threads_steps: dict[str, int] = {}
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,
                   progress=progress, train_history=hist, val_history=val_hist)

@@ -1,15 +1,17 @@
 """How many CPU threads torch uses: `common.num_threads`, and `auto`, which measures.
 
-    n = apply_num_threads(common.num_threads)      # when a stage starts (llm/runtime.py setup_runtime)
-    tuner = ThreadTuner(stage_candidates(stage, usable_cpus()), start=n)   # llm/loop.py, under auto
+    n = apply_num_threads(common.num_threads)   # when a stage starts (llm/runtime.py setup_runtime)
+    tuner = auto_tuner(stage)                   # llm/loop.py under auto; None: the stage stays on 1
     n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
 
-`auto` (the default) starts from one rule and then keeps measuring:
+Under `auto` (the default) every stage starts on one thread, and the stages whose training step
+gives the same bits with any of several counts (`stage_candidates`) measure which is fastest
+between steps. Their starting count comes from one rule:
 
     usable  = the CPUs this process may run on (os.sched_getaffinity), capped by a cgroup CPU quota
     busy    = how many of those CPUs other processes kept busy during a 0.3 s look at /proc/stat
               (this process's own CPU time taken out), rounded to the nearest whole CPU
-    start   = max(1, usable - busy)
+    start   = max(1, usable - busy), moved to the nearest allowed count
 
 Why measure: torch's intra-op threads meet at a barrier after every parallel op, so one thread
 that the OS has handed to another process holds up all the others; next to a CPU-bound process
@@ -19,7 +21,7 @@ mid-stage, and the load seen in /proc/stat does not say how much a given step su
 So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
 every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
 number of CPUs busy with other processes change what the starting rule would choose, it runs
-`trial_steps` steps at each other candidate count, compares them with the step just run at the
+`trial_steps` steps at each other allowed count, compares them with the step just run at the
 current one, keeps the fastest, and doubles `every` while the choice holds (up to
 `max_every`; back to the first value when it changes), so the trials cost little on a steady
 machine. The steps used per count are recorded (`counts`; the training stages write them to
@@ -27,17 +29,17 @@ their metrics as `threads_steps`, and every step's row of the history has its `n
 
 Reproducibility under `auto`: a different count can change floating-point results (how a
 reduction is split between threads), so `auto` only moves between counts that give the same
-bits for the stage's step (`stage_candidates`). Measured on the reference 2-core machine
-(bench/threads.py `bitwise_same_as_1_thread`): the pretrain step trains bit-identical weights
-with 1, 2 and 4 threads (3 does not), and SFT runs the same model and loss (masked); they
-choose among the powers of two up to the usable CPUs. The RL steps (PPO, GRPO) give different
-weights with 1 and 2 threads, and the reward model's and DPO's steps (other losses) have not
-been checked, so under `auto` those stages run on one thread whatever the load (the count the
-committed RL models were trained with, and the fastest count next to a competing process;
-slower than two threads on an idle machine). So under `auto`: pretrain and SFT rerun bit for
-bit on any load on a machine where those counts give the same bits (bench/threads.py checks a
-machine), and the other stages rerun bit for bit anywhere.
-Where that has not been checked, set a fixed `common.num_threads`.
+bits for the stage's step. Measured on the reference 2-core machine (bench/threads.py
+`bitwise_same_as_1_thread`): the pretrain step trains bit-identical weights with 1, 2 and 4
+threads (3 does not), and SFT runs the same model and loss (masked); those two stages choose
+among the powers of two up to the usable CPUs. PPO and GRPO train different weights with 1 and
+2 threads, and the other stages (the reward model, DPO, evaluation, pairs, the data cleaning)
+have not been checked, so under `auto` they run on one thread whatever the load, everything
+before and after their loop included (the count the committed RL models were trained with, and
+the fastest next to a competing process; slower than two threads on an idle machine). So under
+`auto`: pretrain and SFT rerun bit for bit at any load on a machine where those counts give the
+same bits (bench/threads.py checks a machine; this one does), and the other stages at any load
+anywhere. Where the first has not been checked, set a fixed `common.num_threads`.
 
 An integer >= 1 is used as given for the whole stage; 0 leaves torch's own default (one thread
 per core). Neither is revisited.
@@ -171,15 +173,17 @@ class ThreadTuner:
         self._since = 0                          # steps since the last decision
         self._queue: list[int] = []              # counts still to time in the running trial
         self._times: dict[int, list[float]] = {}
-        self._rule: int | None = None            # the starting rule's count at the last decision's load
+        self._rule: int | None = self.current    # the starting rule's count at the last decision's load
         self._last: float | None = None          # seconds of the last step at the current count
+        self.probe()  # starts its first interval: a load that changes during the first steps counts
         self._in_step: int | None = None         # the count of the step under way
         self._applied: int | None = None
 
     def before_step(self) -> int:
         assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
+        changed = not self._queue and self._load_changed()  # every step: each probe covers one step
         if not self._queue and len(self.candidates) > 1 and (
-                self._since >= self.every or (self._since >= LOAD_GAP and self._load_changed())):
+                self._since >= self.every or (self._since >= LOAD_GAP and changed)):
             # the step just run is the current count's time (the probe covered that step): only
             # the other counts are tried, so a load that slows the current count costs no more
             # steps at it than the one that showed it
@@ -237,19 +241,29 @@ def _torch_set_num_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def auto_tuner(stage: str, say: Callable[[str], None] = lambda m: print(m, flush=True)) -> ThreadTuner | None:
+    """Under `auto`: the ThreadTuner of `stage`, started from the rule in the module docstring,
+    or None where the stage stays on the one thread apply_num_threads set."""
+    usable = usable_cpus()
+    candidates = stage_candidates(stage, usable)
+    if len(candidates) == 1:
+        return None
+    busy = busy_cpus()
+    tuner = ThreadTuner(candidates, start=choose_num_threads(usable, busy), usable=usable)
+    say(f"threads: {stage} starts on {tuner.current} (common.num_threads: auto; {usable} usable CPUs,"
+        f" {busy:.2f} busy with other processes) and measures {candidates} between steps")
+    return tuner
+
+
 def apply_num_threads(setting: int | str) -> int:
     """Set torch's intra-op thread count from `common.num_threads` and return the count in use.
 
-    setting: "auto" (the rule in the module docstring), an int >= 1 (used as given) or 0
-    (torch's default, left alone)."""
+    setting: "auto" (one thread; the training loop may then measure others, module docstring),
+    an int >= 1 (used as given) or 0 (torch's default, left alone)."""
     import torch
 
     if setting == "auto":
-        usable, busy = usable_cpus(), busy_cpus()
-        n = choose_num_threads(usable, busy)
-        print(f"threads: {n} (common.num_threads: auto; {usable} usable CPUs, {busy:.2f} busy with other"
-              f" processes)", flush=True)
-        torch.set_num_threads(n)
+        torch.set_num_threads(1)
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         if setting:
             torch.set_num_threads(setting)

@@ -956,10 +956,10 @@ PROCESS_START_SECONDS = 0.5
 
 
 class _Workers:
-    """`n` spawned processes, started on first use, if ever. n = 0: as many as the `auto` rule
-    of llm/threads.py gives (the usable CPUs that other processes leave free), decided when first
-    asked: on a machine that is already full, more processes only add start-up and a second
-    copy of jieba's dictionary to load."""
+    """`n` spawned processes, started on first use, if ever. n = 0: as many as llm/threads.py's
+    load rule gives (choose_num_threads: the usable CPUs that other processes leave free),
+    decided when first asked: on a machine that is already full, more processes only add
+    start-up and a second copy of jieba's dictionary to load."""
 
     def __init__(self, n: int):
         self._n, self._pool = n, None

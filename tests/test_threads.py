@@ -70,11 +70,21 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-def test_apply_auto_sets_the_chosen_count(monkeypatch, restore_threads, capsys):
+def test_auto_starts_every_stage_on_one_thread_whatever_the_load(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 0.0)  # an idle machine
+    torch.set_num_threads(2)
+    assert threads.apply_num_threads("auto") == 1 == torch.get_num_threads()
+
+
+def test_the_measuring_stages_start_from_the_load_rule(monkeypatch):
     monkeypatch.setattr(threads, "usable_cpus", lambda: 3)
-    monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)
-    assert threads.apply_num_threads("auto") == 2 == torch.get_num_threads()
-    assert "threads: 2 (common.num_threads: auto; 3 usable CPUs, 1.00 busy" in capsys.readouterr().out
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 1.0)
+    said = []
+    tuner = threads.auto_tuner("pretrain", said.append)
+    assert tuner.candidates == [1, 2] and tuner.current == 2  # 3 - 1 busy
+    assert said == ["threads: pretrain starts on 2 (common.num_threads: auto; 3 usable CPUs, 1.00 busy with"
+                    " other processes) and measures [1, 2] between steps"]
+    assert threads.auto_tuner("grpo", said.append) is None and len(said) == 1  # stays on 1
 
 
 def test_apply_a_number_uses_it_and_zero_leaves_torch_alone(restore_threads):
@@ -192,15 +202,16 @@ def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_pa
     from llm.config import LoopConfig
     from llm.runtime import Runtime
 
-    monkeypatch.setattr(loop, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
-    monkeypatch.setattr(loop, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 0.0)  # starts on 2
     cfg = LoopConfig(max_steps=9, lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95,
                      grad_clip=0.0, eval_every=100, checkpoint_every=100, keep_checkpoints=2,
                      nonfinite_policy="raise", nonfinite_budget=0)
     model = torch.nn.Linear(2, 2)
     rt = Runtime(torch.device("cpu"), auto_threads=True)
     body = CountThreads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # as apply_num_threads("auto") leaves it
     res = loop.run_loop(body, loop.Updater(model, cfg, rt, stage="pretrain"), cfg, rt, stage="pretrain",
                         model=model, run_dir=tmp_path, fingerprint="fp", progress=False)
     assert [r["num_threads"] for r in res.history] == body.seen
@@ -214,3 +225,12 @@ def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
     run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 3)
     busy[0] = 2.0  # a second neighbour: still 1 thread by the rule
     assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == 0
+
+
+def test_a_load_change_during_the_first_steps_counts_too():
+    busy = [0.0]  # the machine looked free when the stage chose 2 threads
+    t = threads.ThreadTuner([1, 2], start=2, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    clock = FakeClock({1: 1.0, 2: 3.0})  # ... and a CPU-bound process arrived at once
+    busy[0] = 1.0
+    used = run_steps(t, clock, 6)
+    assert used[:3] == [2, 2, 1] and used[-1] == 1  # the trial as soon as two steps are done
