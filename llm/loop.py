@@ -311,6 +311,8 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         nonlocal eval_time
         if evaluate is None:
             return
+        if tuner is not None:
+            tuner.release()  # evaluations run on one thread under auto: their numbers never depend on the load
         t0 = time.perf_counter()
         row = {"step": at, **evaluate(at)}
         eval_time += time.perf_counter() - t0
@@ -354,6 +356,8 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
                     checkpoint(step)
     finally:
         mon.close(hist, val_hist)
+        if tuner is not None:
+            tuner.release()
     return LoopResult(step=step, history=hist, val_history=val_hist, resumed_from=resumed_from,
                       nonfinite_skips=updater.skips, amp_overflows=updater.overflows, train_time_s=train_time,
                       eval_time_s=eval_time, threads_steps=dict(sorted(threads_steps.items(), key=lambda kv: int(kv[0]))))

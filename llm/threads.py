@@ -3,6 +3,7 @@
     n = apply_num_threads(common.num_threads)   # when a stage starts (llm/runtime.py setup_runtime)
     tuner = auto_tuner(stage)                   # llm/loop.py under auto; None: the stage stays on 1
     n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
+    tuner.release()                             # back to 1 for an evaluation, and after the loop
 
 Under `auto` (the default) every stage starts on one thread, and the stages whose training step
 gives the same bits with any of several counts (`stage_candidates`) measure which is fastest
@@ -230,6 +231,13 @@ class ThreadTuner:
         if self._rule is None:
             self._rule = now
         return now != self._rule
+
+    def release(self) -> None:
+        """Back to one thread, the count of everything outside the steps under `auto` (evaluation,
+        the stage's work before and after its loop); the next before_step sets its count again."""
+        assert self._in_step is None, "release inside a step"
+        self._set(1)
+        self._applied = 1
 
     def summary(self) -> dict[str, int]:
         """{"<count>": steps run with it}: what a stage records as `threads_steps`."""

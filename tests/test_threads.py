@@ -212,9 +212,13 @@ def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_pa
     rt = Runtime(torch.device("cpu"), auto_threads=True)
     body = CountThreads()
     torch.set_num_threads(1)  # as apply_num_threads("auto") leaves it
+    evals = []
     res = loop.run_loop(body, loop.Updater(model, cfg, rt, stage="pretrain"), cfg, rt, stage="pretrain",
-                        model=model, run_dir=tmp_path, fingerprint="fp", progress=False)
+                        model=model, run_dir=tmp_path, fingerprint="fp", progress=False,
+                        evaluate=lambda step: evals.append(torch.get_num_threads()) or {})
+    assert evals == [1, 1]  # before the first step and after the last: on one thread
     assert [r["num_threads"] for r in res.history] == body.seen
+    assert torch.get_num_threads() == 1  # after the loop, one thread again
     assert set(body.seen) == {1, 2}  # the trial at step 3 ran one step on the other count
     assert res.threads_steps == {"1": body.seen.count(1), "2": body.seen.count(2)}
 
