@@ -22,8 +22,9 @@ mid-stage, and the load seen in /proc/stat does not say how much a given step su
 So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
 every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
 number of CPUs busy with other processes change what the starting rule would choose, it runs
-`trial_steps` steps at each other allowed count, compares them with the step just run at the
-current one, keeps the fastest, and doubles `every` while the choice holds (up to
+`trial_steps` steps at each allowed count (on a steady load the steps just run stand for the
+current count), compares the fastest step of each (a step is only ever slowed by what else
+runs, so the fastest of two is the steadier figure), keeps the fastest count, and doubles `every` while the choice holds (up to
 `max_every`; back to the first value when it changes), so the trials cost little on a steady
 machine. The steps used per count are recorded (`counts`; the training stages write them to
 their metrics as `threads_steps`, and every step's row of the history has its `num_threads`).
@@ -60,7 +61,7 @@ SAMPLE_SECONDS = 0.3
 COUNT_FREE_STAGES = ("pretrain", "sft")
 TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
 MAX_TRIAL_EVERY = 320
-TRIAL_STEPS = 1       # steps timed at each candidate count per revisit
+TRIAL_STEPS = 2       # steps timed at each candidate count per revisit; the fastest of them counts
 LOAD_GAP = 2          # steps after a decision before a load change can start another revisit
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" or "max <period>" (cgroup v2)
 
@@ -175,7 +176,7 @@ class ThreadTuner:
         self._queue: list[int] = []              # counts still to time in the running trial
         self._times: dict[int, list[float]] = {}
         self._rule: int | None = self.current    # the starting rule's count at the last decision's load
-        self._last: float | None = None          # seconds of the last step at the current count
+        self._recent: list[float] = []           # seconds of the last trial_steps steps at the current count
         self.probe()  # starts its first interval: a load that changes during the first steps counts
         self._in_step: int | None = None         # the count of the step under way
         self._applied: int | None = None
@@ -183,14 +184,15 @@ class ThreadTuner:
     def before_step(self) -> int:
         assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
         changed = not self._queue and self._load_changed()  # every step: each probe covers one step
-        if not self._queue and len(self.candidates) > 1 and (
-                self._since >= self.every or (self._since >= LOAD_GAP and changed)):
-            # the step just run is the current count's time (the probe covered that step): only
-            # the other counts are tried, so a load that slows the current count costs no more
-            # steps at it than the one that showed it
+        periodic = self._since >= self.every
+        if not self._queue and len(self.candidates) > 1 and (periodic or (self._since >= LOAD_GAP and changed)):
             self._queue = [c for c in self.candidates if c != self.current for _ in range(self.trial_steps)]
-            self._times = {self.current: [self._last]} if self._last is not None else {}
-            if self._last is None:
+            # on a steady load the steps just run at the current count are its time; after a load
+            # change they may predate it (the probe cannot say when in its interval the load
+            # came), so the current count is timed again, last, so that a tie keeps it
+            reuse = periodic and not changed and len(self._recent) == self.trial_steps
+            self._times = {self.current: list(self._recent)} if reuse else {}
+            if not reuse:
                 self._queue += [self.current] * self.trial_steps
         n = self._queue[0] if self._queue else self.current
         if n != self._applied:
@@ -205,7 +207,7 @@ class ThreadTuner:
         self.counts[n] = self.counts.get(n, 0) + 1
         if not self._queue:
             self._since += 1
-            self._last = seconds
+            self._recent = (self._recent + [seconds])[-self.trial_steps:]
             return
         self._queue.pop(0)
         self._times.setdefault(n, []).append(seconds)
@@ -214,6 +216,7 @@ class ThreadTuner:
         best = min(self._times, key=lambda c: (min(self._times[c]), c != self.current, c))
         self.every = min(2 * self.every, self.max_every) if best == self.current else self.first_every
         self.current, self._since = best, 0
+        self._recent = self._times[best][-self.trial_steps:]
         self.trials += 1
         busy = self.probe()  # the baseline: the load over the trial's last step
         self._rule = None if busy is None else self._nearest(choose_num_threads(self.usable, busy))

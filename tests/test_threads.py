@@ -126,7 +126,7 @@ def run_steps(tuner: threads.ThreadTuner, clock: FakeClock, n: int) -> list[int]
 def test_the_tuner_moves_to_the_fastest_count_when_it_revisits():
     clock = FakeClock({1: 1.0, 2: 2.0})  # two threads slow: a competitor on the other CPU
     set_to = []
-    t = threads.ThreadTuner([1, 2], start=2, every=4, probe=lambda: None, set_threads=set_to.append)
+    t = threads.ThreadTuner([1, 2], start=2, every=4, probe=lambda: None, set_threads=set_to.append, trial_steps=1)
     used = run_steps(t, clock, 10)
     # 4 steps at 2; a trial step at 1 against the last step at 2: 1 wins; 4 steps later, 2 again
     assert used == [2, 2, 2, 2, 1, 1, 1, 1, 1, 2]
@@ -135,7 +135,8 @@ def test_the_tuner_moves_to_the_fastest_count_when_it_revisits():
 
 
 def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
-    t = threads.ThreadTuner([1, 2], start=2, every=2, max_every=8, probe=lambda: None, set_threads=lambda n: None)
+    t = threads.ThreadTuner([1, 2], start=2, every=2, max_every=8, probe=lambda: None, set_threads=lambda n: None,
+                             trial_steps=1)
     run_steps(t, FakeClock({1: 2.0, 2: 1.0}), 40)
     assert t.current == 2 and t.every == 8
     assert t.counts[1] == t.trials < 6  # one trial step per revisit, revisits spaced out 2, 4, 8, 8, ...
@@ -144,12 +145,13 @@ def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
 def test_a_load_change_starts_a_revisit_at_the_next_step():
     busy = [0.0]
     clock = FakeClock({1: 1.0, 2: 0.6})
-    t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
     assert run_steps(t, clock, 5) == [2] * 5
     clock.seconds = {1: 1.0, 2: 3.0}  # a CPU-bound process arrives during the next step ...
     assert run_steps(t, clock, 1) == [2]
     busy[0] = 1.0  # ... and the probe before the step after it sees it
-    assert run_steps(t, clock, 4) == [1] * 4  # one trial step at 1 (1.0 s against 3.0 s), then 1
+    assert run_steps(t, clock, 4) == [1, 2, 1, 1]  # a trial step at 1, one at 2 (again: after the change), then 1
     assert t.trials == 1
     busy[0] = 1.3  # still one busy CPU: no new trial
     assert run_steps(t, clock, 5) == [1] * 5 and t.trials == 1
@@ -225,7 +227,8 @@ def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_pa
 
 def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
     busy = [1.0]  # one CPU-bound neighbour on 2 CPUs: 1 thread
-    t = threads.ThreadTuner([1, 2], start=1, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    t = threads.ThreadTuner([1, 2], start=1, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
     run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 3)
     busy[0] = 2.0  # a second neighbour: still 1 thread by the rule
     assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == 0
@@ -233,8 +236,20 @@ def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
 
 def test_a_load_change_during_the_first_steps_counts_too():
     busy = [0.0]  # the machine looked free when the stage chose 2 threads
-    t = threads.ThreadTuner([1, 2], start=2, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None)
+    t = threads.ThreadTuner([1, 2], start=2, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
     clock = FakeClock({1: 1.0, 2: 3.0})  # ... and a CPU-bound process arrived at once
     busy[0] = 1.0
     used = run_steps(t, clock, 6)
-    assert used[:3] == [2, 2, 1] and used[-1] == 1  # the trial as soon as two steps are done
+    assert used == [2, 2, 1, 2, 1, 1]  # the trial as soon as two steps are done
+
+
+def test_one_slow_trial_step_does_not_decide():
+    slow_once = iter([5.0])  # the first step at 1 thread meets a burst of other work
+    t = threads.ThreadTuner([1, 2], start=2, every=3, probe=lambda: None, set_threads=lambda n: None, trial_steps=2)
+    used = []
+    for _ in range(8):
+        n = t.before_step()
+        used.append(n)
+        t.after_step(next(slow_once, 1.0) if n == 1 else 2.0)
+    assert used == [2, 2, 2, 1, 1, 1, 1, 1]  # the faster of its two trial steps (1.0 s) beats 2.0 s
