@@ -19,14 +19,15 @@ that the OS has handed to another process holds up all the others; next to a CPU
 two threads on two CPUs can run a step several times slower than one (bench/threads.py,
 bench/README.md). A count chosen once goes stale when such a process arrives or leaves
 mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
-So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`:
-every `every` steps, and as soon as the load probe (/proc/stat since the last step) sees the
-number of CPUs busy with other processes change what the starting rule would choose, it runs
-`trial_steps` steps at each allowed count (on a steady load the steps just run stand for the
-current count), compares the fastest step of each (a step is only ever slowed by what else
-runs, so the fastest of two is the steadier figure), keeps the fastest count, and doubles `every` while the choice holds (up to
-`max_every`; back to the first value when it changes), so the trials cost little on a steady
-machine. The steps used per count are recorded (`counts`; the training stages write them to
+So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`: every
+`every` steps it runs `trial_steps` steps at each other allowed count, compares the fastest
+step of each with the fastest of the last steps at the current count (a step is only ever
+slowed by what else runs, so the fastest is the steadier figure), keeps the fastest count, and
+doubles `every` while the choice holds (up to `max_every`; back to the first value when it
+changes), so the trials cost little on a steady machine. When the load probe (/proc/stat since
+the last step) shows the CPUs busy with other processes change what the starting rule would
+choose, it follows the rule at once (a trial then would spend steps on the count that the new
+load slows) and runs a trial `every` steps later to check. The steps used per count are recorded (`counts`; the training stages write them to
 their metrics as `threads_steps`, and every step's row of the history has its `num_threads`).
 
 Reproducibility under `auto`: a different count can change floating-point results (how a
@@ -147,7 +148,8 @@ def stage_candidates(stage: str, usable: int) -> list[int]:
 
 class ThreadTuner:
     """`auto` between steps: times `trial_steps` steps at each candidate count every `every`
-    steps (or when `probe` sees the load change) and keeps the fastest (module docstring).
+    steps and keeps the fastest; follows the load rule when `probe` sees the load change it
+    (module docstring).
 
         n = tuner.before_step()      # sets torch's count for the coming step; between steps only
         tuner.after_step(seconds)    # the step's wall time
@@ -155,9 +157,9 @@ class ThreadTuner:
     candidates: the counts allowed (stage_candidates); start: the count to begin with (moved to
     the nearest candidate); usable: the CPUs (default: the largest candidate). probe() -> CPUs
     busy with other processes since its last call, or None (LoadProbe); set_threads:
-    torch.set_num_threads (both injectable for tests). A load change starts a revisit only when
-    it changes what the starting rule would choose among the candidates: on 2 CPUs, a second
-    busy CPU next to a first changes nothing (1 thread either way) and costs no trial."""
+    torch.set_num_threads (both injectable for tests). A load change counts only when it changes
+    what the starting rule would choose among the candidates: on 2 CPUs, a second busy CPU next
+    to a first changes nothing (1 thread either way)."""
 
     def __init__(self, candidates: list[int], *, start: int, usable: int | None = None, every: int = TRIAL_EVERY,
                  max_every: int = MAX_TRIAL_EVERY, trial_steps: int = TRIAL_STEPS,
@@ -172,6 +174,7 @@ class ThreadTuner:
         self._set = set_threads if set_threads is not None else _torch_set_num_threads
         self.counts: dict[int, int] = {}         # steps run at each count
         self.trials = 0                          # revisits done
+        self.follows = 0                         # load changes followed
         self._since = 0                          # steps since the last decision
         self._queue: list[int] = []              # counts still to time in the running trial
         self._times: dict[int, list[float]] = {}
@@ -183,17 +186,19 @@ class ThreadTuner:
 
     def before_step(self) -> int:
         assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
-        changed = not self._queue and self._load_changed()  # every step: each probe covers one step
-        periodic = self._since >= self.every
-        if not self._queue and len(self.candidates) > 1 and (periodic or (self._since >= LOAD_GAP and changed)):
-            self._queue = [c for c in self.candidates if c != self.current for _ in range(self.trial_steps)]
-            # on a steady load the steps just run at the current count are its time; after a load
-            # change they may predate it (the probe cannot say when in its interval the load
-            # came), so the current count is timed again, last, so that a tie keeps it
-            reuse = periodic and not changed and len(self._recent) == self.trial_steps
-            self._times = {self.current: list(self._recent)} if reuse else {}
-            if not reuse:
-                self._queue += [self.current] * self.trial_steps
+        rule = self._load_changed() if not self._queue else None  # every step: each probe covers one step
+        if not self._queue and len(self.candidates) > 1:
+            if rule is not None and self._since >= LOAD_GAP:
+                # the load changed what the rule would choose: follow it at once (a trial would
+                # spend steps on the count the new load slows) and check it by a trial soon
+                self.current, self._rule, self._recent = rule, rule, []
+                self._since, self.every = 0, self.first_every
+                self.follows += 1
+            elif self._since >= self.every:
+                self._queue = [c for c in self.candidates if c != self.current for _ in range(self.trial_steps)]
+                self._times = {self.current: list(self._recent)} if len(self._recent) == self.trial_steps else {}
+                if not self._times:  # too few steps at the current count since it changed: time it too
+                    self._queue += [self.current] * self.trial_steps
         n = self._queue[0] if self._queue else self.current
         if n != self._applied:
             self._set(n)
@@ -224,16 +229,16 @@ class ThreadTuner:
     def _nearest(self, n: int) -> int:
         return min(self.candidates, key=lambda c: (abs(c - n), c))
 
-    def _load_changed(self) -> bool:
-        """Whether the starting rule, at the load since the last probe (the last step), would
-        choose another of the candidates than at the last decision."""
+    def _load_changed(self) -> int | None:
+        """The count the starting rule would choose among the candidates at the load since the
+        last probe (the last step), if it differs from the one at the last decision; else None."""
         busy = self.probe()
         if busy is None:
-            return False
+            return None
         now = self._nearest(choose_num_threads(self.usable, busy))
         if self._rule is None:
             self._rule = now
-        return now != self._rule
+        return now if now != self._rule else None
 
     def release(self) -> None:
         """Back to one thread, the count of everything outside the steps under `auto` (evaluation,

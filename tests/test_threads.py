@@ -142,7 +142,7 @@ def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
     assert t.counts[1] == t.trials < 6  # one trial step per revisit, revisits spaced out 2, 4, 8, 8, ...
 
 
-def test_a_load_change_starts_a_revisit_at_the_next_step():
+def test_a_load_change_is_followed_at_the_next_step_and_checked_later():
     busy = [0.0]
     clock = FakeClock({1: 1.0, 2: 0.6})
     t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
@@ -151,10 +151,10 @@ def test_a_load_change_starts_a_revisit_at_the_next_step():
     clock.seconds = {1: 1.0, 2: 3.0}  # a CPU-bound process arrives during the next step ...
     assert run_steps(t, clock, 1) == [2]
     busy[0] = 1.0  # ... and the probe before the step after it sees it
-    assert run_steps(t, clock, 4) == [1, 2, 1, 1]  # a trial step at 1, one at 2 (again: after the change), then 1
-    assert t.trials == 1
-    busy[0] = 1.3  # still one busy CPU: no new trial
-    assert run_steps(t, clock, 5) == [1] * 5 and t.trials == 1
+    assert run_steps(t, clock, 4) == [1] * 4 and t.follows == 1 and t.trials == 0  # the rule's 1 at once
+    busy[0] = 1.3  # still one busy CPU: nothing to follow
+    t.every = 6  # the check: a trial step at 2 after 6 steps at 1, and 1 stays
+    assert run_steps(t, clock, 8) == [1, 1, 2, 1, 1, 1, 1, 1] and t.follows == 1 and t.trials == 1
 
 
 def test_the_tuner_only_uses_the_allowed_counts():
@@ -231,7 +231,7 @@ def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
                              trial_steps=1)
     run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 3)
     busy[0] = 2.0  # a second neighbour: still 1 thread by the rule
-    assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == 0
+    assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == t.follows == 0
 
 
 def test_a_load_change_during_the_first_steps_counts_too():
@@ -241,7 +241,7 @@ def test_a_load_change_during_the_first_steps_counts_too():
     clock = FakeClock({1: 1.0, 2: 3.0})  # ... and a CPU-bound process arrived at once
     busy[0] = 1.0
     used = run_steps(t, clock, 6)
-    assert used == [2, 2, 1, 2, 1, 1]  # the trial as soon as two steps are done
+    assert used == [2, 2, 1, 1, 1, 1]  # followed as soon as two steps are done
 
 
 def test_one_slow_trial_step_does_not_decide():
