@@ -281,8 +281,9 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         # experiments with other params never write into each other's events
         plots = replace(plots, tb_dir=Path(plots.tb_dir) / fingerprint[:12])
         say(f"{stage}: TensorBoard events in {plots.tb_dir}")
-    # common.num_threads: auto revisits the thread count between steps, among the counts that give
-    # this stage's step the same bits (llm/threads.py); a fixed count stays as set
+    # common.num_threads: auto: pretrain's and SFT's steps move between the thread counts that give
+    # them the same bits, measuring which is fastest; evaluation and every other stage stay on one
+    # thread (llm/threads.py). A fixed count stays as set.
     tuner = auto_tuner(stage, say) if rt.auto_threads and rt.device.type == "cpu" else None
     threads_steps: dict[str, int] = {}
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,

@@ -117,8 +117,13 @@ def test_counting_in_processes_learns_the_same_merges(monkeypatch):
     one = Tokenizer.train(corpus, 700, workers=1)
     monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 2000)  # many batches from a small corpus
     monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
-    monkeypatch.setattr(tokenizer_module, "_processes_pay", lambda *a: True)  # jieba in processes too
+    monkeypatch.setattr(tokenizer_module, "_processes_pay", lambda *a: True)  # jieba in processes too,
+    monkeypatch.setattr(tokenizer_module, "PROBE_SECONDS", 0.0)               # all but its first chunk
+    started = []
+    pool = tokenizer_module._Workers.pool
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: started.append(1) or pool(self))
     two = Tokenizer.train(corpus, 700, workers=2)
+    assert started
     assert two.train_stats["corpus_sha256"] == one.train_stats["corpus_sha256"]
     assert two.merges == one.merges
     assert two.train_stats["unique_words"] == one.train_stats["unique_words"]
