@@ -27,8 +27,9 @@ doubles `every` while the choice holds (up to `max_every`; back to the first val
 changes), so the trials cost little on a steady machine. When the load probe (/proc/stat since
 the last step) shows the CPUs busy with other processes change what the starting rule would
 choose, it follows the rule at once (a trial then would spend steps on the count that the new
-load slows) and runs a trial `every` steps later to check. The steps used per count are recorded (`counts`; the training stages write them to
-their metrics as `threads_steps`, and every step's row of the history has its `num_threads`).
+load slows) and runs a trial `every` steps later to check. The steps used per count are
+recorded (`counts`; the training stages write them to their metrics as `threads_steps`, and
+every step's row of the history has its `num_threads`).
 
 Reproducibility under `auto`: a different count can change floating-point results (how a
 reduction is split between threads), so `auto` only moves between counts that give the same
@@ -63,7 +64,7 @@ COUNT_FREE_STAGES = ("pretrain", "sft")
 TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
 MAX_TRIAL_EVERY = 320
 TRIAL_STEPS = 2       # steps timed at each candidate count per revisit; the fastest of them counts
-LOAD_GAP = 2          # steps after a decision before a load change can start another revisit
+LOAD_GAP = 2          # steps after a decision before a load change is followed
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" or "max <period>" (cgroup v2)
 
 
