@@ -1,24 +1,28 @@
-"""Benchmark: a training step next to a competing CPU-bound process, per thread setting.
+"""Benchmark: a training stage's steps next to a competing CPU-bound process, per thread setting.
 
-    python bench/threads.py [--rounds 3] [--steps 4] [--params params.yaml] [--stage pretrain]
+    python bench/threads.py [--rounds 3] [--steps 16] [--params params.yaml] [--stage pretrain]
 
 The step is the stage's own: its model and batch size from params.yaml (vocab_size from
 `tokenizer.vocab_size`, as the tokenizer stage makes it), llm/optim.py's AdamW and
 llm/trainer.py's lm_loss, forward + backward + optimizer step on random tokens, fp32 on the CPU.
+A "stage" here is --steps such steps (after one warm-up step at the start of the run), timed as a
+whole; the three settings' stages run side by side, step i of each (in rotated order) before
+step i + 1 of any, so that the machine's load, which changes by the second on a shared machine,
+hits all three alike.
 
-Conditions, alternating each round:
-  idle   nothing started by the bench (the machine's own load is recorded with every figure)
-  busy   one CPU-bound process (`while True: pass`) running beside the step
-Thread settings, in rotated order within each condition:
-  auto   common.num_threads: auto, decided at the start of the condition the way a stage decides
-         it (llm/threads.py: usable CPUs minus those other processes keep busy)
+Conditions, rotated each round:
+  idle      nothing started by the bench (the machine's own load is recorded with every figure)
+  busy      one CPU-bound process (a Python loop) running beside the whole stage
+  arriving  that process starts after a third of the stage's steps, once `auto` has chosen
+Thread settings:
+  auto   common.num_threads: auto as the training loop runs it (llm/threads.py auto_tuner): the
+         starting count from the load rule, then ThreadTuner between steps among the stage's
+         allowed counts (one thread throughout for a stage that has only one)
   1      one thread
   all    one thread per usable CPU (what torch does by default)
-Reported per setting: seconds per step (median of --steps after one warm-up step) in each
-condition, and the slowdown busy / idle per round (min/median/max). The target for auto is a
-slowdown of at most 1.2x. Also: what auto chose in each condition, and `best_fixed_idle`, the
-faster of 1 and all threads on the idle machine, against which auto's busy step is compared too
-(no thread count can give a step more than the CPUs the competitor leaves it).
+Reported per condition: seconds per stage for each setting, and `auto_over_best_fixed`, auto's
+stage time over the faster of 1 and all threads in the same round (min/median/max of the
+per-round ratios; target <= 1.15), with the steps auto ran at each count.
 Then, reproducibility: the same model from the same initial weights trained --bitwise-steps
 steps on the same batches with 1, 2, 3 and 4 threads (more threads than CPUs only costs time);
 `bitwise_same_as_1_thread` says which counts end with weights bit-identical to one thread's.
@@ -44,22 +48,46 @@ from bench.common import loadavg, machine, ratios, rotations, show, summary  # n
 from llm.config import ModelConfig, load_sections  # noqa: E402
 from llm.model import GPT  # noqa: E402
 from llm.optim import build_optimizer  # noqa: E402
-from llm.threads import busy_cpus, choose_num_threads, usable_cpus  # noqa: E402
+from llm.threads import auto_tuner, usable_cpus  # noqa: E402
 from llm.trainer import lm_loss  # noqa: E402
 
 
-def step_seconds(model: GPT, opt, batch: dict, steps: int) -> float:
-    """Median wall seconds of `steps` training steps, after one warm-up step."""
-    times = []
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        loss_sum, n = lm_loss(model, batch)
-        (loss_sum / n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def train_step(model: GPT, opt, batch: dict) -> None:
+    loss_sum, n = lm_loss(model, batch)
+    (loss_sum / n).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def stages_seconds(model: GPT, opt, batch: dict, settings: list[str], steps: int, usable: int, stage: str,
+                   arrive_at: int | None) -> tuple[dict[str, float], dict[int, int]]:
+    """One stage of `steps` steps per thread setting, run side by side: step i of every setting,
+    in an order rotated each step, before step i + 1 of any, so that a change of the machine's
+    load hits all of them alike. A competitor starts before step `arrive_at` (None: never).
+    Returns ({setting: seconds of its steps}, {count: steps auto ran with it})."""
+    tuner = auto_tuner(stage, say=lambda m: None)  # None: the stage stays on one thread
+    fixed = {"1": 1, "all": usable}
+    secs, used, hog = {s: 0.0 for s in settings}, {}, None
+    try:
+        for i in range(steps):
+            if i == arrive_at:
+                hog = competitor()
+            for s in rotations(settings, steps)[i]:
+                n = fixed[s] if s != "auto" else tuner.before_step() if tuner is not None else 1
+                torch.set_num_threads(n)  # the other settings changed it since the tuner last did
+                t0 = time.perf_counter()
+                train_step(model, opt, batch)
+                dt = time.perf_counter() - t0
+                secs[s] += dt
+                if s == "auto":
+                    if tuner is not None:
+                        tuner.after_step(dt)
+                    used[n] = used.get(n, 0) + 1
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    return secs, used
 
 
 def weights_after(mcfg: ModelConfig, cfg, batch: dict, threads: int, steps: int) -> str:
@@ -76,8 +104,9 @@ def weights_after(mcfg: ModelConfig, cfg, batch: dict, threads: int, steps: int)
 
 
 def competitor() -> subprocess.Popen:
-    """One CPU-bound process; given 0.5 s to be running before anything is measured."""
-    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """One CPU-bound process, given 0.5 s to be running before anything is measured; it spins
+    until this process is gone, so that a killed bench leaves no spinner behind."""
+    p = subprocess.Popen([sys.executable, "-c", "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"])
     time.sleep(0.5)
     return p
 
@@ -85,7 +114,7 @@ def competitor() -> subprocess.Popen:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--stage", default="pretrain", help="a training stage whose `model` and `batch_size` to use")
     ap.add_argument("--bitwise-steps", type=int, default=3, help="steps of the reproducibility check; 0 = skip it")
@@ -103,44 +132,41 @@ def main() -> None:
     print(f"bench: {args.stage} step, {model.summary()}; batch {cfg.batch_size} x {mcfg.seq_len};"
           f" {usable} usable CPUs; load {load0}", flush=True)
 
-    settings = ["auto", "1", "all"]
-    t = {c: {s: [] for s in settings} for c in ("idle", "busy")}
-    chosen: dict[str, list[dict]] = {"idle": [], "busy": []}
+    settings, conds = ["auto", "1", "all"], ["idle", "busy", "arriving"]
+    t = {c: {s: [] for s in settings} for c in conds}
+    used: dict[str, list[dict]] = {c: [] for c in conds}
+    torch.set_num_threads(usable)
+    train_step(model, opt, batch)  # warm-up: first-call costs out of the timings
     for r in range(args.rounds):
-        for cond in (("idle", "busy") if r % 2 == 0 else ("busy", "idle")):
+        for cond in rotations(conds, args.rounds)[r]:
             hog = competitor() if cond == "busy" else None
             try:
-                busy = busy_cpus()
-                auto = choose_num_threads(usable, busy)
-                chosen[cond].append({"busy_cpus": round(busy, 2), "threads": auto})
-                for s in rotations(settings, args.rounds)[r]:
-                    torch.set_num_threads(auto if s == "auto" else 1 if s == "1" else usable)
-                    t[cond][s].append(step_seconds(model, opt, batch, args.steps))
+                secs, counts = stages_seconds(model, opt, batch, settings, args.steps, usable, args.stage,
+                                              args.steps // 3 if cond == "arriving" else None)
             finally:
                 if hog is not None:
                     hog.kill()
                     hog.wait()
-            print(f"round {r + 1} {cond}: auto chose {auto} (busy {busy:.2f}); s/step "
-                  + ", ".join(f"{s} {t[cond][s][-1]:.3f}" for s in settings), flush=True)
+            for s in settings:
+                t[cond][s].append(secs[s])
+            used[cond].append({str(k): v for k, v in sorted(counts.items())})
+            print(f"round {r + 1} {cond}: s/stage " + ", ".join(f"{s} {t[cond][s][-1]:.2f}" for s in settings)
+                  + f"; auto ran {used[cond][-1]}", flush=True)
 
     res = {"bench": "threads", "stage": args.stage, "n_params": model.n_params(), "batch_size": cfg.batch_size,
            "seq_len": mcfg.seq_len, "steps": args.steps, "rounds": args.rounds, "usable_cpus": usable,
-           "auto_chose": chosen, "target_slowdown": 1.2}
-    for s in settings:
-        res[f"s_per_step_idle_{s}"] = summary(t["idle"][s])
-        res[f"s_per_step_busy_{s}"] = summary(t["busy"][s])
-        res[f"slowdown_{s}"] = ratios(t["busy"][s], t["idle"][s])
-    best_idle = [min(a, b) for a, b in zip(t["idle"]["1"], t["idle"]["all"])]
-    res["auto_busy_over_best_fixed_idle"] = ratios(t["busy"]["auto"], best_idle)
-    res["all_busy_over_1_busy"] = ratios(t["busy"]["all"], t["busy"]["1"])
-    res["all_idle_over_1_idle"] = ratios(t["idle"]["all"], t["idle"]["1"])
-    res["meets_target"] = res["slowdown_auto"]["median"] <= 1.2
-    for s in settings:
-        print(f"{s:>4}: idle {show(res[f's_per_step_idle_{s}'], ' s')}, busy {show(res[f's_per_step_busy_{s}'], ' s')};"
-              f" slowdown busy/idle {show(res[f'slowdown_{s}'], 'x')}")
-    print(f"auto busy / best fixed count idle: {show(res['auto_busy_over_best_fixed_idle'], 'x')};"
-          f" all threads / 1 thread: idle {show(res['all_idle_over_1_idle'], 'x')}, busy"
-          f" {show(res['all_busy_over_1_busy'], 'x')}")
+           "auto_threads_steps": used, "target_auto_over_best_fixed": 1.15}
+    for c in conds if args.rounds else ():  # --rounds 0: the reproducibility check alone
+        for s in settings:
+            res[f"s_per_stage_{c}_{s}"] = summary(t[c][s])
+        best = [min(a, b) for a, b in zip(t[c]["1"], t[c]["all"])]
+        res[f"auto_over_best_fixed_{c}"] = ratios(t[c]["auto"], best)
+        res[f"all_over_1_{c}"] = ratios(t[c]["all"], t[c]["1"])
+        print(f"{c:>8}: s/stage " + ", ".join(f"{s} {show(res[f's_per_stage_{c}_{s}'])}" for s in settings)
+              + f"; auto / best fixed {show(res[f'auto_over_best_fixed_{c}'], 'x')};"
+              f" all / 1 {show(res[f'all_over_1_{c}'], 'x')}")
+    if args.rounds:
+        res["meets_target"] = all(res[f"auto_over_best_fixed_{c}"]["median"] <= 1.15 for c in conds)
     if args.bitwise_steps:
         ref = weights_after(mcfg, cfg, batch, 1, args.bitwise_steps)
         res["bitwise_same_as_1_thread"] = {t: weights_after(mcfg, cfg, batch, t, args.bitwise_steps) == ref

@@ -1,6 +1,6 @@
 """Benchmark: our BPE (llm/tokenizer.py) against HF `tokenizers`, rustbpe and tiktoken, same run.
 
-    python bench/tokenizer.py [--sizes 2] [--langs en zh] [--rounds 3]
+    python bench/tokenizer.py [--sizes 2] [--langs en zh] [--rounds 3] [--engines ours hf rustbpe tiktoken]
     python bench/tokenizer.py --sizes 64 --rounds 1          # the large corpora (minutes per round)
     python bench/tokenizer.py --big [--big-mb 100]            # peak memory of our training, ~100 MB
 
@@ -21,15 +21,17 @@ The JSON records which source each corpus came from and how many documents it ha
 Training (vocab 4096, min_frequency 2, our pre-split regex), each engine as its users run it,
 documents in, with 1 thread and with every usable CPU:
   ours      Tokenizer.train(docs, 4096, workers=N) as stages/tokenizer.py runs it: the
-            counting pass (pre-split + jieba on Chinese) in N processes, start-up included;
-            `ours_1` is one process
+            counting pass (pre-split + jieba on Chinese) in N processes where the corpus is big
+            enough and the work measured on its first part pays for their start (start-up
+            included); `ours_1` is one process
   hf        tokenizers' BpeTrainer, train_from_iterator(docs); RAYON_NUM_THREADS = 1 or N
   rustbpe   rustbpe.Tokenizer().train_from_iterator(docs, 4090, pattern=ours) (4096 minus our 6
             special tokens); RAYON_NUM_THREADS = 1 or N
 Encoding, with OUR trained merges in every engine (the ids are checked equal to ours, document by
 document), caches cold, the documents as one batch:
   ours      encode_batch(docs) in one process; `ours_N`: encode_batch(docs, workers=N) (spawned
-            processes, start-up included)
+            processes where the work measured on the first documents pays for their start;
+            start-up included)
   hf        our exported tokenizer.json, encode_batch(docs); RAYON_NUM_THREADS = 1 or N
   tiktoken  tiktoken.Encoding(our pattern, our merges as ranks).encode_ordinary_batch(docs,
             num_threads=1 or N)
@@ -244,7 +246,6 @@ def child(engine: str, threads: int, lang: str, mb: float, tok_dir: str) -> None
             if engine == "ours":
                 ours._cache.clear()
                 ours._char_cache.clear()
-                ours.parallel_min_chars = 0
                 ids = ours.encode_batch(docs, workers=threads)
             elif engine == "hf":
                 enc.model._clear_cache()
@@ -302,10 +303,14 @@ def compare(kind: str, workers: dict[str, Worker], rounds: int, mb: float, label
     ours = [n for n in names if n.startswith("ours")]
     out["ours_speed_vs"] = {f"{o}_vs_{n}": summary([b / a for a, b in zip(t[o], t[n])], 3)
                             for o in ours for n in names if not n.startswith("ours")}
+    # every usable CPU against one: a time ratio, > 1 = more threads were slower (target <= 1)
+    out["ours_time_over_ours_1"] = {o: summary([a / b for a, b in zip(t[o], t["ours_1"])], 3)
+                                    for o in ours if o != "ours_1"}
     return out
 
 
-def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall") -> dict:
+def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall",
+                 engines: tuple[str, ...] = ("ours", "hf", "rustbpe", "tiktoken")) -> dict:
     docs, source = corpus(lang, mb)
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     res: dict = {"source": source, "docs": len(docs), "mb": round(nbytes / 1e6, 3)}
@@ -315,12 +320,13 @@ def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall")
         Tokenizer.train(docs, VOCAB).save(d)  # the merges every encoder uses
         del docs
         counts = [1] if clock == "cpu" else [1, n]  # CPU time compares one-thread runs only
-        workers = {f"{e}_{t}": Worker(e, t, lang, mb, d) for e in ("ours", "hf", "rustbpe") for t in counts}
+        workers = {f"{e}_{t}": Worker(e, t, lang, mb, d) for e in ("ours", "hf", "rustbpe") if e in engines
+                   for t in counts}
         try:
             res["train"] = compare("train", workers, rounds, res["mb"], label, clock)
             for k in [k for k in workers if k.startswith("rustbpe")]:
                 workers.pop(k).close()
-            for t in counts:
+            for t in counts if "tiktoken" in engines else ():
                 workers[f"tiktoken_{t}"] = Worker("tiktoken", t, lang, mb, d)
             res["encode"] = compare("encode", workers, rounds, res["mb"], label, clock)
             key = "s" if clock == "wall" else "cpu_s"
@@ -334,6 +340,8 @@ def bench_corpus(lang: str, mb: float, rounds: int, n: int, clock: str = "wall")
     for kind in ("train", "encode"):
         for k, s in res[kind]["ours_speed_vs"].items():
             print(f"[{label}] {kind}: {k}: {show(s, 'x')}")
+        for k, s in res[kind]["ours_time_over_ours_1"].items():
+            print(f"[{label}] {kind}: time {k} / ours_1: {show(s, 'x')}")
     return res
 
 
@@ -382,6 +390,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: each worker's CPU seconds, one-thread runs only (steadier on a busy machine)")
+    ap.add_argument("--engines", nargs="+", default=["ours", "hf", "rustbpe", "tiktoken"],
+                    choices=["ours", "hf", "rustbpe", "tiktoken"], help="which to run (ours always runs)")
     ap.add_argument("--big", action="store_true", help="also measure peak memory on a ~100 MB corpus (minutes)")
     ap.add_argument("--big-mb", type=int, default=100)
     ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
@@ -410,7 +420,8 @@ def main() -> None:
     print(f"bench: {args.rounds} rounds; 1 and {n} threads; load {load0}", flush=True)
     for mb in args.sizes:
         for lang in args.langs:
-            results["corpora"][f"{lang}_{mb:g}mb"] = bench_corpus(lang, mb, args.rounds, n, args.clock)
+            results["corpora"][f"{lang}_{mb:g}mb"] = bench_corpus(lang, mb, args.rounds, n, args.clock,
+                                                                  tuple({"ours", *args.engines}))
     if args.big:
         results.update(big_run(args.big_mb))
     results["machine"] = machine(load0)

@@ -52,6 +52,7 @@ from llm.errors import CheckpointError, NonFiniteError
 from llm.monitor import Monitor, Plots
 from llm.optim import build_optimizer, lr_for, set_lr
 from llm.runtime import Runtime, all_gather_object, all_reduce, barrier
+from llm.threads import auto_tuner
 
 
 class StopFlag:
@@ -213,6 +214,7 @@ class LoopResult:
     amp_overflows: int = 0
     train_time_s: float = 0.0                              # in steps that counted
     eval_time_s: float = 0.0
+    threads_steps: dict[str, int] = field(default_factory=dict)  # {"<torch threads>": steps run}, this session
 
 
 def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, stage: str, model: nn.Module,
@@ -279,6 +281,11 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         # experiments with other params never write into each other's events
         plots = replace(plots, tb_dir=Path(plots.tb_dir) / fingerprint[:12])
         say(f"{stage}: TensorBoard events in {plots.tb_dir}")
+    # common.num_threads: auto: pretrain's and SFT's steps move between the thread counts that give
+    # them the same bits, measuring which is fastest; evaluation and every other stage stay on one
+    # thread (llm/threads.py). A fixed count stays as set.
+    tuner = auto_tuner(stage, say) if rt.auto_threads and rt.device.type == "cpu" else None
+    threads_steps: dict[str, int] = {}
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,
                   progress=progress, train_history=hist, val_history=val_hist)
     saved = -1  # step of the last checkpoint written by this session
@@ -305,6 +312,8 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         nonlocal eval_time
         if evaluate is None:
             return
+        if tuner is not None:
+            tuner.release()  # evaluations run on one thread under auto: their numbers never depend on the load
         t0 = time.perf_counter()
         row = {"step": at, **evaluate(at)}
         eval_time += time.perf_counter() - t0
@@ -325,16 +334,20 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
                     mon.print(f"{stage}: {signal.Signals(signum).name} at step {step}: checkpoint {path}; exiting")
                     raise SystemExit(128 + signum)
 
+                n_threads = tuner.before_step() if tuner is not None else torch.get_num_threads()
                 t0 = time.perf_counter()
                 lr = updater.set_step(step)
                 with step_context():
                     row = body.step(step, updater)
+                dt = time.perf_counter() - t0
+                if tuner is not None:
+                    tuner.after_step(dt)
+                threads_steps[str(n_threads)] = threads_steps.get(str(n_threads), 0) + 1
                 if row is None:  # no update happened (non-finite, skipped): the same step again
                     continue
-                dt = time.perf_counter() - t0
                 step += 1
                 train_time += dt
-                row = {"step": step, **row, "lr": lr, "step_s": dt,
+                row = {"step": step, **row, "lr": lr, "step_s": dt, "num_threads": n_threads,
                        "elapsed_s": elapsed0 + time.perf_counter() - t_start}
                 hist.append(row)
                 mon.step(row, show=step % log_every == 0 or step == cfg.max_steps)
@@ -344,9 +357,11 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
                     checkpoint(step)
     finally:
         mon.close(hist, val_hist)
+        if tuner is not None:
+            tuner.release()
     return LoopResult(step=step, history=hist, val_history=val_hist, resumed_from=resumed_from,
                       nonfinite_skips=updater.skips, amp_overflows=updater.overflows, train_time_s=train_time,
-                      eval_time_s=eval_time)
+                      eval_time_s=eval_time, threads_steps=dict(sorted(threads_steps.items(), key=lambda kv: int(kv[0]))))
 
 
 def seed_step(rt: Runtime, seed: int) -> None:

@@ -41,6 +41,7 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    auto_threads: bool = False  # common.num_threads: auto, so the loop revisits the count (llm/threads.py)
 
     @property
     def is_main(self) -> bool:
@@ -178,7 +179,7 @@ def setup_runtime(common: CommonConfig) -> Runtime:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rt = Runtime(device=device, dtype=resolve_dtype(common, device), rank=rank, local_rank=local_rank,
-                 world_size=world)
+                 world_size=world, auto_threads=common.num_threads == "auto")
     if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # several machines
         try:
             check_shared_directory(rt)

@@ -1,30 +1,52 @@
-"""How many CPU threads torch uses: `common.num_threads`.
+"""How many CPU threads torch uses: `common.num_threads`, and `auto`, which measures.
 
-    n = apply_num_threads(common.num_threads)   # once, when a stage starts (llm/runtime.py setup_runtime)
+    n = apply_num_threads(common.num_threads)   # when a stage starts (llm/runtime.py setup_runtime)
+    tuner = auto_tuner(stage)                   # llm/loop.py under auto; None: the stage stays on 1
+    n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
+    tuner.release()                             # back to 1 for an evaluation, and after the loop
 
-`auto` (the default) applies one rule, once per process:
+Under `auto` (the default) every stage starts on one thread, and the stages whose training step
+gives the same bits with any of several counts (`stage_candidates`) measure which is fastest
+between steps. Their starting count comes from one rule:
 
     usable  = the CPUs this process may run on (os.sched_getaffinity), capped by a cgroup CPU quota
     busy    = how many of those CPUs other processes kept busy during a 0.3 s look at /proc/stat
               (this process's own CPU time taken out), rounded to the nearest whole CPU
-    threads = max(1, usable - busy)
+    start   = max(1, usable - busy), moved to the nearest allowed count
 
-Why: torch's intra-op threads meet at a barrier after every parallel op, so one thread that
-the OS has handed to another process holds up all the others. Next to one other CPU-bound
-process, 2 threads ran the `pretrain` step 2.7x slower than 1 thread on the 2-core reference
-machine (bench/threads.py; bench/README.md); a count that leaves the busy CPUs alone does not
-collapse. The count is decided once, not re-checked between steps, so that a run does not
-change its arithmetic halfway.
+Why measure: torch's intra-op threads meet at a barrier after every parallel op, so one thread
+that the OS has handed to another process holds up all the others; next to a CPU-bound process
+two threads on two CPUs can run a step several times slower than one (bench/threads.py,
+bench/README.md). A count chosen once goes stale when such a process arrives or leaves
+mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
+So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`: every
+`every` steps it runs `trial_steps` steps at each other allowed count, compares the fastest
+step of each with the fastest of the last steps at the current count (a step is only ever
+slowed by what else runs, so the fastest is the steadier figure), keeps the fastest count, and
+doubles `every` while the choice holds (up to `max_every`; back to the first value when it
+changes), so the trials cost little on a steady machine. When the load probe (/proc/stat since
+the last step) shows the CPUs busy with other processes change what the starting rule would
+choose, it follows the rule at once (a trial then would spend steps on the count that the new
+load slows) and runs a trial `every` steps later to check. The steps used per count are
+recorded (`counts`; the training stages write them to their metrics as `threads_steps`, and
+every step's row of the history has its `num_threads`).
 
-Reproducibility: the count depends on the machine and on its load when the stage starts, and a
-different count can change floating-point results (how reductions are split between threads).
-Same machine, same load class -> same count -> the same numbers. On the reference 2-core
-machine, 1, 2 and 4 threads train bit-identical weights for the `pretrain` model and 3 threads
-do not (bench/threads.py); where bitwise reruns matter on other machines, set a fixed
-`common.num_threads`. The chosen count is printed, and the training stages record it in their
-metrics as `num_threads`.
+Reproducibility under `auto`: a different count can change floating-point results (how a
+reduction is split between threads), so `auto` only moves between counts that give the same
+bits for the stage's step. Measured on the reference 2-core machine (bench/threads.py
+`bitwise_same_as_1_thread`): the pretrain step trains bit-identical weights with 1, 2 and 4
+threads (3 does not), and SFT runs the same model and loss (masked); those two stages choose
+among the powers of two up to the usable CPUs. PPO and GRPO train different weights with 1 and
+2 threads, and the other stages (the reward model, DPO, evaluation, pairs, the data cleaning)
+have not been checked, so under `auto` they run on one thread whatever the load, everything
+before and after their loop included (the count the committed RL models were trained with, and
+the fastest next to a competing process; slower than two threads on an idle machine). So under
+`auto`: pretrain and SFT rerun bit for bit at any load on a machine where those counts give the
+same bits (bench/threads.py checks a machine; this one does), and the other stages at any load
+anywhere. Where the first has not been checked, set a fixed `common.num_threads`.
 
-An integer >= 1 is used as given; 0 leaves torch's own default (one thread per core).
+An integer >= 1 is used as given for the whole stage; 0 leaves torch's own default (one thread
+per core). Neither is revisited.
 """
 from __future__ import annotations
 
@@ -32,8 +54,17 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 SAMPLE_SECONDS = 0.3
+# Stages whose step gives the same bits with 1, 2 and 4 threads (bench/threads.py measures the
+# pretrain step; SFT trains that model with the same loss, masked); under `auto` the others stay
+# on one thread.
+COUNT_FREE_STAGES = ("pretrain", "sft")
+TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
+MAX_TRIAL_EVERY = 320
+TRIAL_STEPS = 2       # steps timed at each candidate count per revisit; the fastest of them counts
+LOAD_GAP = 2          # steps after a decision before a load change is followed
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" or "max <period>" (cgroup v2)
 
 
@@ -72,22 +103,35 @@ def _own_ticks() -> int:
     return int(fields[11]) + int(fields[12])
 
 
+class LoadProbe:
+    """How many of this process's CPUs other processes kept busy since the previous call, from
+    /proc/stat and /proc/self/stat (a file read, no waiting: cheap enough to call between steps).
+    The first call, and every call where /proc is not available, returns None."""
+
+    def __init__(self):
+        self._last: tuple[int, int, int] | None = None
+
+    def __call__(self) -> float | None:
+        try:
+            cpus = os.sched_getaffinity(0)
+            (busy, total), own = _cpu_ticks(cpus), _own_ticks()
+        except (AttributeError, OSError, ValueError):
+            return None
+        last, self._last = self._last, (busy, total, own)
+        if last is None or total <= last[1]:
+            return None
+        per_cpu = (total - last[1]) / len(cpus)  # ticks one CPU had in the interval
+        return max(0.0, (busy - last[0]) - (own - last[2])) / per_cpu
+
+
 def busy_cpus(seconds: float = SAMPLE_SECONDS) -> float:
     """How many of this process's CPUs other processes kept busy over `seconds`, e.g. 1.0 when
     one CPU-bound process runs beside us. 0.0 where /proc is not available."""
-    try:
-        cpus = os.sched_getaffinity(0)
-        b0, t0 = _cpu_ticks(cpus)
-        o0 = _own_ticks()
-        time.sleep(seconds)
-        b1, t1 = _cpu_ticks(cpus)
-        o1 = _own_ticks()
-    except (AttributeError, OSError, ValueError):
-        return 0.0
-    if t1 <= t0:
-        return 0.0
-    per_cpu = (t1 - t0) / len(cpus)  # ticks one CPU had in the interval
-    return max(0.0, (b1 - b0) - (o1 - o0)) / per_cpu
+    probe = LoadProbe()
+    probe()
+    time.sleep(seconds)
+    busy = probe()
+    return 0.0 if busy is None else busy
 
 
 def choose_num_threads(usable: int, busy: float) -> int:
@@ -95,19 +139,148 @@ def choose_num_threads(usable: int, busy: float) -> int:
     return max(1, usable - math.floor(busy + 0.5))
 
 
+def stage_candidates(stage: str, usable: int) -> list[int]:
+    """The counts `auto` may move between in `stage`: those that give its step the same bits
+    (module docstring): the powers of two up to `usable` for the supervised stages, [1] else."""
+    if stage not in COUNT_FREE_STAGES:
+        return [1]
+    return [2 ** i for i in range(usable.bit_length()) if 2 ** i <= usable]
+
+
+class ThreadTuner:
+    """`auto` between steps: times `trial_steps` steps at each candidate count every `every`
+    steps and keeps the fastest; follows the load rule when `probe` sees the load change it
+    (module docstring).
+
+        n = tuner.before_step()      # sets torch's count for the coming step; between steps only
+        tuner.after_step(seconds)    # the step's wall time
+
+    candidates: the counts allowed (stage_candidates); start: the count to begin with (moved to
+    the nearest candidate); usable: the CPUs (default: the largest candidate). probe() -> CPUs
+    busy with other processes since its last call, or None (LoadProbe); set_threads:
+    torch.set_num_threads (both injectable for tests). A load change counts only when it changes
+    what the starting rule would choose among the candidates: on 2 CPUs, a second busy CPU next
+    to a first changes nothing (1 thread either way)."""
+
+    def __init__(self, candidates: list[int], *, start: int, usable: int | None = None, every: int = TRIAL_EVERY,
+                 max_every: int = MAX_TRIAL_EVERY, trial_steps: int = TRIAL_STEPS,
+                 probe: Callable[[], float | None] | None = None,
+                 set_threads: Callable[[int], None] | None = None):
+        assert candidates and all(c >= 1 for c in candidates), candidates
+        self.candidates = sorted(set(candidates))
+        self.current = self._nearest(start)
+        self.usable = usable if usable is not None else self.candidates[-1]
+        self.first_every, self.every, self.max_every, self.trial_steps = every, every, max_every, trial_steps
+        self.probe = probe if probe is not None else LoadProbe()
+        self._set = set_threads if set_threads is not None else _torch_set_num_threads
+        self.counts: dict[int, int] = {}         # steps run at each count
+        self.trials = 0                          # revisits done
+        self.follows = 0                         # load changes followed
+        self._since = 0                          # steps since the last decision
+        self._queue: list[int] = []              # counts still to time in the running trial
+        self._times: dict[int, list[float]] = {}
+        self._rule: int | None = self.current    # the starting rule's count at the last decision's load
+        self._recent: list[float] = []           # seconds of the last trial_steps steps at the current count
+        self.probe()  # starts its first interval: a load that changes during the first steps counts
+        self._in_step: int | None = None         # the count of the step under way
+        self._applied: int | None = None
+
+    def before_step(self) -> int:
+        assert self._in_step is None, "before_step twice without after_step: a count changes only between steps"
+        rule = self._load_changed() if not self._queue else None  # every step: each probe covers one step
+        if not self._queue and len(self.candidates) > 1:
+            if rule is not None and self._since >= LOAD_GAP:
+                # the load changed what the rule would choose: follow it at once (a trial would
+                # spend steps on the count the new load slows) and check it by a trial soon
+                self.current, self._rule, self._recent = rule, rule, []
+                self._since, self.every = 0, self.first_every
+                self.follows += 1
+            elif self._since >= self.every:
+                self._queue = [c for c in self.candidates if c != self.current for _ in range(self.trial_steps)]
+                self._times = {self.current: list(self._recent)} if len(self._recent) == self.trial_steps else {}
+                if not self._times:  # too few steps at the current count since it changed: time it too
+                    self._queue += [self.current] * self.trial_steps
+        n = self._queue[0] if self._queue else self.current
+        if n != self._applied:
+            self._set(n)
+            self._applied = n
+        self._in_step = n
+        return n
+
+    def after_step(self, seconds: float) -> None:
+        n, self._in_step = self._in_step, None
+        assert n is not None, "after_step without before_step"
+        self.counts[n] = self.counts.get(n, 0) + 1
+        if not self._queue:
+            self._since += 1
+            self._recent = (self._recent + [seconds])[-self.trial_steps:]
+            return
+        self._queue.pop(0)
+        self._times.setdefault(n, []).append(seconds)
+        if self._queue:
+            return
+        best = min(self._times, key=lambda c: (min(self._times[c]), c != self.current, c))
+        self.every = min(2 * self.every, self.max_every) if best == self.current else self.first_every
+        self.current, self._since = best, 0
+        self._recent = self._times[best][-self.trial_steps:]
+        self.trials += 1
+        busy = self.probe()  # the baseline: the load over the trial's last step
+        self._rule = None if busy is None else self._nearest(choose_num_threads(self.usable, busy))
+
+    def _nearest(self, n: int) -> int:
+        return min(self.candidates, key=lambda c: (abs(c - n), c))
+
+    def _load_changed(self) -> int | None:
+        """The count the starting rule would choose among the candidates at the load since the
+        last probe (the last step), if it differs from the one at the last decision; else None."""
+        busy = self.probe()
+        if busy is None:
+            return None
+        now = self._nearest(choose_num_threads(self.usable, busy))
+        if self._rule is None:
+            self._rule = now
+        return now if now != self._rule else None
+
+    def release(self) -> None:
+        """Back to one thread, the count of everything outside the steps under `auto` (evaluation,
+        the stage's work before and after its loop); the next before_step sets its count again."""
+        assert self._in_step is None, "release inside a step"
+        self._set(1)
+        self._applied = 1
+
+    def summary(self) -> dict[str, int]:
+        """{"<count>": steps run with it}: what a stage records as `threads_steps`."""
+        return {str(c): k for c, k in sorted(self.counts.items())}
+
+
+def _torch_set_num_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
+
+
+def auto_tuner(stage: str, say: Callable[[str], None] = lambda m: print(m, flush=True)) -> ThreadTuner | None:
+    """Under `auto`: the ThreadTuner of `stage`, started from the rule in the module docstring,
+    or None where the stage stays on the one thread apply_num_threads set."""
+    usable = usable_cpus()
+    candidates = stage_candidates(stage, usable)
+    if len(candidates) == 1:
+        return None
+    busy = busy_cpus()
+    tuner = ThreadTuner(candidates, start=choose_num_threads(usable, busy), usable=usable)
+    say(f"threads: {stage} starts on {tuner.current} (common.num_threads: auto; {usable} usable CPUs,"
+        f" {busy:.2f} busy with other processes) and measures {candidates} between steps")
+    return tuner
+
+
 def apply_num_threads(setting: int | str) -> int:
     """Set torch's intra-op thread count from `common.num_threads` and return the count in use.
 
-    setting: "auto" (the rule in the module docstring), an int >= 1 (used as given) or 0
-    (torch's default, left alone)."""
+    setting: "auto" (one thread; the training loop may then measure others, module docstring),
+    an int >= 1 (used as given) or 0 (torch's default, left alone)."""
     import torch
 
     if setting == "auto":
-        usable, busy = usable_cpus(), busy_cpus()
-        n = choose_num_threads(usable, busy)
-        print(f"threads: {n} (common.num_threads: auto; {usable} usable CPUs, {busy:.2f} busy with other"
-              f" processes)", flush=True)
-        torch.set_num_threads(n)
+        torch.set_num_threads(1)
     elif isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0:
         if setting:
             torch.set_num_threads(setting)

@@ -40,7 +40,8 @@ so a heap entry is an upper bound; a popped entry whose count is stale is pushed
 with its current count.
 
 Speed, without changing a single merge (tests pin the merges by hash): step 1 runs in worker
-processes once the corpus is big enough and CPUs are free (counts added in text order); jieba's
+processes once the corpus is big enough, CPUs are free and, for jieba, the work measured on its
+first chunks pays for starting them (counts added in text order); jieba's
 segmentation, where Chinese training spends most of its time, is reproduced word for word in
 one pass (`_jieba_cut`, half of jieba.lcut's time); text that is all ASCII is pre-split by
 Python's `re` with an ASCII twin of the pattern (2-3x faster than `regex`, same chunks), in
@@ -511,12 +512,22 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], allowed_special: str | Iterable[str] = "none",
                      workers: int = 1) -> list[list[int]]:
-        """encode() over a list. workers > 1 encodes in that many (spawned) processes when
-        the batch holds >= parallel_min_chars characters; below that, starting processes
-        costs more than it saves."""
-        if workers > 1 and sum(len(t) for t in texts) >= self.parallel_min_chars:
-            return _parallel_encode(self, texts, allowed_special, workers)
-        return [self.encode(t, allowed_special) for t in texts]
+        """encode() over a list. workers > 1 may encode in that many (spawned) processes: when
+        the batch holds >= parallel_min_chars characters, the first texts are encoded here for
+        PROBE_SECONDS, and the rest goes to processes only if, at the speed just measured, they
+        would finish it sooner than this process (`_processes_pay`). The ids are the same."""
+        total = sum(len(t) for t in texts)
+        if workers < 2 or total < self.parallel_min_chars:
+            return [self.encode(t, allowed_special) for t in texts]
+        out, done, t0 = [], 0, time.perf_counter()
+        while len(out) < len(texts) and time.perf_counter() - t0 < PROBE_SECONDS:
+            out.append(self.encode(texts[len(out)], allowed_special))
+            done += len(texts[len(out) - 1])
+        rest = texts[len(out):]
+        left = (time.perf_counter() - t0) / max(done, 1) * (total - done)  # seconds, at this process's speed
+        if rest and _processes_pay(left, workers, PROCESS_START_SECONDS):
+            return out + _parallel_encode(self, rest, allowed_special, workers)
+        return out + [self.encode(t, allowed_special) for t in rest]
 
     def decode(self, ids: Sequence[int]) -> str:
         """ids -> text. Ids outside the vocabulary decode to U+FFFD; byte sequences that
@@ -940,20 +951,26 @@ class _MergeLearner:
 
 # ---------------------------------------------------------------------------
 # The counting pass of training: texts -> {chunk: count}, then Han chunks -> jieba words; in
-# worker processes once there is enough text to pay for starting them (~0.2 s each, and jieba
-# loads its dictionary in each). Counts are added up in text order, so the table and the
-# merges are the same with any number of workers (tests check this).
+# worker processes once there is enough text to pay for starting them (PROCESS_START_SECONDS
+# each, and jieba loads its dictionary in each: as long as the segmentation of a 2 MB Chinese
+# corpus, so jieba's work is measured before processes are started). Counts are added up in
+# text order, so the table and the merges are the same with any number of workers (tests check
+# this).
 
 _BATCH_CHARS = 1 << 20  # texts go to the counting pass in batches of about this many characters
 PARALLEL_MIN_BATCHES = 4  # the counting pass starts processes at the 4th batch (~4M characters)
 PARALLEL_MIN_HAN = 1 << 17  # jieba runs in processes when the Han chunks hold this many characters
+PROBE_SECONDS = 0.2  # work done here first to measure its speed, before deciding on processes
+# a spawned worker's start (Python, then llm.tokenizer and its imports), measured in bench/README.md;
+# a jieba worker also loads the dictionary, timed in this process instead
+PROCESS_START_SECONDS = 0.5
 
 
 class _Workers:
-    """`n` spawned processes, started on first use, if ever. n = 0: as many as the `auto` rule
-    of llm/threads.py gives (the usable CPUs that other processes leave free), decided when first
-    asked: on a machine that is already full, more processes only add start-up and a second
-    copy of jieba's dictionary to load."""
+    """`n` spawned processes, started on first use, if ever. n = 0: as many as llm/threads.py's
+    load rule gives (choose_num_threads: the usable CPUs that other processes leave free),
+    decided when first asked: on a machine that is already full, more processes only add
+    start-up and a second copy of jieba's dictionary to load."""
 
     def __init__(self, n: int):
         self._n, self._pool = n, None
@@ -1046,13 +1063,36 @@ def _jieba_batch(chunks: list[str]) -> list[list[str]]:
 
 
 def _segment(han: list[str], workers: _Workers) -> Iterator[list[str]]:
-    """The jieba words of each chunk in `han`, in order."""
+    """The jieba words of each chunk in `han`, in order. On a big enough list, this process first
+    loads jieba's dictionary and segments chunks for PROBE_SECONDS, timing both: each worker
+    would load the dictionary again, so processes take the rest only if, at the speed just
+    measured, they would finish it sooner than this process (`_processes_pay`)."""
     if sum(map(len, han)) < PARALLEL_MIN_HAN or workers.n < 2:
         yield from map(_jieba_words, han)
         return
-    step = max(1, len(han) // (8 * workers.n))
-    for words in workers.pool().imap(_jieba_batch, [han[i:i + step] for i in range(0, len(han), step)]):
+    t0 = time.perf_counter()
+    _jieba_words("中文")  # loads the dictionary
+    t1 = time.perf_counter()
+    i = done = 0
+    while i < len(han) and time.perf_counter() - t1 < PROBE_SECONDS:
+        yield _jieba_words(han[i])
+        done += len(han[i])
+        i += 1
+    rest = han[i:]
+    left = (time.perf_counter() - t1) / max(done, 1) * sum(map(len, rest))  # seconds, at this process's speed
+    if not rest or not _processes_pay(left, workers.n, PROCESS_START_SECONDS + (t1 - t0)):
+        yield from map(_jieba_words, rest)
+        return
+    step = max(1, len(rest) // (8 * workers.n))
+    for words in workers.pool().imap(_jieba_batch, [rest[i:i + step] for i in range(0, len(rest), step)]):
         yield from words
+
+
+def _processes_pay(seconds_left: float, n: int, start_seconds: float) -> bool:
+    """Whether `n` processes, each first spending `start_seconds` to start, finish work that takes
+    this process `seconds_left` sooner than this process alone, by a margin of 2x the start: the
+    work's speed is measured on its first part only, and other processes may hold the CPUs."""
+    return n >= 2 and seconds_left * (1 - 1 / n) > 2 * start_seconds
 
 
 # ---------------------------------------------------------------------------

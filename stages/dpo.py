@@ -131,6 +131,7 @@ def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: P
         "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped, "trainable_params": n_trainable,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "num_threads": m["num_threads"],
+        "threads_steps": m["threads_steps"],
         "reference_time_s": t_ref, "kl_time_s": t_kl, "nonfinite_skips": m["nonfinite_skips"],
         "stage_time_s": time.perf_counter() - t_start,
     }

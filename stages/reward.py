@@ -104,6 +104,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "num_threads": m["num_threads"],
+        "threads_steps": m["threads_steps"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     }
     worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]

@@ -198,6 +198,7 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
         "train_conversations": len(train_ex), "dropped_truncated": dropped_train + dropped_val,
         "masked_fraction": 1 - sum(sum(mk) for _, mk in train_ex) / sum(len(mk) for _, mk in train_ex),
         "nonfinite_skips": m["nonfinite_skips"], "train_time_s": m["train_time_s"], "num_threads": m["num_threads"],
+        "threads_steps": m["threads_steps"],
     }
     if upsampled:  # only then, so that a run repeating nothing writes what it wrote before the option
         out.update(train_records=n_records, sources_upsampled=len(upsampled))

@@ -23,15 +23,25 @@ def test_auto_leaves_the_busy_cpus_alone(usable, busy, want):
     assert threads.choose_num_threads(usable, busy) == want
 
 
-def test_busy_cpus_takes_this_process_own_time_out(monkeypatch):
-    # two CPUs, 30 ticks each in the interval: 45 busy ticks, 15 of them ours -> 30 = one CPU
+@pytest.fixture
+def one_of_two_cpus_busy(monkeypatch):
+    """Two /proc/stat reads: two CPUs, 30 ticks each in the interval, 45 busy ticks, 15 of them ours."""
     ticks = iter([(100, 1000), (145, 1060)])
     own = iter([7, 22])
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(threads, "_cpu_ticks", lambda cpus: next(ticks))
     monkeypatch.setattr(threads, "_own_ticks", lambda: next(own))
     monkeypatch.setattr(threads.time, "sleep", lambda s: None)
-    assert threads.busy_cpus() == pytest.approx(1.0)
+
+
+def test_busy_cpus_takes_this_process_own_time_out(one_of_two_cpus_busy):
+    assert threads.busy_cpus() == pytest.approx(1.0)  # 45 - 15 = 30 ticks = one CPU
+
+
+def test_the_load_probe_reads_the_time_since_its_last_call(one_of_two_cpus_busy):
+    probe = threads.LoadProbe()
+    assert probe() is None  # nothing to compare with yet
+    assert probe() == pytest.approx(1.0)
 
 
 def test_busy_cpus_sees_a_cpu_bound_neighbour():
@@ -60,11 +70,21 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-def test_apply_auto_sets_the_chosen_count(monkeypatch, restore_threads, capsys):
+def test_auto_starts_every_stage_on_one_thread_whatever_the_load(monkeypatch, restore_threads):
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 0.0)  # an idle machine
+    torch.set_num_threads(2)
+    assert threads.apply_num_threads("auto") == 1 == torch.get_num_threads()
+
+
+def test_the_measuring_stages_start_from_the_load_rule(monkeypatch):
     monkeypatch.setattr(threads, "usable_cpus", lambda: 3)
-    monkeypatch.setattr(threads, "busy_cpus", lambda: 1.0)
-    assert threads.apply_num_threads("auto") == 2 == torch.get_num_threads()
-    assert "threads: 2 (common.num_threads: auto; 3 usable CPUs, 1.00 busy" in capsys.readouterr().out
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 1.0)
+    said = []
+    tuner = threads.auto_tuner("pretrain", said.append)
+    assert tuner.candidates == [1, 2] and tuner.current == 2  # 3 - 1 busy
+    assert said == ["threads: pretrain starts on 2 (common.num_threads: auto; 3 usable CPUs, 1.00 busy with"
+                    " other processes) and measures [1, 2] between steps"]
+    assert threads.auto_tuner("grpo", said.append) is None and len(said) == 1  # stays on 1
 
 
 def test_apply_a_number_uses_it_and_zero_leaves_torch_alone(restore_threads):
@@ -85,3 +105,151 @@ def test_params_take_auto_or_a_count_and_nothing_else():
         with pytest.raises(ConfigError) as e:
             load_params_text(yaml.safe_dump(d))
         assert f"common.num_threads: expected one of 'auto' or an int in [0, 1024], got {got}" in str(e.value)
+
+
+class FakeClock:
+    """Step seconds by thread count, changed mid-run by the test: the machine as a test wants it."""
+
+    def __init__(self, seconds: dict[int, float]):
+        self.seconds = seconds
+
+
+def run_steps(tuner: threads.ThreadTuner, clock: FakeClock, n: int) -> list[int]:
+    used = []
+    for _ in range(n):
+        c = tuner.before_step()
+        used.append(c)
+        tuner.after_step(clock.seconds[c])
+    return used
+
+
+def test_the_tuner_moves_to_the_fastest_count_when_it_revisits():
+    clock = FakeClock({1: 1.0, 2: 2.0})  # two threads slow: a competitor on the other CPU
+    set_to = []
+    t = threads.ThreadTuner([1, 2], start=2, every=4, probe=lambda: None, set_threads=set_to.append, trial_steps=1)
+    used = run_steps(t, clock, 10)
+    # 4 steps at 2; a trial step at 1 against the last step at 2: 1 wins; 4 steps later, 2 again
+    assert used == [2, 2, 2, 2, 1, 1, 1, 1, 1, 2]
+    assert set_to == [2, 1, 2]  # torch's count set only when it changes
+    assert t.summary() == {"1": 5, "2": 5} and t.trials == 2 and t.current == 1
+
+
+def test_the_tuner_keeps_a_count_that_stays_fastest_and_revisits_less_often():
+    t = threads.ThreadTuner([1, 2], start=2, every=2, max_every=8, probe=lambda: None, set_threads=lambda n: None,
+                             trial_steps=1)
+    run_steps(t, FakeClock({1: 2.0, 2: 1.0}), 40)
+    assert t.current == 2 and t.every == 8
+    assert t.counts[1] == t.trials < 6  # one trial step per revisit, revisits spaced out 2, 4, 8, 8, ...
+
+
+def test_a_load_change_is_followed_at_the_next_step_and_checked_later():
+    busy = [0.0]
+    clock = FakeClock({1: 1.0, 2: 0.6})
+    t = threads.ThreadTuner([1, 2], start=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
+    assert run_steps(t, clock, 5) == [2] * 5
+    clock.seconds = {1: 1.0, 2: 3.0}  # a CPU-bound process arrives during the next step ...
+    assert run_steps(t, clock, 1) == [2]
+    busy[0] = 1.0  # ... and the probe before the step after it sees it
+    assert run_steps(t, clock, 4) == [1] * 4 and t.follows == 1 and t.trials == 0  # the rule's 1 at once
+    busy[0] = 1.3  # still one busy CPU: nothing to follow
+    t.every = 6  # the check: a trial step at 2 after 6 steps at 1, and 1 stays
+    assert run_steps(t, clock, 8) == [1, 1, 2, 1, 1, 1, 1, 1] and t.follows == 1 and t.trials == 1
+
+
+def test_the_tuner_only_uses_the_allowed_counts():
+    clock = FakeClock({1: 5.0, 2: 1.0, 3: 0.1, 4: 0.9})
+    t = threads.ThreadTuner([1, 2, 4], start=3, every=1, probe=lambda: None, set_threads=lambda n: None)
+    used = run_steps(t, clock, 30)
+    assert set(used) == {1, 2, 4} and t.current == 4  # 3 would be fastest, but it is not allowed
+
+
+def test_the_count_never_changes_inside_a_step():
+    t = threads.ThreadTuner([1, 2], start=1, every=1, probe=lambda: None, set_threads=lambda n: None)
+    t.before_step()
+    with pytest.raises(AssertionError, match="only between steps"):
+        t.before_step()
+
+
+@pytest.mark.parametrize("stage,usable,want", [
+    ("pretrain", 2, [1, 2]), ("sft", 6, [1, 2, 4]), ("sft", 1, [1]),
+    ("grpo", 2, [1]), ("ppo", 8, [1]),  # RL steps round differently with 1 and 2 threads: one count
+    ("dpo", 4, [1]), ("reward", 2, [1]),  # not checked: one count
+])
+def test_auto_moves_only_between_counts_that_give_a_stage_the_same_bits(stage, usable, want):
+    assert threads.stage_candidates(stage, usable) == want
+
+
+class CountThreads:
+    """A step body that only records torch's thread count inside each step."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def step(self, step, updater):
+        self.seen.append(torch.get_num_threads())
+        return {"loss": 1.0}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_path, monkeypatch, restore_threads):
+    import functools
+
+    from llm import loop
+    from llm.config import LoopConfig
+    from llm.runtime import Runtime
+
+    monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 0.0)  # starts on 2
+    cfg = LoopConfig(max_steps=9, lr=1e-3, min_lr=1e-3, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95,
+                     grad_clip=0.0, eval_every=100, checkpoint_every=100, keep_checkpoints=2,
+                     nonfinite_policy="raise", nonfinite_budget=0)
+    model = torch.nn.Linear(2, 2)
+    rt = Runtime(torch.device("cpu"), auto_threads=True)
+    body = CountThreads()
+    torch.set_num_threads(1)  # as apply_num_threads("auto") leaves it
+    evals = []
+    res = loop.run_loop(body, loop.Updater(model, cfg, rt, stage="pretrain"), cfg, rt, stage="pretrain",
+                        model=model, run_dir=tmp_path, fingerprint="fp", progress=False,
+                        evaluate=lambda step: evals.append(torch.get_num_threads()) or {})
+    assert evals == [1, 1]  # before the first step and after the last: on one thread
+    assert [r["num_threads"] for r in res.history] == body.seen
+    assert torch.get_num_threads() == 1  # after the loop, one thread again
+    assert set(body.seen) == {1, 2}  # the trial at step 3 ran one step on the other count
+    assert res.threads_steps == {"1": body.seen.count(1), "2": body.seen.count(2)}
+
+
+def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
+    busy = [1.0]  # one CPU-bound neighbour on 2 CPUs: 1 thread
+    t = threads.ThreadTuner([1, 2], start=1, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
+    run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 3)
+    busy[0] = 2.0  # a second neighbour: still 1 thread by the rule
+    assert run_steps(t, FakeClock({1: 1.0, 2: 3.0}), 5) == [1] * 5 and t.trials == t.follows == 0
+
+
+def test_a_load_change_during_the_first_steps_counts_too():
+    busy = [0.0]  # the machine looked free when the stage chose 2 threads
+    t = threads.ThreadTuner([1, 2], start=2, usable=2, every=1000, probe=lambda: busy[0], set_threads=lambda n: None,
+                             trial_steps=1)
+    clock = FakeClock({1: 1.0, 2: 3.0})  # ... and a CPU-bound process arrived at once
+    busy[0] = 1.0
+    used = run_steps(t, clock, 6)
+    assert used == [2, 2, 1, 1, 1, 1]  # followed as soon as two steps are done
+
+
+def test_one_slow_trial_step_does_not_decide():
+    slow_once = iter([5.0])  # the first step at 1 thread meets a burst of other work
+    t = threads.ThreadTuner([1, 2], start=2, every=3, probe=lambda: None, set_threads=lambda n: None, trial_steps=2)
+    used = []
+    for _ in range(8):
+        n = t.before_step()
+        used.append(n)
+        t.after_step(next(slow_once, 1.0) if n == 1 else 2.0)
+    assert used == [2, 2, 2, 1, 1, 1, 1, 1]  # the faster of its two trial steps (1.0 s) beats 2.0 s

@@ -117,7 +117,13 @@ def test_counting_in_processes_learns_the_same_merges(monkeypatch):
     one = Tokenizer.train(corpus, 700, workers=1)
     monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 2000)  # many batches from a small corpus
     monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)
+    monkeypatch.setattr(tokenizer_module, "_processes_pay", lambda *a: True)  # jieba in processes too,
+    monkeypatch.setattr(tokenizer_module, "PROBE_SECONDS", 0.0)               # all but its first chunk
+    started = []
+    pool = tokenizer_module._Workers.pool
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: started.append(1) or pool(self))
     two = Tokenizer.train(corpus, 700, workers=2)
+    assert started
     assert two.train_stats["corpus_sha256"] == one.train_stats["corpus_sha256"]
     assert two.merges == one.merges
     assert two.train_stats["unique_words"] == one.train_stats["unique_words"]
@@ -132,6 +138,31 @@ def test_the_counting_pass_starts_processes_only_for_a_big_corpus(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         Tokenizer.train(_corpus(), 400, workers=2)
     assert started
+
+
+def test_jieba_starts_processes_only_when_the_measured_work_pays_for_them(monkeypatch):
+    import llm.threads
+    monkeypatch.setattr(llm.threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(llm.threads, "busy_cpus", lambda *a: 0.0)
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_MIN_HAN", 0)  # past the size threshold
+    monkeypatch.setattr(tokenizer_module._Workers, "pool", lambda self: 1 / 0)
+    one = Tokenizer.train(_corpus(), 400, workers=1)
+    two = Tokenizer.train(_corpus(), 400, workers=2)  # a fraction of a second of jieba: no processes
+    assert two.merges == one.merges
+    monkeypatch.setattr(tokenizer_module, "PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(tokenizer_module, "_processes_pay", lambda *a: True)
+    with pytest.raises(ZeroDivisionError):
+        Tokenizer.train(_corpus(), 400, workers=2)
+
+
+@pytest.mark.parametrize("left,n,start,want", [
+    (3.0, 2, 0.5, True),    # two processes save 1.5 s, above 2 x 0.5 s of start
+    (1.5, 2, 0.5, False),   # save 0.75 s: not worth 1 s
+    (1.5, 4, 0.5, True),    # four save 1.125 s
+    (100.0, 1, 0.5, False),
+])
+def test_processes_pay_when_they_save_twice_their_start(left, n, start, want):
+    assert tokenizer_module._processes_pay(left, n, start) is want
 
 
 def test_automatic_workers_follow_the_thread_rule_and_look_at_the_load_only_when_it_matters(monkeypatch):
@@ -358,11 +389,18 @@ def test_unknown_id_decodes_to_replacement(tok):
     assert tok.decode([]) == ""
 
 
-def test_encode_batch_and_cache_eviction(tok):
+def test_encode_batch_and_cache_eviction(tok, monkeypatch):
     texts = [ENGLISH, "小明有14个苹果。", "", "<|end|>"]
     assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
     par = Tokenizer.loads(tok.dumps())
     par.parallel_min_chars = 0  # normally only batches >= 1M characters start processes
+    parallel = tokenizer_module._parallel_encode
+    monkeypatch.setattr(tokenizer_module, "_parallel_encode", lambda *a: 1 / 0)
+    # microseconds of work measured: processes would not pay for their start, none is started
+    assert par.encode_batch(texts * 3, "all", workers=2) == [tok.encode(t, "all") for t in texts * 3]
+    monkeypatch.setattr(tokenizer_module, "_parallel_encode", parallel)
+    monkeypatch.setattr(tokenizer_module, "PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(tokenizer_module, "_processes_pay", lambda *a: True)
     assert par.encode_batch(texts * 3, "all", workers=2) == [tok.encode(t, "all") for t in texts * 3]
     small = Tokenizer.loads(tok.dumps())
     small.cache_size = 3  # forces the chunk and char caches to be cleared mid-text
