@@ -181,6 +181,7 @@ def after_products(model: GPT, clock=time.perf_counter, reps: int = 1000) -> dic
 
 
 def main() -> None:
+    # one function on purpose: a benchmark's rounds read top to bottom, in the order they run
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])

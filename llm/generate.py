@@ -303,6 +303,9 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     this for stop strings and for clients that went away). Sampling (temperature > 0) needs a seeded `generator` on the model's
     device: library code never draws from the global RNG. fast=False decodes through
     model.hidden_states even where FastDecoder supports the model (the plain path, to compare).
+
+    One function on purpose: prefill, then the decode loop with its per-row bookkeeping, read in
+    the order the tokens are made (the hot loop is in here, so it is not split into calls).
     """
     cfg = model.config
     B = len(prompts)
