@@ -290,8 +290,7 @@ def _source_bytes(src: dict, declared: dict) -> int | None:
 def source_bytes(name: str, profiles: Path = PROFILES) -> dict[str, int]:
     """The bytes of text a profile declares for its hub sources (its own `source_bytes`), by hub name."""
     v = _read(name, profiles).get("source_bytes") or {}
-    bad = [k for k, b in v.items() if isinstance(b, bool) or not isinstance(b, int) or b <= 0] if isinstance(v, dict) else [v]
-    if bad:
+    if not isinstance(v, dict) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in v.values()):
         raise ConfigError([f"{profiles}/{name}.yaml: source_bytes: expected {{hub name: bytes > 0}}, got {v!r}"])
     return v
 

@@ -117,8 +117,8 @@ def test_the_speedrun_reads_throughput_and_the_eval_table_from_the_stages_metric
     assert row["tflops"] == pytest.approx(ours * 5e5 / 1e12) and row["mfu"] == pytest.approx(ours * 5e5 / 1e15)
     assert row["mfu_nanochat"] == pytest.approx(nano * 5e5 / 1e15)
     (tmp_path / "metrics" / "eval").mkdir()
-    (tmp_path / "metrics" / "eval" / "sft.json").write_text(json.dumps(
-        {"math_exact_match": 0.84, "math_sample_accuracy": 0.61, "task_exact_match": 0.9, "arithmetic_exact_match": 0.5}))
+    (tmp_path / "metrics" / "eval" / "sft.json").write_text(json.dumps({
+        "math_exact_match": 0.84, "math_sample_accuracy": 0.61, "task_exact_match": 0.9, "arithmetic_exact_match": 0.5}))
     (tmp_path / "metrics" / "eval" / "base.json").write_text("{}")  # a model this run did not evaluate
     (row,) = gpu_check.eval_rows(tmp_path, ["sft"])
     assert row["what"] == "eval sft" and row["math_exact_match"] == 0.84 and row["math_pass_at_k"] is None

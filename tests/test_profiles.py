@@ -126,3 +126,10 @@ def test_memory_command_prints_every_stage_and_the_fit(capsys, monkeypatch):
     assert "fits: every stage within 21.6 GiB (the 24 GiB card less 10%)" in out
     assert profile.main(["memory", "--params", "params.yaml", "--card-gib", "0.5"]) == 1
     assert "does NOT fit a 0.5 GiB card" in capsys.readouterr().out
+
+
+def test_source_bytes_must_map_hub_names_to_positive_byte_counts(tmp_path):
+    (tmp_path / "cpu.yaml").write_text((PROFILES / "cpu.yaml").read_text())
+    (tmp_path / "bad.yaml").write_text("extends: cpu\nsource_bytes: {org/set: lots}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: source_bytes: expected \{hub name: bytes > 0\}, got"):
+        source_bytes("bad", tmp_path)
