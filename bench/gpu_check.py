@@ -1,6 +1,6 @@
 """The device check: the one script a session with a GPU runs, printing one table of this project's GPU figures.
 
-    python bench/gpu_check.py [--parts dag,pretrain,rl,stages,resume] [--budget-s 540]
+    python bench/gpu_check.py [--parts speedrun,dag,pretrain,rl,stages,resume] [--budget-s 540]
     python bench/gpu_check.py --cpu-plumbing        # tiny sizes on the CPU: checks the script, no GPU figures
     python bench/gpu_check.py --save-dag-plan F     # where DVC is: the DAG part's stages, for --dag-plan F on
                                                     # a GPU machine that has no DVC and cannot install it
@@ -9,6 +9,15 @@ Written for one H200 lent for a few minutes: at the defaults it should take unde
 (`--budget-s`: a part that would start after that many seconds is skipped and its row says so).
 Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in order:
 
+0. speedrun: the gpu-speedrun profile's whole DAG at its own step counts, from nothing, on the
+   device, in a scratch copy of the work tree (`python -m llm.rehearse`'s machinery, nothing cut),
+   with common.nproc = the number of GPUs found. One row per stage: wall seconds (process start
+   included) and, for a stage that trains through llm/trainer.py (pretrain, sft, reward, dpo), its
+   tokens/s (tokens_seen / train_time_s of metrics/run/<stage>.json), TFLOP/s and MFU by two counts
+   of FLOPs per token (see `flop_counts`); then one row per evaluated model from
+   metrics/eval/<model>.json: math greedy and sampled, pass@k, tasks, bare arithmetic. It takes
+   about 8 minutes on one H100 by the estimate in docs/gpu.md, so at the default --budget-s it
+   leaves room for little else: `--parts dag,pretrain,rl,stages,resume` runs the rest.
 1. dag: the gpu-13m profile's whole DAG on the device (bf16), each stage cut to one step as
    `python -m llm.rehearse` cuts it (llm/rehearse.py), in a scratch copy of the work tree:
    every stage's code path on CUDA at the profile's model shapes. One row per stage.
@@ -102,6 +111,10 @@ class Setup:
     compile: bool
     exact_resume: bool             # the CPU promises bitwise equality
     dag_plan: Path | None = None   # the DAG's stages saved where DVC is (--dag-plan)
+    speedrun_profile: str = "gpu-speedrun"
+    speedrun_only: list[str] | None = None  # stages of the speedrun part (None: all)
+    speedrun_plan: Path | None = None       # its stages saved where DVC is (--speedrun-plan)
+    gpus: int = 1                  # GPUs found: the speedrun's common.nproc
 
 
 def say(msg: str) -> None:
@@ -123,7 +136,8 @@ def setup(args: argparse.Namespace) -> Setup:
         stages = {**tiny, **{name: {"batch_size": 2} for name in ("sft", "reward", "dpo")}}
         return Setup(Runtime(torch.device("cpu"), torch.float32), "smoke", ["prepare", "tokenizer", "tokenize"],
                      [("gpu-77m", tiny)], "gpu-77m", rl, stages_profile="gpu-77m", stages_overrides=stages,
-                     steps=4, warmup=1, resume_k=2, compile=False, exact_resume=True)
+                     steps=4, warmup=1, resume_k=2, compile=False, exact_resume=True, speedrun_profile="smoke",
+                     speedrun_only=["prepare", "tokenizer", "tokenize", "pretrain"])
     if not torch.cuda.is_available():
         refuse(f"needs a CUDA GPU, and torch.cuda.is_available() is False here (torch {torch.__version__},"
                f" CUDA build {torch.version.cuda}). Run it on a machine with an NVIDIA GPU; to check only this"
@@ -133,7 +147,7 @@ def setup(args: argparse.Namespace) -> Setup:
         refuse(f"{torch.cuda.get_device_name(device)} has no bf16; this check measures bf16 training")
     return Setup(Runtime(device, torch.bfloat16), "gpu-13m", None, [("gpu-77m", {}), ("gpu-406m", {})], "gpu-77m",
                  {}, stages_profile="gpu-77m", stages_overrides={}, steps=30, warmup=10, resume_k=10, compile=True,
-                 exact_resume=False)
+                 exact_resume=False, gpus=torch.cuda.device_count())
 
 
 def profile_params(name: str, overrides: dict) -> dict:
@@ -161,6 +175,84 @@ def reset_peak(rt: Runtime) -> None:
 
 def peak_gib(rt: Runtime) -> float | None:
     return torch.cuda.max_memory_allocated(rt.device) / GIB if rt.device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------------------
+# 0. the speedrun: a whole profile at its own step counts
+
+TRAINED = ("pretrain", "sft", "reward", "dpo")  # the stages whose metrics carry tokens_seen and train_time_s
+EVAL_COLUMNS = (("math greedy", "math_exact_match"), ("math sampled", "math_sample_accuracy"),
+                ("pass@k", "math_pass_at_k"), ("tasks", "task_exact_match"), ("arithmetic", "arithmetic_exact_match"))
+
+
+def flop_counts(params: dict) -> tuple[int, int]:
+    """Training FLOPs per token of the profile's model by two counts: (this project's, nanochat's).
+
+    This project's (llm/model.py GPT.flops_per_token): 6 x every weight that takes part in a matmul,
+    the tied embedding included because the LM head multiplies by it, + 12 x n_layer x n_head x
+    head_dim x seq_len for attention. nanochat's: 6 x the non-embedding parameters + 12 x n_layer x
+    n_embd x seq_len. The attention terms agree (n_head x head_dim = n_embd); nanochat's model has
+    an untied head, counted among its non-embedding parameters, while here the head is the tied
+    embedding, so nanochat's count leaves out the LM head's 6 x vocab_size x n_embd: the larger
+    the vocabulary against the model, the lower its MFU. Both count attention at the full seq_len,
+    which overstates a stage whose sequences are shorter (SFT, reward, DPO)."""
+    model = GPT(model_config(params), seed=0)
+    c = model.config
+    return model.flops_per_token(), 6 * model.n_params(non_embedding=True) + 12 * c.n_layer * c.n_embd * c.seq_len
+
+
+def stage_throughput(repo: Path, stage: str, flops: tuple[int, int], peak: float | None) -> dict:
+    """tokens/s, TFLOP/s and MFU (both counts) of a trained stage from its metrics in `repo`."""
+    from llm.metrics import read_metrics
+    m = read_metrics(repo / "metrics" / f"{stage}.json")
+    tokens, secs = m.get("tokens_seen"), m.get("train_time_s")
+    if not tokens or not secs:
+        return {}
+    tps = tokens / secs
+    out = {"tokens_per_s": tps, "tflops": flops[0] * tps / 1e12, "tflops_nanochat": flops[1] * tps / 1e12,
+           "mfu": flops[0] * tps / peak if peak else None, "mfu_nanochat": flops[1] * tps / peak if peak else None}
+    out["note"] = (f"{tokens:,} tokens in {secs:.0f} s of training: {tps:,.0f} tok/s, {out['tflops']:.1f} TFLOP/s"
+                   f" ({out['tflops_nanochat']:.1f} by nanochat's count)"
+                   + (f", MFU {out['mfu']:.1%} ({out['mfu_nanochat']:.1%})" if peak else ", MFU n/a (no known peak)"))
+    return out
+
+
+def eval_rows(repo: Path, models: list[str]) -> list[dict]:
+    """One row per evaluated model: the figures of metrics/eval/<model>.json a person compares first
+    (by name: the scratch copy also holds the work tree's own committed metrics)."""
+    rows = []
+    for f in (repo / "metrics" / "eval" / f"{model}.json" for model in models):
+        m = json.loads(f.read_text(encoding="utf-8"))
+        figures = {key: m.get(key) for _, key in EVAL_COLUMNS}
+        rows.append({"part": "speedrun", "what": f"eval {f.stem}", "ok": True, "seconds": 0.0, **figures,
+                     "note": ", ".join(f"{label} " + ("-" if figures[key] is None else f"{figures[key]:.3f}")
+                                       for label, key in EVAL_COLUMNS)})
+    return rows
+
+
+def part_speedrun(s: Setup, tmp: Path) -> list[dict]:
+    from llm.rehearse import run
+    params = render(s.speedrun_profile, PROFILES)[0]
+    flops, peak = flop_counts(params), peak_flops(s.rt.device, s.rt.dtype)
+    with contextlib.redirect_stdout(sys.stderr):  # each stage's line as it ends; stdout holds the table
+        rc, stages = run(s.speedrun_profile, only=s.speedrun_only, tmp=tmp, device=s.rt.device.type,
+                         plan=s.speedrun_plan, real=True, nproc=s.gpus, keep=True)
+    repos = list(tmp.glob(f"rehearse-{s.speedrun_profile}-*/repo"))
+    rows = []
+    for r in stages:
+        row = {"part": "speedrun", "what": f"{s.speedrun_profile} {r.stage}", "ok": r.ok, "seconds": r.seconds,
+               "note": r.error or f"host peak RSS {r.peak_rss / GIB:.2f} GiB"}
+        if r.ok and r.stage in TRAINED and repos:
+            row.update(stage_throughput(repos[0], r.stage, flops, peak))
+        rows.append(row)
+    if not rows:
+        return [{"part": "speedrun", "what": s.speedrun_profile, "ok": False, "seconds": 0.0, "note": f"exit {rc}"}]
+    total = sum(r["seconds"] for r in rows)
+    rows.append({"part": "speedrun", "what": f"{s.speedrun_profile} whole DAG", "ok": rc == 0, "seconds": total,
+                 "note": f"{len(stages)} stages on {s.gpus} device(s); FLOPs per token {flops[0]:,} (this project's"
+                         f" count), {flops[1]:,} (nanochat's)"})
+    evaluated = [r.stage.removeprefix("eval@") for r in stages if r.ok and r.stage.startswith("eval@")]
+    return rows + (eval_rows(repos[0], evaluated) if repos else [])
 
 
 # ---------------------------------------------------------------------------
@@ -505,8 +597,10 @@ def part_resume(s: Setup, tmp: Path) -> list[dict]:
                       f" bitwise {a == b}")}]
 
 
-PARTS = {"dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "stages": part_stages, "resume": part_resume}
-COST_S = {"dag": 240, "pretrain": 180, "rl": 60, "stages": 60, "resume": 40}  # expected on an H200, for --budget-s
+PARTS = {"speedrun": part_speedrun, "dag": part_dag, "pretrain": part_pretrain, "rl": part_rl, "stages": part_stages,
+         "resume": part_resume}
+# expected on an H200, for --budget-s; the speedrun's is docs/gpu.md's estimate for an H100
+COST_S = {"speedrun": 480, "dag": 240, "pretrain": 180, "rl": 60, "stages": 60, "resume": 40}
 
 
 def error_note(e: Exception) -> str:
@@ -524,12 +618,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="write the stages DVC lists for the DAG part to FILE and stop (needs DVC, not a GPU)")
     ap.add_argument("--dag-plan", metavar="FILE", type=Path,
                     help="the DAG part takes its stages from a --save-dag-plan FILE instead of from DVC")
+    ap.add_argument("--save-speedrun-plan", metavar="FILE", type=Path,
+                    help="the same for the speedrun part (its params differ: a plan of its own) and stop;"
+                         " --gpus N: for a machine with N GPUs (common.nproc is in the plan's params)")
+    ap.add_argument("--gpus", type=int, default=1, help="with --save-speedrun-plan: the GPUs of the machine")
+    ap.add_argument("--speedrun-plan", metavar="FILE", type=Path,
+                    help="the speedrun part takes its stages from a --save-speedrun-plan FILE")
     args = ap.parse_args(argv)
-    if args.save_dag_plan:
+    if args.save_dag_plan or args.save_speedrun_plan:
         from llm.rehearse import run
-        profile, device = ("smoke", "cpu") if args.cpu_plumbing else ("gpu-13m", "cuda")
+        dag, speedrun = ("smoke", "smoke") if args.cpu_plumbing else ("gpu-13m", "gpu-speedrun")
+        device = "cpu" if args.cpu_plumbing else "cuda"
         try:
-            return run(profile, device=device, save_plan=args.save_dag_plan)[0]
+            if args.save_speedrun_plan:
+                return run(speedrun, device=device, save_plan=args.save_speedrun_plan, real=True, nproc=args.gpus)[0]
+            return run(dag, device=device, save_plan=args.save_dag_plan)[0]
         except RuntimeError as e:
             refuse(str(e))
     parts = [p for p in args.parts.split(",") if p]
@@ -537,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         refuse(f"--parts: unknown {bad}; expected some of {', '.join(PARTS)}")
     s = setup(args)
-    s.dag_plan = args.dag_plan
+    s.dag_plan, s.speedrun_plan = args.dag_plan, args.speedrun_plan
     t_start = time.perf_counter()
     dev = torch.cuda.get_device_name(s.rt.device) if s.rt.device.type == "cuda" else "cpu (plumbing only)"
     say(f"{dev}, torch {torch.__version__}, {str(s.rt.dtype).removeprefix('torch.')}; parts {', '.join(parts)}")

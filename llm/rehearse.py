@@ -320,26 +320,34 @@ def rehearse(name: str, *, keep: bool = False, **kw) -> int:
 
 
 def run(name: str, *, keep: bool = False, src: Path = ROOT, only: list[str] | None = None, tmp: Path | None = None,
-        device: str = "cpu", plan: Path | None = None, save_plan: Path | None = None) -> tuple[int, list[Row]]:
+        device: str = "cpu", plan: Path | None = None, save_plan: Path | None = None, real: bool = False,
+        nproc: int = 1) -> tuple[int, list[Row]]:
     """The rehearsal: (exit status, one Row per stage run). `only`: run just these stages (the
     first ones of the DAG; a test's shortcut); `tmp`: where the scratch directory goes (default:
     the system's temporary directory); `device`: "cuda" runs the stages on a GPU in bf16.
     `save_plan`: write the stages DVC lists (for this work tree, profile and device) to that file
     and stop; `plan`: take the stages from such a file instead of from DVC, for a machine that
-    has no DVC and cannot install it (a lent GPU machine with no network)."""
+    has no DVC and cannot install it (a lent GPU machine with no network). `real`: nothing cut, the
+    profile as it is with common.nproc = `nproc` (bench/gpu_check.py's speedrun; on "cpu" in fp32)."""
     from llm.config import load_params_text
 
-    rehearsal = cut(render(name, src / "env" / "profiles")[0], device)
-    text = to_yaml(rehearsal, name, f"rehearsal of {name}: cut by llm/rehearse.py")
+    rehearsal = render(name, src / "env" / "profiles")[0]
+    if real:
+        rehearsal["common"]["nproc"] = nproc
+        if device == "cpu":
+            rehearsal["common"].update(device="cpu", dtype="fp32")
+    else:
+        rehearsal = cut(rehearsal, device)
+    how = "at its own step counts" if real else "every stage cut to one step (llm/rehearse.py)"
+    text = to_yaml(rehearsal, name, f"{'run' if real else 'rehearsal'} of {name}: {how}")
     load_params_text(text, f"{name} (rehearsal)")  # the cuts must leave a valid params file
     est = estimates(rehearsal)
     need, worst = max((e[1], s) for s, e in est.items())
     have = available_memory()
     m = rehearsal["pretrain"]["model"]
-    where = "fp32 on the CPU" if device == "cpu" else "bf16 on the GPU"
+    where = "fp32 on the CPU" if device == "cpu" else f"{rehearsal['common']['dtype']} on the GPU"
     print(f"rehearse {name}: GPT {m['preset']} ({m['n_layer']} layers x {m['n_embd']}, {m['n_head']} heads,"
-          f" seq_len {m['seq_len']}, vocab {rehearsal['tokenizer']['vocab_size']}), {where}, every stage cut to"
-          f" one step (llm/rehearse.py); largest estimate {need / GIB:.1f} GiB ({worst}), {have / GIB:.1f} GiB"
+          f" seq_len {m['seq_len']}, vocab {rehearsal['tokenizer']['vocab_size']}), {where}, {how}; largest estimate {need / GIB:.1f} GiB ({worst}), {have / GIB:.1f} GiB"
           f" of host memory available", flush=True)
     if device == "cpu" and need > have and save_plan is None:
         print(f"rehearse {name}: refused: stage {worst} is estimated at {need / GIB:.1f} GiB of memory and this"

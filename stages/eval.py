@@ -87,6 +87,8 @@ def _optional_jsonl(path: Path) -> list[dict]:
     empty when its count is 0), an empty one means the skill is not scored."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; run `dvc repro prepare` first")
+    if path.stat().st_size == 0:  # read_jsonl refuses a file with no records: here that means "not scored"
+        return []
     return list(read_jsonl(path))
 
 

@@ -359,3 +359,12 @@ def test_second_turns_and_out_of_scope_requests_are_scored_only_when_they_have_i
     assert not any(k.startswith(("multiturn", "scope")) for k in plain)
     sets = [(i["set"], i["id"], i["correct"]) for i in extras["items"] if i["set"] in ("multiturn", "scope")]
     assert sets == [("multiturn", "a", True), ("multiturn", "b", False), ("scope", "c", False)]
+
+
+def test_an_empty_evaluation_only_file_is_not_scored_and_a_missing_one_is_an_error(tmp_path):
+    """prepare writes multiturn/scope test files empty when their counts are 0 (the cpu profile)."""
+    from stages.eval import _optional_jsonl
+    (tmp_path / "test.jsonl").write_text("")
+    assert _optional_jsonl(tmp_path / "test.jsonl") == []
+    with pytest.raises(FileNotFoundError, match="run `dvc repro prepare` first"):
+        _optional_jsonl(tmp_path / "missing.jsonl")

@@ -1,20 +1,23 @@
 """Every profile renders to a valid params file."""
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
 import yaml
 
 from llm.config import load_params_text
-from llm.profile import ConfigError, available, render, to_yaml, validate
+from llm.profile import (REPEAT_WARN, ConfigError, available, card_gib, data_need, render, source_bytes, to_yaml,
+                         validate)
 from tests.conftest import ROOT
 
 PROFILES = ROOT / "env" / "profiles"
 
 
-def test_the_five_profiles_exist():
-    assert set(available(PROFILES)) >= {"smoke", "cpu", "gpu-13m", "gpu-77m", "gpu-406m"}
+def test_the_profiles_exist():
+    assert set(available(PROFILES)) >= {"smoke", "cpu", "gpu-13m", "gpu-77m", "gpu-406m", "gpu-speedrun",
+                                        "gpu-77m-web"}
 
 
 @pytest.mark.parametrize("name", available(PROFILES))
@@ -22,7 +25,38 @@ def test_every_profile_validates(name):
     params = load_params_text(validate(name, PROFILES))
     if name.startswith("gpu"):
         assert params.common.device == "cuda" and params.common.dtype == "bf16"
-        assert params.pretrain.model.preset == name.removeprefix("gpu-")
+        assert card_gib(name, PROFILES) is not None, "a GPU profile names its card, so that `use` checks the fit"
+        size = re.match(r"gpu-(\d+m)\b", name)
+        if size:  # a profile named for a preset uses that preset
+            assert params.pretrain.model.preset == size.group(1)
+
+
+def test_the_data_check_warns_where_pretraining_repeats_the_embedded_text(capsys, monkeypatch):
+    """gpu-77m reads Shakespeare and the generated math dozens of times; its web variant declares
+    enough text to read it less than once; the cpu profile reads its text less than once."""
+    from llm import profile
+    need = data_need(render("gpu-77m", PROFILES)[0], source_bytes("gpu-77m", PROFILES))
+    assert need.trained == 10000 * 64 * 1 * 1024
+    assert need.repeats > REPEAT_WARN
+    (w,) = need.warnings("env/profiles/gpu-77m.yaml")
+    assert "pretrain.max_steps x batch_size x grad_accum x model.seq_len" in w and "prepare.math_pretrain_docs" in w
+    for name in ("gpu-77m-web", "cpu", "gpu-speedrun"):
+        ok = data_need(render(name, PROFILES)[0], source_bytes(name, PROFILES))
+        assert ok.repeats is not None and ok.repeats < REPEAT_WARN, name
+        assert ok.warnings(name) == []
+    monkeypatch.chdir(ROOT)
+    assert profile.main(["data", "gpu-77m"]) == 0  # a warning, not a refusal
+    assert "pretraining reads its text about 57 times" in capsys.readouterr().err
+
+
+def test_a_hub_source_of_unknown_size_is_named_not_guessed(tmp_path):
+    (tmp_path / "cpu.yaml").write_text((PROFILES / "cpu.yaml").read_text())
+    web = (PROFILES / "gpu-77m-web.yaml").read_text().replace("extends: gpu-77m", "extends: cpu")
+    (tmp_path / "web.yaml").write_text(web.replace("source_bytes:", "# source_bytes:"))
+    need = data_need(render("web", tmp_path)[0], source_bytes("web", tmp_path))
+    assert need.repeats is None
+    (w,) = need.warnings("web.yaml")
+    assert "prepare.pretrain_sources[0] (hub:HuggingFaceFW/fineweb-edu)" in w and "source_bytes" in w
 
 
 def test_committed_params_yaml_is_the_cpu_profile():
@@ -92,3 +126,10 @@ def test_memory_command_prints_every_stage_and_the_fit(capsys, monkeypatch):
     assert "fits: every stage within 21.6 GiB (the 24 GiB card less 10%)" in out
     assert profile.main(["memory", "--params", "params.yaml", "--card-gib", "0.5"]) == 1
     assert "does NOT fit a 0.5 GiB card" in capsys.readouterr().out
+
+
+def test_source_bytes_must_map_hub_names_to_positive_byte_counts(tmp_path):
+    (tmp_path / "cpu.yaml").write_text((PROFILES / "cpu.yaml").read_text())
+    (tmp_path / "bad.yaml").write_text("extends: cpu\nsource_bytes: {org/set: lots}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: source_bytes: expected \{hub name: bytes > 0\}, got"):
+        source_bytes("bad", tmp_path)

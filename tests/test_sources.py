@@ -182,3 +182,56 @@ def test_a_directory_device_or_fifo_as_path_is_refused_by_name(tmp_path, kind):
     for schema in ("text", "alpaca"):
         with bounded(seconds=2, memory=64 << 20), pytest.raises(DataError, match=f"{path}: is {what}, not a regular"):
             read_source(_src(path, schema), on_bad_record="skip", max_bad_fraction=1.0)
+
+
+# ---------------------------------------------------------------------------
+# The hub data sets the gpu-77m-web profile names, read from local copies in their real columns
+# (a few rows each, written for these tests): the profile's own source entries, `hub` swapped for
+# `path`, so a schema or field it gets wrong fails here and not on a GPU machine.
+
+WEB_COPIES = {"HuggingFaceFW/fineweb-edu": "fineweb_edu.jsonl", "HuggingFaceTB/smoltalk": "smoltalk.jsonl",
+              "openai/gsm8k": "gsm8k.jsonl"}
+
+
+def _web_sources(fixtures, suffix: str, tmp_path) -> dict[str, SourceConfig]:
+    """The web profile's pretrain and SFT sources, each pointed at its local copy (as JSONL, or
+    converted to Parquet with the same columns)."""
+    from llm.profile import render
+    from tests.conftest import ROOT
+    prep = render("gpu-77m-web", ROOT / "env" / "profiles")[0]["prepare"]
+    out = {}
+    for src in prep["pretrain_sources"] + prep["sft_sources"]:
+        copy = fixtures / WEB_COPIES[src["hub"]]
+        if suffix == ".parquet":
+            pa = pytest.importorskip("pyarrow")
+            import pyarrow.parquet as pq
+            rows = [json.loads(line) for line in copy.read_text(encoding="utf-8").splitlines()]
+            copy = tmp_path / f"{copy.stem}.parquet"
+            pq.write_table(pa.Table.from_pylist(rows), copy)
+        out[src["hub"]] = SourceConfig(**{**src, "hub": "", "hub_config": "", "path": str(copy)})
+    return out
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_the_web_profiles_sources_read_their_real_columns(fixtures, suffix, tmp_path):
+    src = _web_sources(fixtures, suffix, tmp_path)
+    web, _ = read_source(src["HuggingFaceFW/fineweb-edu"])
+    assert len(web) == 3 and web[1]["text"].startswith("A fraction names a part of a whole.")
+    assert set(web[0]) == {"text"}  # id, url, score... are FineWeb's, not the pipeline's
+    chat, _ = read_source(src["HuggingFaceTB/smoltalk"])
+    assert [m["role"] for m in chat[1]["messages"]] == ["system", "user", "assistant"]
+    assert chat[2]["messages"][-1] == {"role": "assistant", "content": "12 x 3 = 36."}
+    gsm, _ = read_source(src["openai/gsm8k"])
+    assert gsm[0]["answer"] == "72" and "<<" not in gsm[0]["messages"][1]["content"]
+
+
+def test_the_web_profiles_hub_sources_fail_fast_offline_naming_the_set(monkeypatch):
+    from llm.profile import render
+    from tests.conftest import ROOT
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    prep = render("gpu-77m-web", ROOT / "env" / "profiles")[0]["prepare"]
+    for src in prep["pretrain_sources"] + prep["sft_sources"]:
+        t = time.time()
+        with pytest.raises(DataError, match=f"hub data set '{src['hub']}'.*OFFLINE is set.*point `path:` at a local"):
+            read_source(SourceConfig(**src))
+        assert time.time() - t < 20
