@@ -104,8 +104,8 @@ def embedding_text(record: dict) -> str:
 
     Inside a group the instruction is the same for everyone, so it is not what tells two
     samples apart; but on short answers it is the context that makes "8" and "Sure. 8"
-    the same answer (measured on the planted paraphrases: cosine 0.95-0.99 with it,
-    0.50-0.96 without). It goes last because the model reads at most 256 word pieces
+    the same answer (tests/test_clean.py's planted paraphrases are found with it, some missed
+    without). It goes last because the model reads at most 256 word pieces
     and truncates the end: a long shared instruction must never push the answers out.
     """
     msgs = record["messages"]

@@ -241,7 +241,7 @@ class TokenizeConfig:
 PRESETS: dict[str, dict[str, int]] = {
     # The GPU sizes follow the reference from-scratch project (their names are the
     # parameter counts with GPT-2's 50257-token vocabulary and untied embeddings).
-    # tiny: 1.33M parameters at vocab 4096; ~7k tokens/s fwd+bwd+AdamW (16 x 256, fp32) on 2 CPU cores.
+    # tiny: 1.33M parameters at vocab 4096, sized for a whole DAG on 2 CPU cores (bench/README.md).
     "tiny": {"n_embd": 128, "n_head": 4, "n_layer": 4},
     "13m": {"n_embd": 128, "n_head": 8, "n_layer": 1},
     "77m": {"n_embd": 512, "n_head": 8, "n_layer": 8},
@@ -549,7 +549,7 @@ class EvalConfig:
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     confidence: float = _f(lo=0.5, hi=0.999)
     num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads for eval; 0 = common.num_threads. Decoding a small model is"
-                          " per-op overhead bound: 1 thread was 9x faster than 2 on a shared 2-core box")
+                          " per-op overhead bound, where more threads can be slower (docs/log.md)")
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
 

@@ -101,8 +101,8 @@ class FastDecoder:
 
       - weight layout: each weight matrix is copied once per `generate` call as (in, out),
         contiguous, so the product with a row is x @ W over rows in memory order; with the
-        model's nn.Linear (out, in) layout torch's x @ W^T ran the same products 1.6x slower
-        at batch 1 (at batch 64 the layout makes no difference);
+        model's nn.Linear (out, in) layout torch's x @ W^T ran the same products slower at
+        batch 1, and no faster at batch 64 (bench/README.md);
       - residual adds inside the products (addmm), q/k/v in one product and gate/up in one;
       - RoPE writes the rotated keys straight into the preallocated cache (no copy after it),
         and the step's views of the cache are taken once for all layers.

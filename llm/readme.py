@@ -8,7 +8,8 @@ is touched. It holds two short tables:
 
 - this run, one row per model (`metrics/eval/<model>.json`): greedy math with its 95% interval,
   the paired change against the model's parent (`metrics/paired.json`), instruction tasks, bare
-  arithmetic, sampled math, pass@k, RM score, win rate and KL per token against SFT;
+  arithmetic, sampled math, pass@k, RM score, win rate, KL per token against SFT, and bits per
+  byte of held-out Shakespeare (how well the model still reads plain text; lower is better);
 - several seeds read together (`metrics/seeds/summary.json`, written by `python -m llm.seeds`):
   greedy math per seed and its mean, and each RL model's change from SFT, pooled over all the
   seeds' items and across seeds.
@@ -31,7 +32,8 @@ from llm.report import MODELS, NAME, PARENT, fmt_interval, fmt_p, fmt_value
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 # (eval metrics key, column label, kind, with its interval): kind "pct" shows a proportion as a
-# percentage, "num" a number, "nats" a KL to four decimals (the RL models' are below 0.001)
+# percentage, "num" a number, "nats" a KL to four decimals (the RL models' are below 0.001),
+# "bits" bits per byte of held-out text to two
 COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
     ("task_exact_match", "instruction tasks", "pct", True),
     ("arithmetic_exact_match", "bare arithmetic", "pct", False),
@@ -39,7 +41,8 @@ COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
     ("math_pass_at_k", "pass@k", "pct", False),
     ("rm_score", "RM score", "num", False),
     ("win_rate_vs_sft", "win rate vs SFT", "pct", False),
-    ("kl_to_sft_per_token", "KL to SFT, nats/token", "nats", False),
+    ("kl", "KL to SFT, nats/token", "nats", False),
+    ("val_bpb", "text, bits/byte", "bits", False),
 )
 
 
@@ -58,8 +61,8 @@ def _pp(res: dict) -> str:
 
 def _cell(m: dict, key: str, kind: str, interval: bool = True) -> str:
     v = m.get(key)
-    if kind == "nats":
-        return f"{v:.4f}" if isinstance(v, (int, float)) else "n/a"
+    if kind in ("nats", "bits"):
+        return f"{v:.{4 if kind == 'nats' else 2}f}" if isinstance(v, (int, float)) else "n/a"
     if not interval:
         return fmt_value(v, kind)
     return f"{fmt_value(v, kind)} {fmt_interval(m.get(f'{key}_lo'), m.get(f'{key}_hi'), kind)}".strip()

@@ -175,6 +175,22 @@ def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> s
             f"{ctl}{math}; wrote {model}/ and {metrics}")
 
 
+def rl_stage_main(stage: str, doc: str, run: Callable[..., dict | None], argv: list[str] | None, *,
+                  inputs: dict[str, str], outputs: dict[str, str]) -> int:
+    """The main() of an RL stage: `run(common, cfg, rt, **paths, progress=...)` on every rank
+    (several under torchrun), then rank 0 prints summary_line."""
+    from llm.runtime import setup_runtime
+    from llm.stage import stage_main
+
+    def work(args, common: CommonConfig, cfg: RLConfig, rt: Runtime) -> str | None:
+        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*inputs, *outputs)},
+                progress=not args.no_progress)
+        return summary_line(stage, m, args.model, args.metrics) if rt.is_main else None
+
+    return stage_main(stage, doc, argv, inputs=inputs, outputs=outputs, work=work, setup=setup_runtime,
+                      torchrun=True)
+
+
 def final_kl_gate(kl: float, max_kl: float, stage: str) -> Gate:
     """Quality gate: the policy moved too far from the reference to be trusted."""
     return Gate("final KL to the reference", kl, "max", f"{stage}.max_kl", max_kl,

@@ -34,8 +34,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llm.config import CommonConfig, GRPOConfig
-from llm.runtime import Runtime, setup_runtime
-from llm.stage import stage_main, training_outputs
+from llm.runtime import Runtime
+from llm.stage import training_outputs
 
 STAGE = "grpo"
 INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
@@ -78,14 +78,8 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    def work(args, common: CommonConfig, cfg: GRPOConfig, rt: Runtime) -> str:
-        from llm.rl import summary_line
-        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
-                progress=not args.no_progress)
-        return summary_line(STAGE, m, args.model, args.metrics) if rt.is_main else None
-
-    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
-                      torchrun=True)
+    from llm.rl import rl_stage_main
+    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from llm.batching import derive_seed
 from llm.config import CommonConfig, PPOConfig
-from llm.runtime import Runtime, setup_runtime
-from llm.stage import stage_main, training_outputs
+from llm.runtime import Runtime
+from llm.stage import training_outputs
 
 STAGE = "ppo"
 INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
@@ -77,14 +77,8 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    def work(args, common: CommonConfig, cfg: PPOConfig, rt: Runtime) -> str:
-        from llm.rl import summary_line
-        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
-                progress=not args.no_progress)
-        return summary_line(STAGE, m, args.model, args.metrics) if rt.is_main else None
-
-    return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
-                      torchrun=True)
+    from llm.rl import rl_stage_main
+    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS)
 
 
 if __name__ == "__main__":
