@@ -123,9 +123,9 @@ def block(metrics: str | Path = "metrics") -> str:
                     " paired on the same items against the parent (SFT's is base).", "", *run]
     summary = _read(metrics / "seeds" / "summary.json")
     if seeds := seeds_table(summary):
-        out += ["", f"{len(summary['runs'])} seeds read together (`metrics/seeds/summary.json`): each seed"
-                    " draws its own data and test items; pooled = all seeds' items (McNemar's p), across seeds ="
-                    " the t interval of the per-seed changes.", "", *seeds]
+        out += ["", f"{len(summary['runs'])} seeds read together (`metrics/seeds/summary.json`; where and when they"
+                    " ran: `metrics/seeds/README.md`): each seed draws its own data and test items; pooled = all"
+                    " seeds' items (McNemar's p), across seeds = the t interval of the per-seed changes.", "", *seeds]
     return "\n".join(out) + "\n"
 
 
