@@ -67,14 +67,16 @@ def test_deps_cover_the_llm_modules_a_stage_imports(name, stage):
 
 @pytest.mark.parametrize("name,stage", list(_stage_defs()))
 def test_stage_reads_only_its_declared_sections(name, stage):
-    """Every stage's main() is `stage_main(<stage>, ...)`, which loads `common` and the stage's own
-    section (or `section=`): that section must be the one dvc.yaml lists."""
+    """Every stage's main() is `stage_main(<stage>, ...)` (the RL stages' `rl_stage_main(<stage>, ...)`,
+    which calls it), which loads `common` and the stage's own section (or `section=`): that section
+    must be the one dvc.yaml lists."""
     script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
     declared = {(e if isinstance(e, str) else next(iter(e))).split(".")[0] for e in stage.get("params", [])}
     tree = ast.parse(script.read_text())
     consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
               for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "stage_main"]
+    calls = [n for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("stage_main", "rl_stage_main")]
     assert len(calls) == 1, f"stage {name}: {script.name} should end in one stage_main(...) call"
     call = calls[0]
     arg = next((k.value for k in call.keywords if k.arg == "section"), call.args[0])
