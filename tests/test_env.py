@@ -364,3 +364,53 @@ def test_setup_cpu_explains_a_missing_or_unusable_python(tmp_path):
     assert result.returncode == 1 and "python3.11-venv" in result.stderr
     assert not (tmp_path / "venv").exists()
 
+
+# ---- Vega for offline `dvc plots show` -----------------------------------------------------------
+
+def _vega_setup(tmp_path: Path, venv: Path, content: str | None, pin_of: str = "hello") -> subprocess.CompletedProcess:
+    """Run install_vega with one pinned file (`pin_of`'s sha256) and a fake npm whose tarball holds
+    `content` (None: no npm at all), on a PATH of only the tools it needs. Each npm call is logged."""
+    import hashlib
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("basename", "mktemp", "mkdir", "rm", "tar", "gzip", "mv", "tail", "cat", "sh", "dirname"):
+        if not (bin_dir / tool).exists():
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "npm").unlink(missing_ok=True)
+    if content is not None:
+        executable(bin_dir / "npm", "#!/bin/sh\n"
+                   f"echo \"$*\" >> {tmp_path}/npm.calls\n"
+                   "mkdir -p package/build && printf '%s' \"$FAKE_CONTENT\" > package/build/fake.min.js\n"
+                   "tar -czf fake-1.0.tgz package && rm -rf package\n")
+    sha = hashlib.sha256(pin_of.encode()).hexdigest()
+    script = ('set -euo pipefail; source "$1/env/_common.sh"; '
+              f'VEGA_FILES="fake@1.0:build/fake.min.js:{sha}"; install_vega')
+    return subprocess.run([shutil.which("bash"), "-c", script, "setup_test", str(ROOT)], capture_output=True, text=True,
+                          timeout=60, env={"PATH": str(bin_dir), "LLM_VENV": str(venv), "TMPDIR": str(tmp_path),
+                                           "FAKE_CONTENT": content or ""})
+
+
+def test_vega_files_are_installed_once_and_checked_against_their_pins(borrowed_venv, tmp_path):
+    calls = tmp_path / "npm.calls"
+    ok = _vega_setup(tmp_path, borrowed_venv, "hello")
+    assert ok.returncode == 0, ok.stderr
+    assert (borrowed_venv / "share" / "vega" / "fake.min.js").read_text() == "hello"
+    assert calls.read_text().split() == ["pack", "--silent", "fake@1.0"]
+    again = _vega_setup(tmp_path, borrowed_venv, "hello")
+    assert again.returncode == 0 and "present" in again.stdout
+    assert len(calls.read_text().splitlines()) == 1, "a present file that matches its pin is not fetched again"
+
+
+def test_vega_file_with_other_bytes_stops_the_setup(borrowed_venv, tmp_path):
+    bad = _vega_setup(tmp_path, borrowed_venv, "tampered")
+    assert bad.returncode == 1
+    assert "has sha256" in bad.stderr and "expected" in bad.stderr and "pinned in env/_common.sh" in bad.stderr
+    assert not (borrowed_venv / "share" / "vega" / "fake.min.js").exists()
+
+
+def test_without_npm_the_setup_warns_and_goes_on(borrowed_venv, tmp_path):
+    r = _vega_setup(tmp_path, borrowed_venv, None)
+    assert r.returncode == 0, r.stderr
+    assert "npm not found" in r.stderr and "dvc plots show" in r.stderr

@@ -43,25 +43,16 @@ def test_every_curve_names_its_stage_and_metric():
         assert props.get("template") == "curve", path
 
 
-# What env/dvc_plots.html carries inline: the Vega, Vega-Lite and Vega-Embed releases DVC's own
-# page loads from a CDN. Each entry: npm package@version, the self-contained build file in its
-# tarball (`npm pack <package@version>`), and that file's sha256. To move to another release,
-# replace the file's <script data-file=...> body in the page and its entry here together.
-VEGA_PINS = (
-    ("vega@5.20.2", "build/vega.min.js", "4794d0169cb1f3ebad8117fe98ba5bd652dd725905ec0384e832391dbccb03be"),
-    ("vega-lite@5.2.0", "build/vega-lite.min.js", "d73157451b3978015ab31dacd55ff90d986ab8663fc0abed50f97b3cd90002cb"),
-    ("vega-embed@6.18.2", "build/vega-embed.min.js", "1ba9826431ddc9805e815ad92acc811c819f2bfd32bda2a128b8c4b5070fab5e"),
-)
-
-
 def test_the_plots_page_carries_the_pinned_vega():
     """env/dvc_plots.html holds Vega, Vega-Lite and Vega-Embed inline (so a page written
-    anywhere draws offline), byte for byte the files of VEGA_PINS."""
+    anywhere draws offline), byte for byte the files pinned in env/_common.sh."""
     import hashlib
     import re
 
+    pins = re.search(r'VEGA_FILES="([^"]*)"', (ROOT / "env" / "_common.sh").read_text()).group(1).split()
     page = (ROOT / "env" / "dvc_plots.html").read_text(encoding="utf-8")
-    for _, build_path, sha in VEGA_PINS:
+    for pin in pins:
+        _, build_path, sha = pin.split(":")
         name = build_path.rsplit("/", 1)[-1]
         body = re.search(rf'<script data-file="{re.escape(name)}">(.*?)</script>', page, re.S)
         assert body, name
