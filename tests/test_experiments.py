@@ -5,8 +5,6 @@ copies of DVC output. tests/test_dag.py checks that an experiment leaves the bas
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.browser import chromium, offline_dom, vega_plots
 from tests.conftest import ROOT
 
 DVC = [sys.executable, "-m", "dvc"]
@@ -42,71 +39,6 @@ def test_every_curve_names_its_stage_and_metric():
         assert props.get("y_label", "").startswith(props["y"]), (path, props)
         assert props.get("template") == "curve", path
 
-
-def test_the_plots_page_carries_the_pinned_vega():
-    """env/dvc_plots.html holds Vega, Vega-Lite and Vega-Embed inline (so a page written
-    anywhere draws offline), byte for byte the files pinned in env/_common.sh."""
-    import hashlib
-    import re
-
-    pins = re.search(r'VEGA_FILES="([^"]*)"', (ROOT / "env" / "_common.sh").read_text()).group(1).split()
-    page = (ROOT / "env" / "dvc_plots.html").read_text(encoding="utf-8")
-    for pin in pins:
-        _, build_path, sha = pin.split(":")
-        name = build_path.rsplit("/", 1)[-1]
-        body = re.search(rf'<script data-file="{re.escape(name)}">(.*?)</script>', page, re.S)
-        assert body, name
-        assert hashlib.sha256(body.group(1).encode()).hexdigest() == sha, name
-    assert not re.search(r'<script[^>]*\ssrc=', page)
-
-
-def _plots_repo(tmp_path: Path) -> Path:
-    """A DVC repository with this repository's plots page, template and ppo plot definitions:
-    a moving reward, a held-out accuracy that stays 0.85 throughout, and an image."""
-    repo = tmp_path / "plots"
-    (repo / "metrics" / "plots").mkdir(parents=True)
-    (repo / "metrics" / "plots" / "ppo.tsv").write_text("step\treward\n" + "".join(f"{i}\t{i / 7}\n" for i in range(6)))
-    (repo / "metrics" / "plots" / "ppo_val.tsv").write_text("step\tmath_exact_match\n0\t0.85\n3\t0.85\n6\t0.85\n")
-    from llm.report_plots import placeholder_png
-    (repo / "metrics" / "plots" / "ppo.png").write_bytes(placeholder_png("ppo"))  # DVC copies it beside the page
-    ppo = [{p: props} for stage, p, props in _tsv_plots() if stage == "ppo"] + ["metrics/plots/ppo.png"]
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"plots": ppo}))
-    subprocess.run(DVC + ["init", "--no-scm", "-q"], cwd=repo, check=True)
-    (repo / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())  # the plots page
-    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")
-    (repo / "env").mkdir()
-    shutil.copy(ROOT / "env" / "dvc_plots.html", repo / "env" / "dvc_plots.html")
-    return repo
-
-
-@pytest.mark.slow
-def test_dvc_plots_show_to_a_directory_outside_the_repository_draws_offline(tmp_path):
-    """`dvc plots show -o DIR` (and so `dvc plots diff -o DIR`) anywhere: the page refers to no
-    file beside it but the images DVC copies there, every plot draws with no network, and a
-    series that is one value throughout has that value on its axis (not a lone rounded tick)."""
-    import re
-
-    repo = _plots_repo(tmp_path)
-    out = tmp_path / "elsewhere"  # beside the repository, not in it
-    subprocess.run(DVC + ["plots", "show", "-q", "-o", str(out)], cwd=repo, check=True,
-                   env={**os.environ, "DVC_NO_ANALYTICS": "1"})
-    page = out / "index.html"
-    text = page.read_text(encoding="utf-8")
-    tags = re.sub(r"(<script[^>]*>).*?</script>", r"\1</script>", text, flags=re.S)  # markup, not Vega's code
-    refs = re.findall(r'<[^>]*\s(?:src|href)="([^"]*)"', tags)
-    assert refs and all(ref.startswith(("data:", "#")) or (out / ref).is_file() for ref in refs), refs
-    assert not re.search(r"<script[^>]*\ssrc=", tags)  # no CDN, no path that only works inside the repository
-    if chromium() is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
-    assert vega_plots(page) == (2, 2)
-    dom = offline_dom(page)
-    axis = re.search(r'aria-label="Y-axis titled \'math_exact_match[^"]*".*?</g></g>', dom, re.S)
-    ticks = re.findall(r"<text[^>]*>([^<]*)</text>", axis.group(0)) if axis else []
-    assert "0.85" in ticks and len(set(ticks) - {"math_exact_match (fraction)"}) >= 3, ticks
-
-
-# ---------------------------------------------------------------------------
-# dvc.yaml and the profiles
 
 def test_every_profile_names_its_device_and_dtype():
     """The run-cache keys a stage by params, deps and command, not by the machine: under
