@@ -410,7 +410,10 @@ class RewardConfig(TrainConfig):
     bucket_width: int = _f(lo=1, hi=MAX_SEQ_LEN)
     label_smoothing: float = _f(lo=0.0, hi=0.5)
     margin: float = _f(lo=0.0, hi=MAX_COEF)
-    min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on held-out pair accuracy")
+    min_accuracy: float = _f(lo=0.0, hi=1.0, doc="quality gate on the held-out pairs of SFT's own answers")
+    generated_share: float = _f(0.5, lo=0.0, hi=0.99, added=True, doc="share of the training pairs drawn from the"
+                                " generated preference pairs; the rest are comparisons of SFT's own answers (the"
+                                " samples stage)")
     logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
                                    " trunk's LM head to the head's reward (llm/reward_model.py)")
     train_trunk: bool = _f(doc="false: only the reward head (and the likelihood feature's weight) learn; the SFT"

@@ -1,31 +1,33 @@
-"""Making preference pairs from the SFT model's own samples: the algorithm of the `pairs` stage.
+"""Making preference pairs from the SFT model's own samples: the algorithm of the `samples` and
+`pairs` stages.
 
     prompts = sample_prompts(cfg, seed, math_path, sft_path)          # math questions + task prompts
+    assign_splits(prompts, cfg.val_fraction, seed)                    # train or val, by prompt
     samples, n_tokens = sample_responses(policy, tok, prompt_ids, cfg, seed, device)
-    score_samples(samples, prompts, prompt_ids, reward_model, tok, cfg.batch_size, device)
-    pairs, ties, tied = choose_pairs(prompts, samples, cfg.tie_epsilon)
+    x["verifier"] = verify(x["text"], prompt)                         # None where nothing can check
+    add_likelihoods(samples, prompt_ids, policy, tok, ...)           # SFT's log-probability of each
+    pairs, ties, tied = choose_pairs(prompts, samples, cfg.tie_epsilon, cfg.tie_break)
     pairs += adversarial_pairs(prompts, prompt_ids, samples, tied, ...)
-    train, val = split_by_prompt(pairs, cfg.val_fraction, seed)
 
 1. Prompts: round(n_prompts * math_fraction) math questions, the rest task prompts (unique
-   user turns of SFT conversations whose source is not math).
+   user turns of SFT conversations whose source is not math); round(val_fraction * n) of them
+   held out, so no prompt is on both sides.
 2. Samples: for each temperature, samples_per_temperature responses per prompt from the SFT
    model (batched `llm.generate.generate` with the KV cache, prompts batched by length).
-3. Scores: math with the verifier (`llm.rewards.math_reward`: 1.0 correct + 0.2 formatted),
-   tasks with the reward model. With `verify_tasks`, the generated instruction tasks and bare
-   calculations are checked against the reference answers of their SFT conversations instead
-   (a task: 1.2 for exactly the reference, else 0, as the evaluation scores it; a calculation:
-   the math verifier on the reference's number). The RM scores every response, for the
-   others only to report how often it agrees with the verifier.
+3. Scores: math with the verifier (`llm.rewards.math_reward`: 1.0 correct + 0.2 formatted).
+   With `verify_tasks`, the generated instruction tasks and bare calculations are checked
+   against the reference answers of their SFT conversations (a task: 1.2 for exactly the
+   reference, else 0, as the evaluation scores it; a calculation: the math verifier on the
+   reference's number). Prompts with no check (a user's own SFT data) are scored by the reward
+   model in the `pairs` stage, after the reward model has learned from the checked ones.
 4. Pairs: chosen = the best response, rejected = the worst (`choose_pair`); a prompt whose best
    and worst differ by at most `tie_epsilon` (or are the same text) is a tie: dropped and
    counted. `preference_score = sigmoid(r_chosen - r_rejected)`, strictly inside (0.5, 1), on
    the scorer's own scale.
-5. Adversarial pairs (`adversarial_fraction` of the output): a right, well-formatted math answer
-   as chosen, the same text with its `#### N` line removed or mangled as rejected
-   (`break_format`: right content, broken format), scored by the verifier (1.2 vs 1.0). Prompts
-   whose samples tied are used first.
-6. Split by prompt into train and val, so no prompt is in both.
+5. Adversarial pairs (`adversarial_fraction` of the output, DPO's pairs only): a right,
+   well-formatted math answer as chosen, the same text with its `#### N` line removed or mangled
+   as rejected (`break_format`: right content, broken format), scored by the verifier (1.2 vs
+   1.0). Prompts whose samples tied are used first.
 """
 from __future__ import annotations
 
@@ -135,23 +137,8 @@ def sample_responses(policy, tok, prompt_ids: list[list[int]], cfg: PairsConfig,
                 gen_tokens += n
                 for i, smp in zip(ix, drawn):
                     samples[i].append(smp)
-            say(f"pairs: sampled temperature {temp} #{s + 1}")
+            say(f"sampled temperature {temp} #{s + 1}")
     return samples, gen_tokens
-
-
-def score_samples(samples: list[list[dict]], prompts: list[dict], prompt_ids: list[list[int]],
-                  rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> None:
-    """Add "rm", "verifier" (prompts with a check, else None) and "score" (the verifier's where
-    there is one, else the RM's) to every sample, in place. rm_score(token lists) -> the RM's scores."""
-    from llm.preference import encode_response
-
-    flat = [(i, k) for i in range(len(prompts)) for k in range(len(samples[i]))]
-    seqs = [encode_response(prompt_ids[i], samples[i][k]["text"], tok)[-seq_len:] for i, k in flat]
-    for (i, k), r in zip(flat, rm_score(seqs)):
-        smp = samples[i][k]
-        smp["rm"] = r
-        smp["verifier"] = verify(smp["text"], prompts[i])
-        smp["score"] = r if smp["verifier"] is None else smp["verifier"]
 
 
 def verify(text: str, prompt: dict) -> float | None:
@@ -169,7 +156,8 @@ def verify(text: str, prompt: dict) -> float | None:
 def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], policy, tok, *, batch_size: int,
                     device, rt=None) -> None:
     """Add "logp" to every sample, in place: its answer's log-probability (sum over the answer
-    tokens and the closing <|end|>, temperature 1) under `policy`, batched by length. A
+    tokens and the closing <|end|>, temperature 1) under `policy`, and "logp_mean", the same per
+    token (what the reward model's likelihood feature reads), batched by length. A
     distributed `rt` shares the batches out over the ranks (llm.runtime.sharded_map)."""
     from llm.batching import pad_right
     from llm.losses import answer_logprob
@@ -180,7 +168,7 @@ def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], poli
     seqs, starts = [], []
     for i, k in flat:
         full = encode_response(prompt_ids[i], samples[i][k]["text"], tok)
-        cut = max(0, len(full) - seq_len)           # as score_samples: keep the end, where the answer is
+        cut = max(0, len(full) - seq_len)           # as the reward model reads it: keep the end, where the answer is
         seqs.append(full[cut:])
         starts.append(max(0, len(prompt_ids[i]) - cut))
     order = sorted(range(len(seqs)), key=lambda j: len(seqs[j]))
@@ -196,6 +184,7 @@ def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], poli
         for j, v in zip(ix, lps):
             i, k = flat[j]
             samples[i][k]["logp"] = v
+            samples[i][k]["logp_mean"] = v / max(1, len(seqs[j]) - starts[j])
 
 
 def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float, tie_break: str = "first"
@@ -225,6 +214,27 @@ def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: fl
     return pairs, ties, tied_prompts
 
 
+def comparisons(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float) -> list[dict]:
+    """Every comparison the scores make within one prompt: each pair of distinct answers whose
+    scores differ by more than `tie_epsilon`, the higher one chosen (three answers, two right and
+    one wrong: two pairs). These are the reward model's lessons and its held-out test, as PPO
+    uses it: any two of the policy's answers, not only the hardest pair that `choose_pairs`
+    keeps for DPO."""
+    out = []
+    for p, smp in zip(prompts, samples):
+        seen = set()
+        for a in smp:
+            for b in smp:
+                if a["score"] is None or b["score"] is None or a["score"] - b["score"] <= tie_epsilon:
+                    continue
+                if a["text"] == b["text"] or (a["text"], b["text"]) in seen:
+                    continue
+                seen.add((a["text"], b["text"]))
+                scorer = "verifier" if p["answer"] is not None else "rm"
+                out.append(_record(p, a, b, a["score"], b["score"], scorer, kind=p["kind"], adversarial=False))
+    return out
+
+
 def adversarial_pairs(prompts: list[dict], prompt_ids: list[list[int]], samples: list[list[dict]], *,
                       wanted: int, tied_prompts: list[int], rng: random.Random,
                       rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> list[dict]:
@@ -243,8 +253,9 @@ def adversarial_pairs(prompts: list[dict], prompt_ids: list[list[int]], samples:
             continue
         c, broken = found[0]
         rb = math_reward(broken, prompts[i]["answer"], CORRECT, FORMAT)
-        rm_b = float(rm_score([encode_response(prompt_ids[i], broken, tok)[-seq_len:]])[0])
-        rej = {"text": broken, "temperature": c["temperature"], "rm": rm_b}
+        rm_c, rm_b = rm_score([encode_response(prompt_ids[i], text, tok)[-seq_len:] for text in (c["text"], broken)])
+        c = {**c, "rm": float(rm_c)}
+        rej = {"text": broken, "temperature": c["temperature"], "rm": float(rm_b)}
         out.append(_record(prompts[i], c, rej, c["verifier"], rb, "verifier", kind="adversarial_format",
                            adversarial=True))
     return out
@@ -255,54 +266,40 @@ def adversarial_wanted(fraction: float, n_pairs: int, n_prompts: int) -> int:
     return round(fraction * n_pairs / (1 - fraction)) if fraction < 1 else n_prompts
 
 
-def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int, *, verify_tasks: bool = False
-                    ) -> tuple[list[dict], list[dict]]:
-    """(train, val) with every pair of one prompt on the same side; ids pairs-<split>-<i> assigned.
-    Raises DataError when the pairs are too few for the split (`verify_tasks`: the message says
-    what that setting does to a weak model's pairs)."""
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for rec in pairs:
-        groups[rec["prompt_id"]].append(rec)
-    keys = sorted(groups)
-    random.Random(derive_seed(seed, "split")).shuffle(keys)
-    n_val_target = round(val_fraction * len(pairs))
-    if val_fraction > 0 and len(keys) >= 2:
-        n_val_target = max(1, n_val_target)
-    val, train = [], []
-    for k in keys:
-        (val if len(val) < n_val_target else train).extend(groups[k])
-    if not train or (val_fraction > 0 and not val):
-        weak = (" With pairs.verify_tasks every prompt whose samples are all right or all wrong is a tie, so a"
-                " model that gets no task right gives no task pair; pairs.verify_tasks: false lets the reward"
-                " model rank them.") if verify_tasks else ""
-        raise DataError(f"pairs: {len(pairs)} pairs are too few for a train/val split; raise pairs.n_prompts, add"
-                        f" temperatures or samples, or lower pairs.tie_epsilon.{weak}")
-    for split, recs in (("train", train), ("val", val)):
-        for j, rec in enumerate(recs):
-            rec["id"] = f"pairs-{split}-{j}"
-    return train, val
+def assign_splits(prompts: list[dict], val_fraction: float, seed: int) -> None:
+    """Add "split" ("train" or "val") to every prompt, in place: round(val_fraction * n) prompts,
+    drawn with a generator seeded by (seed, "split"), are held out. The split is by prompt, so the
+    reward model and DPO never see a held-out prompt in training, whichever answers they pair."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i]["id"])
+    random.Random(derive_seed(seed, "split")).shuffle(order)
+    n_val = round(val_fraction * len(prompts))
+    if val_fraction > 0 and len(prompts) >= 2:
+        n_val = max(1, n_val)
+    held = set(order[:n_val])
+    for i, p in enumerate(prompts):
+        p["split"] = "val" if i in held else "train"
+
+
+def too_few_pairs(n_pairs: int, stage: str, verify_tasks: bool):
+    """Raise the DataError of a pair set with an empty train or val side, saying what to change."""
+    weak = (" With pairs.verify_tasks every prompt whose samples are all right or all wrong is a tie, so a"
+            " model that gets no task right gives no task pair; pairs.verify_tasks: false lets the reward"
+            " model rank them.") if verify_tasks else ""
+    raise DataError(f"{stage}: {n_pairs} pairs are too few for a train/val split; raise pairs.n_prompts, add"
+                    f" temperatures or samples, or lower pairs.tie_epsilon.{weak}")
 
 
 def summarize(prompts: list[dict], samples: list[list[dict]], pairs: list[dict], adversarial: list[dict],
               ties: Counter, temperatures: Sequence[float]) -> dict:
-    """The metrics of a pair set: counts, preference-score quantiles, RM-verifier agreement, per temperature."""
+    """The metrics of a pair set: counts, preference-score quantiles, RM-verifier agreement on the
+    held-out prompts' pairs (prompts with "split" "val": the others taught the reward model), per
+    temperature."""
+    heldout = {p["id"] for p in prompts if p.get("split", "val") == "val"}
     scores = {s: [r["preference_score"] for r in pairs if r["scorer"] == s] for s in ("rm", "verifier")}
     all_scores = [r["preference_score"] for r in pairs]
     assert all(0.5 < x < 1.0 for x in all_scores), "preference_score outside (0.5, 1)"
-    natural_v = [r for r in pairs if r["scorer"] == "verifier" and not r["adversarial"]]
-    by_temp = {}
-    for temp in temperatures:
-        at = [(p, x) for p, ss in zip(prompts, samples) for x in ss if x["temperature"] == temp]
-        smp = [x for _, x in at]
-        m_smp = [x for p, x in at if p["kind"] == "math" and x["verifier"] is not None]
-        v_smp = [x for p, x in at if p["kind"] != "math" and x["verifier"] is not None]
-        t_smp = [x for x in smp if x["verifier"] is None]
-        by_temp[str(temp)] = {
-            "math_correct": _mean(x["verifier"] >= CORRECT for x in m_smp),
-            "math_formatted": _mean(x["verifier"] in (FORMAT, CORRECT + FORMAT) for x in m_smp),
-            **({"task_correct": _mean(x["verifier"] >= CORRECT for x in v_smp)} if v_smp else {}),
-            "task_rm_mean": _mean(x["rm"] for x in t_smp),
-            "mean_tokens": _mean(x["tokens"] for x in smp), "truncated": _mean(not x["stopped"] for x in smp)}
+    natural_v = [r for r in pairs if r["scorer"] == "verifier" and not r["adversarial"] and r["prompt_id"] in heldout]
+    by_temp = quality_by_temperature(prompts, samples, temperatures)
     return {
         "prompts": len(prompts),
         "prompt_sources": dict(sorted(Counter(p["kind"] for p in prompts).items())),
@@ -313,11 +310,12 @@ def summarize(prompts: list[dict], samples: list[list[dict]], pairs: list[dict],
         "pairs_by_scorer": {s: len(v) for s, v in scores.items()},
         "preference_score": _quantiles(all_scores),
         "preference_score_by_scorer": {s: _quantiles(v) for s, v in scores.items()},
-        "reward_chosen_mean": {s: _mean(r["reward_chosen"] for r in pairs if r["scorer"] == s) for s in scores},
-        "reward_rejected_mean": {s: _mean(r["reward_rejected"] for r in pairs if r["scorer"] == s) for s in scores},
-        # how often the RM ranks verifier-labelled pairs the verifier's way (an RM check on fresh samples)
-        "rm_accuracy_on_verifier_pairs": _mean(r["rm_chosen"] > r["rm_rejected"] for r in natural_v),
-        "rm_accuracy_on_adversarial_pairs": _mean(r["rm_chosen"] > r["rm_rejected"] for r in adversarial),
+        "reward_chosen_mean": {s: mean(r["reward_chosen"] for r in pairs if r["scorer"] == s) for s in scores},
+        "reward_rejected_mean": {s: mean(r["reward_rejected"] for r in pairs if r["scorer"] == s) for s in scores},
+        # how often the RM ranks held-out verifier-labelled pairs of SFT's own answers the verifier's way
+        "rm_accuracy_on_verifier_pairs": mean(r["rm_chosen"] > r["rm_rejected"] for r in natural_v),
+        "rm_verifier_pairs": len(natural_v),
+        "rm_accuracy_on_adversarial_pairs": mean(r["rm_chosen"] > r["rm_rejected"] for r in adversarial),
         "by_temperature": by_temp,
     }
 
@@ -326,7 +324,8 @@ def _record(p: dict, c: dict, r: dict, rc: float, rr: float, scorer: str, *, kin
     return {"id": "", "prompt_id": p["id"], "prompt": p["prompt"], "chosen": c["text"], "rejected": r["text"],
             "kind": kind, "source": p["source"], "scorer": scorer, "reward_chosen": rc, "reward_rejected": rr,
             "preference_score": preference_score(rc, rr), "adversarial": adversarial,
-            "rm_chosen": c["rm"], "rm_rejected": r["rm"],
+            "rm_chosen": c.get("rm"), "rm_rejected": r.get("rm"),
+            "sft_logp_chosen": c.get("logp_mean"), "sft_logp_rejected": r.get("logp_mean"),
             "temperature_chosen": c["temperature"], "temperature_rejected": r["temperature"]}
 
 
@@ -401,7 +400,7 @@ def _quantiles(xs: list[float]) -> dict[str, float | None]:
             "p95": q(0.95), "max": s[-1]}
 
 
-def _mean(xs) -> float | None:
+def mean(xs) -> float | None:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else None
 
@@ -418,3 +417,23 @@ def histogram(pairs: list[dict], bins: int = 20) -> str:
         centre = 0.5 + (b + 0.5) / (2 * bins)
         lines.append(f"{centre:.4f}\t{counts['all'][b]}\t{counts['rm'][b]}\t{counts['verifier'][b]}")
     return "\n".join(lines) + "\n"
+
+
+def quality_by_temperature(prompts: list[dict], samples: list[list[dict]], temperatures: Sequence[float]) -> dict:
+    """Per sampling temperature: the share of math answers right and formatted, of checked task
+    answers right, the reward model's mean on unchecked answers (where scored), mean length and
+    the share cut off at max_new_tokens."""
+    by_temp = {}
+    for temp in temperatures:
+        at = [(p, x) for p, ss in zip(prompts, samples) for x in ss if x["temperature"] == temp]
+        smp = [x for _, x in at]
+        m_smp = [x for p, x in at if p["kind"] == "math" and x["verifier"] is not None]
+        v_smp = [x for p, x in at if p["kind"] != "math" and x["verifier"] is not None]
+        t_smp = [x for x in smp if x["verifier"] is None and x.get("rm") is not None]
+        by_temp[str(temp)] = {
+            "math_correct": mean(x["verifier"] >= CORRECT for x in m_smp),
+            "math_formatted": mean(x["verifier"] in (FORMAT, CORRECT + FORMAT) for x in m_smp),
+            **({"task_correct": mean(x["verifier"] >= CORRECT for x in v_smp)} if v_smp else {}),
+            "task_rm_mean": mean(x["rm"] for x in t_smp),
+            "mean_tokens": mean(x["tokens"] for x in smp), "truncated": mean(not x["stopped"] for x in smp)}
+    return by_temp

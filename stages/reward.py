@@ -3,27 +3,36 @@
     dvc repro reward        (dvc.yaml passes the paths: `python -m stages.reward --help`)
 
 Reads the `common` and `reward` sections of params.yaml, the SFT model (trunk, LM head and
-tokenizer) and preference pairs ({train,val}.jsonl: {"id", "prompt": [messages], "chosen",
-"rejected", "kind"}).
+tokenizer), the comparisons of SFT's own answers that the samples stage labelled with the
+verifier (data/samples/{train,val}.jsonl) and the generated preference pairs (a right worked
+answer against a one-step slip or a broken format; {train,val}.jsonl: {"id", "prompt":
+[messages], "chosen", "rejected", "kind"}).
+
+Training pairs: every comparison of SFT's own answers, plus generated pairs making
+`reward.generated_share` of the whole (drawn at random, seeded). The held-out pairs are the
+comparisons of SFT's own answers to held-out prompts: what PPO asks of the reward model, any
+two of the policy's answers to one problem. (Where SFT's samples never disagree the stage
+warns and falls back to the generated pairs alone; `held_out_on` says which.)
 
 The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the last real token
 (llm/reward_model.py, right for any padding side). With `reward.logprob_feature` the reward also adds
 a learned weight (starting at 1) times the mean log-probability the model's own LM head gives
-the answer's tokens: a last-token head on a 4-layer trunk cannot re-check each `a op b = c` of
-an answer, the next-token predictions at every step can (docs/log.md, reward model notes). With
-`reward.train_trunk: false` only the head and that weight learn (a linear probe). Each answer
-is rendered with the chat template as prompt + answer + <|end|>; pairs longer than the context
-are dropped and counted. Loss:
-Bradley-Terry `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by
-`reward.label_smoothing`, trained with llm/trainer.py (one batch = B pairs, weight B;
-checkpoints, resume, non-finite policy and `torchrun` as in every training stage).
+the answer's tokens. With `reward.train_trunk: false` only the head and that weight learn (a
+linear probe). Each answer is rendered with the chat template as prompt + answer + <|end|>; pairs
+longer than the context are dropped and counted. Loss: Bradley-Terry
+`-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by `reward.label_smoothing`,
+trained with llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, non-finite
+policy and `torchrun` as in every training stage).
 
 After training, every held-out pair is scored: accuracy (r_chosen > r_rejected), mean margin,
-reward mean/std of chosen and rejected, and the same per pair kind (wrong_answer,
-broken_format, the task kinds). Quality gate: held-out accuracy below
-`reward.min_accuracy` fails the stage with exit code 1 and the numbers; then neither the
-model nor the metrics nor the plots are written (the previous outputs stay; the failed run's
-metrics are in <run dir>/failed_metrics.json).
+reward mean/std of chosen and rejected, the same per kind (math, arithmetic, the task kinds),
+and beside them what the SFT model's own likelihood ranks right on the same pairs
+(`sft_likelihood_accuracy`, the baseline to beat), the accuracy with the likelihood feature
+switched off (`accuracy_without_likelihood`: what the learned head ranks by itself) and the
+accuracy on the generated pairs (`generated_accuracy`, `generated_by_kind`). Quality gate:
+held-out accuracy on SFT's own answers below `reward.min_accuracy` fails the stage with exit
+code 1 and the numbers; then neither the model nor the metrics nor the plots are written (the
+previous outputs stay; the failed run's metrics are in <run dir>/failed_metrics.json).
 
 Writes the reward model directory (heads lm + reward [+ reward_logprob]; meta.json carries the
 held-out reward mean/std for reward normalisation downstream), its metrics, the curves
@@ -31,8 +40,13 @@ held-out reward mean/std for reward normalisation downstream), its metrics, the 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import random
 import time
 from pathlib import Path
+
+import torch
 
 from llm.batching import derive_seed
 from llm.chat import ROLE_TOKENS
@@ -47,12 +61,13 @@ from llm.stage import stage_main, training_outputs
 from llm.trainer import train
 
 STAGE = "reward"
-INPUTS = {"sft": "the SFT model directory", "data": "preference pairs: train.jsonl, val.jsonl"}
+INPUTS = {"sft": "the SFT model directory", "data": "generated preference pairs: train.jsonl, val.jsonl",
+          "samples": "comparisons of the SFT model's own answers, labelled by the verifier (the samples stage)"}
 OUTPUTS = training_outputs("the reward model directory")
 
 
-def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
-        metrics: Path, plots: Path, progress: bool = True) -> dict | None:
+def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data: Path, samples: Path,
+        run_dir: Path, model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     from llm.artifacts import load_model_dir
     from llm.model import GPT
 
@@ -61,9 +76,19 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     gpt.add_head("reward", seed=derive_seed(common.seed, STAGE, "head"))
     if cfg.logprob_feature:
         gpt.add_head("reward_logprob", marker=tok.special[ROLE_TOKENS["assistant"]])
-    pairs = load_pair_splits(data, tok, gpt.config.seq_len)
-    train_pairs, val_pairs = pairs.train, pairs.val
-    inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data)}
+    generated = load_pair_splits(data, tok, gpt.config.seq_len)
+    own = _load_own(samples, tok, gpt.config.seq_len)   # comparisons of SFT's own answers, or None
+    if own is None:  # SFT's samples never disagreed where a verifier could tell (a weak model, or no verifier)
+        print(f"{STAGE}: warning: no comparisons of SFT's own answers in {samples}; training and testing on the"
+              f" generated pairs alone", flush=True)
+        own = generated
+        n_gen = 0
+    else:
+        n_gen = generated_count(cfg.generated_share, len(own.train), len(generated.train))
+    rng = random.Random(derive_seed(common.seed, STAGE, "generated"))
+    train_pairs = own.train + rng.sample(generated.train, n_gen)
+    val_pairs = own.val  # the held-out comparisons of SFT's own answers: what the gate reads
+    inputs = {"sft": sft_meta.get("fingerprint", ""), "data": sha256_tree(data), "samples": sha256_tree(samples)}
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
     batches = pair_batches(train_pairs, batch_size=cfg.batch_size, bucket_width=cfg.bucket_width, seed=seed,
@@ -71,7 +96,8 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     val_batches = fixed_pair_batches(val_pairs, batch_size=cfg.batch_size, pad_id=tok.pad_id,
                                      n_batches=cfg.eval_batches)
     if rt.is_main:
-        print(f"{STAGE}: {pairs.summary()}; {gpt.summary()}", flush=True)
+        print(f"{STAGE}: SFT's own answers {own.summary()}; generated {generated.summary()}, {n_gen} of them"
+              f" trained on (reward.generated_share {cfg.generated_share}); {gpt.summary()}", flush=True)
 
     if not cfg.train_trunk:  # a linear probe: the SFT trunk (and its LM head) stay as they are
         set_trainable(gpt, [f"{h}_head.*" for h in gpt.head_names if h.startswith("reward")], f"{STAGE}.train_trunk")
@@ -89,27 +115,43 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     out_model.load_state_dict({k.removeprefix("gpt."): v for k, v in state.items()})
     out_model.to(rt.device).eval()
 
-    # every held-out pair, not only the eval_batches the loop watched
-    seqs = [p.chosen for p in val_pairs] + [p.rejected for p in val_pairs]
-    r = score_sequences(out_model, seqs, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size, device=rt.device,
-                        autocast=rt.autocast)
+    # every held-out pair, not only the eval_batches the loop watched: SFT's own answers (the
+    # gate), the same with the likelihood feature off (what the learned part ranks by itself), and
+    # the generated pairs
+    score = functools.partial(_score_pairs, out_model, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size, rt=rt)
+    held = score(val_pairs)
     n = len(val_pairs)
-    held = pair_metrics(r[:n], r[n:], [p.kind for p in val_pairs])
-    m = result.metrics
+    sft_lp = [own.val_records[i] for i in own.val_kept]
     out = {
         **{k: v for k, v in held.items() if k != "by_kind"},
         "min_accuracy": cfg.min_accuracy,
+        "held_out_on": "generated" if own is generated else "own",
+        # the baseline: the SFT model's mean log-probability per answer token on the same pairs
+        "sft_likelihood_accuracy": _share(r["sft_logp_chosen"] > r["sft_logp_rejected"] for r in sft_lp
+                                          if r.get("sft_logp_chosen") is not None),
         "by_kind": held["by_kind"],
+        "generated_accuracy": None, "generated_by_kind": None, "accuracy_without_likelihood": None,
+    }
+    gen_held = score(generated.val)
+    out["generated_accuracy"], out["generated_by_kind"] = gen_held["accuracy"], gen_held["by_kind"]
+    if cfg.logprob_feature:
+        with _feature_off(out_model):
+            out["accuracy_without_likelihood"] = score(val_pairs)["accuracy"]
+    m = result.metrics
+    out.update({
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "train_accuracy": _last(result, "accuracy"),
-        "steps": m["steps"], "train_pairs": len(train_pairs), "dropped_too_long": pairs.dropped,
+        "steps": m["steps"], "train_pairs": len(train_pairs), "train_pairs_own": len(own.train),
+        "train_pairs_generated": n_gen, "dropped_too_long": own.dropped + generated.dropped,
         "tokens_seen": m["tokens_seen"], "tokens_per_s": m["tokens_per_s"], "train_time_s": m["train_time_s"],
         "num_threads": m["num_threads"],
         "threads_steps": m["threads_steps"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
-    }
+    })
     worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
-    gate = Gate("held-out accuracy", held["accuracy"], "min", "reward.min_accuracy", cfg.min_accuracy,
-                detail=f"on {n} pairs, margin {held['margin']:.3f}; weakest kinds: "
+    gate = Gate("held-out accuracy on SFT's own answers", held["accuracy"], "min", "reward.min_accuracy",
+                cfg.min_accuracy,
+                detail=f"on {n} pairs (SFT's likelihood: {_fmt(out['sft_likelihood_accuracy'])}), margin"
+                       f" {held['margin']:.3f}; weakest kinds: "
                        + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
                 advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
                        " is expected")
@@ -117,8 +159,56 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
                         meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
                               "steps": result.step,
                               "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"],
-                                               "on": f"{data}/val.jsonl"}},
+                                               "on": f"{samples}/val.jsonl"}},
                         plots=plots, metrics=metrics, numbers=out)
+
+
+def _load_own(samples: Path, tok, seq_len: int):
+    """The samples stage's comparisons (PairSplits), or None when either side is empty."""
+    from llm.fileio import DataError
+    try:
+        return load_pair_splits(samples, tok, seq_len)
+    except DataError as e:
+        if "no train" in str(e) or "no val" in str(e):
+            return None
+        raise
+
+
+def generated_count(share: float, n_own: int, n_available: int) -> int:
+    """How many generated pairs make `share` of the training set beside n_own pairs of SFT's own
+    answers (all that are available when they are fewer)."""
+    if share <= 0:
+        return 0
+    return min(n_available, round(share * n_own / (1 - share)))
+
+
+def _score_pairs(model, pairs, *, pad_id: int, batch_size: int, rt: Runtime) -> dict:
+    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    r = score_sequences(model, seqs, pad_id=pad_id, batch_size=batch_size, device=rt.device, autocast=rt.autocast)
+    return pair_metrics(r[:len(pairs)], r[len(pairs):], [p.kind for p in pairs])
+
+
+@contextlib.contextmanager
+def _feature_off(model):
+    """The reward model without its likelihood feature: what the head on the trunk ranks alone."""
+    w = model.reward_logprob_head.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def _share(flags) -> float | None:
+    flags = list(flags)
+    return sum(flags) / len(flags) if flags else None
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def _last(result, key: str) -> float | None:
@@ -129,12 +219,14 @@ def _last(result, key: str) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: RewardConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt, sft=args.sft, data=args.data, run_dir=args.run_dir, model=args.model,
-                metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
+        m = run(common, cfg, rt, sft=args.sft, data=args.data, samples=args.samples, run_dir=args.run_dir,
+                model=args.model, metrics=args.metrics, plots=args.plots, progress=not args.no_progress)
         if m is None:  # ranks > 0
             return None
-        return (f"{STAGE}: held-out accuracy {m['accuracy']:.3f} on {m['n_pairs']} pairs"
-                f" (gate {cfg.min_accuracy}), margin {m['margin']:.3f}; wrote {args.model}/ and {args.metrics}")
+        return (f"{STAGE}: ranks {m['accuracy']:.1%} of {m['n_pairs']} held-out pairs of SFT's own answers right"
+                f" (gate {cfg.min_accuracy}; SFT's likelihood {_fmt(m['sft_likelihood_accuracy'])}, without the"
+                f" likelihood feature {_fmt(m['accuracy_without_likelihood'])}), generated pairs"
+                f" {m['generated_accuracy']:.1%}; wrote {args.model}/ and {args.metrics}")
 
     return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
                       torchrun=True)

@@ -1,5 +1,5 @@
 """Preference-pair generation: pair choice and ties, preference_score bounds, adversarial
-format-broken pairs, and the `pairs` stage end to end."""
+format-broken pairs, and the `samples` and `pairs` stages end to end."""
 from __future__ import annotations
 
 import json
@@ -114,8 +114,9 @@ def _check_outputs(ws, cfg: dict) -> tuple[dict, list[dict], list[dict]]:
 @pytest.mark.slow
 def test_pairs_stage_drops_ties_and_keeps_scores_in_the_open_interval(tmp_path):
     ws = make_workspace(tmp_path, reward_model=True)
-    run = run_stage(ws, "pairs")
-    assert run.returncode == 0, run.stderr
+    for stage in ("samples", "pairs"):
+        run = run_stage(ws, stage)
+        assert run.returncode == 0, run.stderr
     m, train, val = _check_outputs(ws, params()["pairs"])
     # a random SFT model never answers the math right: every math prompt is a verifier tie
     assert m["ties_dropped_by_scorer"]["verifier"] == m["prompt_sources"]["math"] == 6
@@ -155,13 +156,18 @@ def _fake_generate(tok, solutions: dict[str, tuple[str, str]], references: dict[
 
 
 def _run_pairs(ws, p: dict, out) -> dict:
-    """The pairs stage in this process (so a monkeypatched generate applies) on the workspace's
-    models and data with params `p`, its pairs written to `out`; returns its metrics."""
+    """The samples and pairs stages in this process (so a monkeypatched generate applies) on the
+    workspace's models and data with params `p`, the samples written beside `out` and the pairs to
+    `out`; returns the pairs stage's metrics."""
     import stages.pairs as pairs_stage
-    return pairs_stage.run(CommonConfig(**p["common"]), PairsConfig(**p["pairs"]), "cpu", sft=ws / "models/sft",
-                           rm=ws / "models/reward", math=ws / "data/prepared/rl/train.jsonl",
-                           sft_data=ws / "data/clean_sft/train.jsonl", out=out, metrics=ws / "metrics/pairs.json",
-                           plots=ws / "metrics/plots", progress=False)
+    import stages.samples as samples_stage
+    common, cfg = CommonConfig(**p["common"]), PairsConfig(**p["pairs"])
+    samples = out.with_name(out.name + "-samples")
+    samples_stage.run(common, cfg, "cpu", sft=ws / "models/sft", math=ws / "data/prepared/rl/train.jsonl",
+                      sft_data=ws / "data/clean_sft/train.jsonl", out=samples, metrics=ws / "metrics/samples.json",
+                      progress=False)
+    return pairs_stage.run(common, cfg, "cpu", samples=samples, rm=ws / "models/reward", out=out,
+                           metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
 
 
 def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
@@ -247,12 +253,39 @@ def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, mon
 
 def test_too_few_pairs_is_an_error_that_names_what_to_change():
     from llm.fileio import DataError
-    from llm.pairs import split_by_prompt
+    from llm.pairs import too_few_pairs
     with pytest.raises(DataError, match="raise pairs.n_prompts") as plain:
-        split_by_prompt([], 0.2, 0)
+        too_few_pairs(0, "pairs", False)
     assert "verify_tasks" not in str(plain.value)
     with pytest.raises(DataError, match="pairs.verify_tasks: false lets the reward model rank them"):
-        split_by_prompt([], 0.2, 0, verify_tasks=True)
+        too_few_pairs(0, "samples", True)
+
+
+def test_splits_are_by_prompt_seeded_and_hold_out_the_asked_share():
+    from llm.pairs import assign_splits
+    prompts = [{"id": f"p{i}"} for i in range(40)]
+    assign_splits(prompts, 0.25, seed=3)
+    again = [{"id": f"p{i}"} for i in reversed(range(40))]  # the order they come in does not matter
+    assign_splits(again, 0.25, seed=3)
+    assert sum(p["split"] == "val" for p in prompts) == 10
+    assert {p["id"]: p["split"] for p in prompts} == {p["id"]: p["split"] for p in again}
+    other = [{"id": f"p{i}"} for i in range(40)]
+    assign_splits(other, 0.25, seed=4)
+    assert [p["split"] for p in other] != [p["split"] for p in prompts]
+
+
+def test_comparisons_pair_every_right_answer_with_every_wrong_one_of_the_same_prompt():
+    from llm.pairs import comparisons
+    prompt = {"id": "p", "prompt": [{"role": "user", "content": "q"}], "answer": "4", "source": "s", "kind": "math"}
+    smp = [{"text": t, "score": s, "temperature": 1.0, "logp_mean": lp}
+           for t, s, lp in [("right a", 1.2, -0.1), ("wrong a", 0.2, -0.2), ("right b", 1.2, -0.3),
+                            ("right a", 1.2, -0.1), ("unformatted", 1.0, -0.4)]]
+    recs = comparisons([prompt], [smp], 1e-3)
+    got = sorted((r["chosen"], r["rejected"]) for r in recs)
+    assert got == sorted([("right a", "wrong a"), ("right b", "wrong a"), ("right a", "unformatted"),
+                          ("right b", "unformatted"), ("unformatted", "wrong a")])  # a repeated text counts once
+    assert all(r["scorer"] == "verifier" and r["sft_logp_chosen"] is not None for r in recs)
+    assert comparisons([prompt], [[dict(x, score=1.2) for x in smp]], 1e-3) == []  # all right: a tie
 
 
 @pytest.mark.parametrize("pairs, expected", [

@@ -32,6 +32,7 @@ from llm.trainer import train
 from tests.conftest import ROOT, common_params, dvc_command
 
 CPU = Runtime(torch.device("cpu"))
+N_OWN_TRAIN, N_OWN_VAL = 24, 12  # make_workspace's comparisons of SFT's own answers
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -68,7 +69,7 @@ def params(**sections) -> dict:
     p = {
         "common": common_params(),
         "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0,
-                   "logprob_feature": False, "train_trunk": True, **tcfg()},
+                   "generated_share": 0.5, "logprob_feature": False, "train_trunk": True, **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,
                   "max_new_tokens": 12, "batch_size": 8, "adversarial_fraction": 0.05, "tie_epsilon": 1.0e-3,
                   "tie_break": "first", "val_fraction": 0.25, "verify_tasks": False},
@@ -99,6 +100,14 @@ def make_workspace(ws: Path, *, n_train: int = 48, n_val: int = 16, reward_model
         p["id"] = f"pref-{i}"
     _write_jsonl(ws / "data/prepared/prefs/train.jsonl", prefs[:n_train])
     _write_jsonl(ws / "data/prepared/prefs/val.jsonl", prefs[n_train:])
+    # comparisons of "SFT's own answers" as the samples stage writes them (here: more generated
+    # pairs, with the SFT likelihoods it records; the real stage is tested in tests/test_pairs.py)
+    own_rng = random.Random(1)  # its own generator: the other data stay as they were
+    own = [preference_pair(own_rng, 1, "en", 0.0) for _ in range(N_OWN_TRAIN + N_OWN_VAL)]
+    for i, p in enumerate(own):
+        p.update(id=f"samples-{i}", kind="math", sft_logp_chosen=-0.5 - (i % 3 == 0), sft_logp_rejected=-1.0)
+    _write_jsonl(ws / "data/samples/train.jsonl", own[:N_OWN_TRAIN])
+    _write_jsonl(ws / "data/samples/val.jsonl", own[N_OWN_TRAIN:])
     math = [math_problem(rng, rng.choice([1, 2]), "en") for _ in range(40)]
     _write_jsonl(ws / "data/prepared/rl/train.jsonl",
                  [{"id": f"math-train-{i}", "question": m.question, "answer": str(m.answer), "level": 1, "lang": "en",
@@ -317,19 +326,30 @@ def test_reward_stage_end_to_end(tmp_path, logprob_feature):
     for k in ("accuracy", "margin", "reward_chosen_mean", "reward_chosen_std", "reward_rejected_mean",
               "reward_rejected_std", "train_loss", "steps", "train_time_s"):
         assert m[k] is not None, k
-    assert m["n_pairs"] == 16 and m["steps"] == 4
-    assert {"wrong_answer", "broken_format"} & set(m["by_kind"])
-    assert sum(v["n"] for v in m["by_kind"].values()) == 16
+    # the held-out numbers are on SFT's own answers; the generated pairs are reported beside them
+    assert m["n_pairs"] == N_OWN_VAL and m["steps"] == 4 and set(m["by_kind"]) == {"math"}
+    assert {"wrong_answer", "broken_format"} & set(m["generated_by_kind"])
+    assert sum(v["n"] for v in m["generated_by_kind"].values()) == 16 and m["generated_accuracy"] is not None
+    # generated_share 0.5: as many generated pairs as own ones (all 48 would be more)
+    assert m["train_pairs_own"] == m["train_pairs_generated"] == N_OWN_TRAIN
+    assert m["sft_likelihood_accuracy"] == pytest.approx(8 / 12)  # every third chosen answer is the less likely
+    assert (m["accuracy_without_likelihood"] is not None) == logprob_feature
     model, rm_tok, meta = load_model_dir(ws / "models/reward")
     assert model.head_names == (("lm", "reward", "reward_logprob") if logprob_feature else ("lm", "reward"))
     assert meta["stage"] == "reward"
     assert meta["reward_stats"]["std"] == pytest.approx(m["reward_std"])
     # the saved model reproduces the reported accuracy
-    recs = [json.loads(x) for x in (ws / "data/prepared/prefs/val.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (ws / "data/samples/val.jsonl").read_text().splitlines()]
     pairs, _, _ = encode_pairs(recs, rm_tok, 128)
     r = score_sequences(model, [p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id=rm_tok.pad_id,
                         batch_size=8)
-    assert pair_metrics(r[:16], r[16:])["accuracy"] == pytest.approx(m["accuracy"])
+    n = len(pairs)
+    assert pair_metrics(r[:n], r[n:])["accuracy"] == pytest.approx(m["accuracy"])
+    if logprob_feature:  # without the feature: the head alone
+        model.reward_logprob_head.weight.data.zero_()
+        r = score_sequences(model, [p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id=rm_tok.pad_id,
+                            batch_size=8)
+        assert pair_metrics(r[:n], r[n:])["accuracy"] == pytest.approx(m["accuracy_without_likelihood"])
     for f in ("reward.tsv", "reward_val.tsv", "reward.png"):
         assert (ws / "metrics/plots" / f).is_file(), f
     header = (ws / "metrics/plots/reward.tsv").read_text().splitlines()[0].split("\t")
@@ -363,10 +383,10 @@ def test_quality_gate_fails_on_an_untrained_rm_and_keeps_the_previous_outputs(tm
     (ws / "metrics/reward.json").write_text('{"accuracy": 0.95}\n')
     run = run_stage(ws, "reward")
     assert run.returncode == 1
-    assert "reward.min_accuracy=0.99" in run.stderr and "held-out accuracy" in run.stderr
+    assert "reward.min_accuracy=0.99" in run.stderr and "held-out accuracy on SFT's own answers" in run.stderr
     assert "no model was written" in run.stderr
     assert sorted(p.name for p in (ws / "models/reward").iterdir()) == ["previous.txt"]
     assert (ws / "metrics/reward.json").read_text() == '{"accuracy": 0.95}\n'
     assert not (ws / "metrics/plots/reward.tsv").exists()
     failed = json.loads((ws / "runs/reward/failed_metrics.json").read_text())
-    assert failed["accuracy"] < 0.99 and failed["n_pairs"] == 16
+    assert failed["accuracy"] < 0.99 and failed["n_pairs"] == N_OWN_VAL
