@@ -16,7 +16,8 @@ required, and `--help` lists them. Every stage also takes `--params FILE` and
 `--no-progress`. A stage with `variants` ({name: {key: value}}) also takes `--variant NAME`:
 it then runs as the stage NAME (messages, and the file names its `work` derives from
 `args.variant`) from its own params section with those keys forced, so that dvc.yaml can
-run it twice, as `ppo` and as `ppo_rm`, and `dvc exp run -S ppo.lr=...` reruns both. `work(args, common, cfg, rt)` does the stage's work with `args.<name>` as
+run it twice, as `ppo` and as `ppo_rm`, and `dvc exp run -S ppo.lr=...` reruns both.
+`work(args, common, cfg, rt)` does the stage's work with `args.<name>` as
 Paths and returns the line to print (None on ranks > 0).
 
 `setup`: for stages that run a model, `llm.runtime.setup_runtime` (threads, the CPU kernels
@@ -156,9 +157,9 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
     if options is not None:
         options(ap)
     if variants:
+        what = "; ".join(f"{v}: " + ", ".join(f"{k}={x}" for k, x in keys.items()) for v, keys in variants.items())
         ap.add_argument("--variant", choices=sorted(variants), default=stage,
-                        help="run as this variant of the stage: " + "; ".join(
-                            f"{v}: {', '.join(f'{k}={x}' for k, x in forced.items())}" for v, forced in variants.items()))
+                        help=f"run as this variant of the stage, with these keys of its section forced: {what}")
     args = ap.parse_args(argv)
     section = section or stage
     module = module or f"stages.{stage}"
