@@ -522,6 +522,10 @@ class GRPOConfig(RLConfig):
     oversample: int = _f(1, lo=1, hi=64, added=True, doc="dynamic sampling: roll out oversample x prompts_per_step"
                          " groups a step and train on the first prompts_per_step whose outcome rewards differ"
                          " (an all-right or all-wrong group has no outcome signal); 1 = train on every group")
+    reward_control: Literal["none", "shuffled"] = _f(
+        "none", added=True, doc="a control for the verifier's reward: shuffled permutes each step's rewards at"
+        " random across the step's samples before the advantages (same mean and spread, no information about"
+        " which answer is right; step credit off); none = the real reward")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         n, what = self.prompts_per_step * self.oversample, "prompts (groups) per step"

@@ -15,7 +15,11 @@ No value function: the baseline is the group. One step:
      equal (llm.losses.group_advantages; counted in frac_reward_zero_std), the same for every
      token of a completion; with `step_credit` > 0, plus step_credit x the verifier's credit of
      each token (+1 on the result of a right worked step, -1 on a slip: llm.rewards.step_credit),
-     a process-level signal that says where an answer went wrong; the reference
+     a process-level signal that says where an answer went wrong. With `reward_control`
+     shuffled (a control), the step's rewards are first permuted at random across all its
+     samples (`shuffled_rewards`) and step credit is left out: the advantages then have the
+     real reward's scale and noise but say nothing about which answer is right; the
+     accuracy logged is still the real one. The reference
      log-probs from one no_grad forward of the frozen SFT model (skipped when beta = 0).
      Dynamic sampling (oversample > 1, as DAPO): only the first prompts_per_step groups, in
      draw order, whose outcome rewards differ go on to step 3; an all-right or all-wrong group
@@ -114,6 +118,8 @@ class GRPO:
         # 2. scoring: a reward per completion, group-relative advantages (plus step credit), the
         #    old and the reference log-probs
         rewards, rstats = self.reward_fn(ro, [p for p in problems for _ in range(G)])   # (B,)
+        if cfg.reward_control == "shuffled":  # the control: the same rewards, given to random samples
+            rewards = self.shuffled(share, rewards, step)
         adv, zero_std = group_advantages(rewards.float().view(len(prompts), G))   # (n, G), (n,)
         batch = self.scored(ro, adv)
         # the rows step 3 trains on (dynamic sampling: those of the first informative groups),
@@ -146,7 +152,7 @@ class GRPO:
         # per token: the group-relative outcome advantage, plus the verifier's step credit
         # (+1 on right step results, -1 on a slip) when grpo.step_credit > 0
         adv = adv.reshape(B, 1).expand(B, mask.shape[1]).to(device)         # (B, N)
-        if cfg.step_credit > 0:
+        if cfg.step_credit > 0 and cfg.reward_control == "none":  # the control keeps no trace of correctness
             adv = adv + cfg.step_credit * step_credit(self.tokenizer, ro).to(device)
         old_lp = ro.logprobs                                                # (B, N) behaviour log-probs
         ref_lp = None
@@ -158,6 +164,13 @@ class GRPO:
             if cfg.beta > 0:
                 ref_lp = response_forward(self.ref, ro, cfg.temperature).logprobs   # (B, N)
         return Scored(ro, mask, old_lp, ref_lp, adv)
+
+    def shuffled(self, share: Shares, rewards: Tensor, step: int) -> Tensor:
+        """This rank's rows of the step's rewards permuted across all its samples (every rank's,
+        so the permutation is one process's), seeded by (seed, step): grpo.reward_control shuffled."""
+        everyone = share.gather(rewards)                                    # (B_all,)
+        mixed = shuffled_rewards(everyone, step_generator(self.seed, "reward_control", step))
+        return mixed[share.lo:share.hi].to(rewards.device, rewards.dtype)   # (B,)
 
     def rollout_numbers(self, share: Shares, ro: Rollout, rewards: Tensor, zero_std: Tensor, rstats: dict,
                         step: int) -> tuple[dict, float, dict, float]:
@@ -204,6 +217,13 @@ class GRPO:
         pg = part * aggregate(pg_tok.detach(), m, cfg.loss_agg, max_len=cfg.max_new_tokens)
         return loss, {"policy_loss": pg, "loss": loss.detach(), "clip_ratio": w * pst["clip_ratio"],
                       "approxkl": w * pst["approxkl"], **stats}
+
+
+def shuffled_rewards(rewards: Tensor, generator: torch.Generator) -> Tensor:
+    """`rewards` (n,) in a random order: the same values, so the same mean and spread, but none
+    tied to the answer it was earned by (a control that tells what the reward's information,
+    rather than its scale and noise, does to the policy)."""
+    return rewards[torch.randperm(len(rewards), generator=generator)]
 
 
 def first_informative_groups(zero_std: Tensor, k: int, group_size: int) -> Tensor:

@@ -18,10 +18,15 @@ The page, top to bottom:
   in its own metrics (`stage_time_s`, else `train_time_s` + `eval_time_s`, else `seconds`;
   eval's `timing_s`); a smoke run says that its numbers check plumbing, not learning;
 - the summary table: one row per model, one column per headline skill: the value, its 95%
-  interval, and the paired change against the parent (sft vs base; ppo, grpo, dpo vs sft)
+  interval, and the paired change against the parent (sft vs base; the others vs sft)
   with its interval, marked significant or not (llm/paired.py);
 - per stage, a sentence saying what moved and whether it is significant, then every skill's
-  paired comparison (per level and per task kind too);
+  paired comparison (per level and per task kind too); for GRPO, how much of its change in
+  math its control (grpo_random: the same rewards given to random samples) leaves to the
+  real reward (`control_line`);
+- over-optimisation: PPO on the reward model alone (ppo_rm), its RM score (proxy) and the
+  verifier's accuracy (gold) of each step's rollouts against sqrt(KL to SFT), and the KL at
+  which the gold stops rising (`overoptimisation`, `overopt_line`);
 - plots (llm/report_plots.py), samples of each skill marked right or wrong, the fixed prompts,
   every eval metric per model, and a few headline numbers per training stage. Hashes and
   the full key=value contents stay in the metrics files.
@@ -45,10 +50,14 @@ from llm.config import TASK_KINDS
 from llm.metrics import join_metrics, run_info_path, timings_path
 from llm.paired import compare, read_items
 
-MODELS = ("base", "sft", "ppo", "grpo", "dpo")
-PARENT = {"sft": "base", "ppo": "sft", "grpo": "sft", "dpo": "sft"}
-NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "grpo": "GRPO", "dpo": "DPO"}
-STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "grpo")
+# ppo_rm (PPO on the reward model alone) and grpo_random (GRPO's control: its rewards shuffled
+# across each step's samples) stand beside the stages they vary
+MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
+PARENT = {"sft": "base", "ppo": "sft", "ppo_rm": "sft", "grpo": "sft", "grpo_random": "sft", "dpo": "sft"}
+NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "ppo_rm": "PPO on the RM alone", "grpo": "GRPO",
+        "grpo_random": "GRPO on shuffled rewards", "dpo": "DPO"}
+STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "ppo_rm", "grpo",
+          "grpo_random")
 PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
                               " in minutes. These numbers check the plumbing, not learning: do not read them as"
                               " results."}
@@ -116,14 +125,18 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("ppo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
     ("ppo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
     ("ppo", "math_exact_match", "validation math", "pct"),
+    ("ppo_rm", "reward_start", "rollout RM score, first steps", "num"),
+    ("ppo_rm", "reward_end", "rollout RM score, last steps", "num"),
+    ("ppo_rm", "math_exact_match", "validation math", "pct"),
     ("grpo", "reward_start", "rollout reward, first steps", "num"),
     ("grpo", "reward_end", "rollout reward, last steps", "num"),
     ("grpo", "reward_trend", "rollout reward, change of the line fitted to the steps after the curriculum", "num"),
     ("grpo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
     ("grpo", "math_exact_match", "validation math", "pct"),
+    ("grpo_random", "math_exact_match", "validation math", "pct"),
 )
 TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",
-        "grpo", "grpo_val")
+        "ppo_rm", "ppo_rm_val", "grpo", "grpo_val", "grpo_random", "grpo_random_val")
 
 
 # ---------------------------------------------------------------------------
@@ -523,3 +536,81 @@ def fixed_prompt_rows(samples: dict[str, dict], max_samples: int) -> list[tuple[
                 table[p] = {}
             table[p][m] = s.get("response", "")
     return [(p, table[p]) for p in order[:max_samples]]
+
+
+# ---------------------------------------------------------------------------
+# The variants: over-optimisation (ppo_rm) and the control of GRPO (grpo_random)
+
+def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence[float] | None = None,
+                     window: int | None = None) -> dict[str, Any] | None:
+    """The over-optimisation curve of Gao, Schulman and Hilton (2022) from an RL run's steps: each
+    step's KL to the reference (nats per response; a negative estimate counts as 0), its gold
+    score (the verifier's accuracy) and its proxy (the RM score it was trained on). The steps are
+    ordered by sqrt(KL) and each score smoothed by a centred moving average over `window` of
+    them (default: a tenth of the steps, at least 3); the gold peaks where its smoothed curve is
+    highest. None with fewer than 3 usable steps.
+
+    Returns {"sqrt_kl", "gold", "proxy", "gold_smooth", "proxy_smooth" (lists in sqrt-KL order),
+    "window", "peak" (its index), "peak_sqrt_kl", "peak_gold" (smoothed), "still_rising" (the peak is the last point:
+    the gold had not stopped rising at the largest KL reached), "n"}."""
+    proxy = proxy if proxy is not None else [math.nan] * len(kl)
+    pts = sorted((math.sqrt(max(k, 0.0)), g, p) for k, g, p in zip(kl, gold, proxy)
+                 if _isnum(k) and _isnum(g))
+    if len(pts) < 3:
+        return None
+    w = window or max(3, len(pts) // 10)
+    x, g, p = (list(c) for c in zip(*pts))
+
+    def centred(ys: list[float]) -> list[float]:
+        out = []
+        for i in range(len(ys)):
+            near = [y for y in ys[max(0, i - w // 2): i + w - w // 2] if _isnum(y)]
+            out.append(sum(near) / len(near) if near else math.nan)
+        return out
+
+    gs = centred(g)
+    peak = max(range(len(gs)), key=lambda i: (gs[i], -i))   # the first of equal maxima
+    return {"sqrt_kl": x, "gold": g, "proxy": p, "gold_smooth": gs, "proxy_smooth": centred(p), "window": w,
+            "peak": peak, "peak_sqrt_kl": x[peak], "peak_gold": gs[peak], "still_rising": peak == len(x) - 1,
+            "n": len(x)}
+
+
+def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.tsv") -> dict[str, Any] | None:
+    """`overoptimisation` of a run's per-step TSV (default ppo_rm's): KL per response (kl_seq, else
+    the per-token kl), gold = the rollouts' verifier accuracy, proxy = their mean reward."""
+    cols = curves.get(tsv) or {}
+    kl = cols.get("kl_seq") or cols.get("kl")
+    if not kl or not cols.get("accuracy"):
+        return None
+    return overoptimisation(kl, cols["accuracy"], cols.get("reward"))
+
+
+def overopt_line(curve: dict[str, Any]) -> str:
+    """The over-optimisation curve in one sentence: where the gold stops rising."""
+    span = f"over {curve['n']} steps up to sqrt(KL) {curve['sqrt_kl'][-1]:.3g}"
+    if curve["still_rising"]:
+        return (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold, mean of"
+                f" {curve['window']} steps) is still rising at the end, {fmt_value(curve['peak_gold'], 'pct')} at"
+                f" the largest KL reached ({span}): no over-optimisation within this run.")
+    proxy = curve["proxy_smooth"]
+    moved = (f"; the RM score it is trained on (proxy) goes from {_num(proxy[curve['peak']])} there to"
+             f" {_num(proxy[-1])} at the largest KL" if _isnum(proxy[curve["peak"]]) and _isnum(proxy[-1]) else "")
+    return (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold, mean of"
+            f" {curve['window']} steps) stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
+            f" (KL {curve['peak_sqrt_kl'] ** 2:.3g} nats per response), at {fmt_value(curve['peak_gold'], 'pct')},"
+            f" and ends at {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}).")
+
+
+def control_line(paired: dict[str, dict], skill: str = "math") -> str | None:
+    """How much of GRPO's change in `skill` against SFT the real reward explains: GRPO's change
+    minus its control's (grpo_random, trained on the same rewards given to random samples), each
+    with its paired interval; None unless both were compared with SFT."""
+    res = [paired.get(m, {}).get("skills", {}).get(skill) for m in ("grpo", "grpo_random")]
+    if not all(res):
+        return None
+    g, c = res
+    k = _kind_of(skill, g)
+    return (f"GRPO against its control: GRPO's change in {g['label']} against SFT is {_change(skill, g, False)},"
+            f" its control's (the same rewards shuffled across each step's samples) {_change(skill, c, False)};"
+            f" the real reward explains {fmt_delta(g['delta'] - c['delta'], k)} of it (the difference of the two"
+            f" changes, whose intervals are those above).")

@@ -2,12 +2,18 @@
 
     png, titles = curves_png(curves)    # curves: {tsv name: {column: [floats]}} (llm/report.py read_tsv)
     png = eval_png(evals)               # evals: {model: metrics/eval/<model>.json}
+    png = overopt_png(curve)            # curve: llm.report.overoptimisation of ppo_rm's steps
 
 Training curves: one panel per quantity, so that no panel mixes units (reward and accuracy
 are different panels; the held-out math accuracy of PPO and GRPO share one). A per-step
 series is drawn raw and faint under its moving average over ~2% of the run, the smoothing of
 the training stages' own curves (llm/monitor.py `smooth`); short series (held-out evaluations
 every few hundred steps) are drawn as points joined by lines.
+
+Over-optimisation (Gao, Schulman and Hilton 2022): PPO against the reward model alone
+(ppo_rm), each step a point at sqrt(KL to SFT) of its rollouts, the RM score (the proxy it is
+trained on) and the verifier's accuracy (the gold) in two panels with their moving averages
+along the KL axis, and the gold's peak marked.
 
 Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
 KL to SFT (nats/token, as everywhere) in its own panel on a log axis, because the base
@@ -24,8 +30,9 @@ from __future__ import annotations
 import io
 import math
 
-MODELS = ("base", "sft", "ppo", "grpo", "dpo")
-COLORS = {"base": "#8c8c8c", "sft": "#1f77b4", "ppo": "#ff7f0e", "grpo": "#2ca02c", "dpo": "#9467bd"}
+MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
+COLORS = {"base": "#8c8c8c", "sft": "#1f77b4", "ppo": "#ff7f0e", "ppo_rm": "#ffbb78", "grpo": "#2ca02c",
+          "grpo_random": "#98df8a", "dpo": "#9467bd"}
 
 # (title, y label, [(tsv file, column, legend)]); series or files that are missing are skipped
 PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
@@ -39,9 +46,17 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
                                                        ("dpo_val.tsv", "val_rewards_accuracy", "held-out"))),
     ("PPO reward", "reward", (("ppo.tsv", "reward", "rollouts"), ("ppo_val.tsv", "reward", "held-out"))),
     ("GRPO reward", "reward", (("grpo.tsv", "reward", "rollouts"), ("grpo_val.tsv", "reward", "held-out"))),
+    ("GRPO against its control", "rollout accuracy (verifier)", (("grpo.tsv", "accuracy", "GRPO"),
+                                                                   ("grpo_random.tsv", "accuracy",
+                                                                    "shuffled rewards (grpo_random)"))),
     ("held-out math accuracy during RL", "exact match", (("ppo_val.tsv", "math_exact_match", "PPO"),
-                                                         ("grpo_val.tsv", "math_exact_match", "GRPO"))),
-    ("KL to SFT during RL", "nats/token", (("ppo.tsv", "kl", "PPO"), ("grpo.tsv", "kl", "GRPO"))),
+                                                         ("ppo_rm_val.tsv", "math_exact_match", "PPO, RM only"),
+                                                         ("grpo_val.tsv", "math_exact_match", "GRPO"),
+                                                         ("grpo_random_val.tsv", "math_exact_match",
+                                                          "GRPO, shuffled rewards"))),
+    ("KL to SFT during RL", "nats/token", (("ppo.tsv", "kl", "PPO"), ("ppo_rm.tsv", "kl", "PPO, RM only"),
+                                           ("grpo.tsv", "kl", "GRPO"),
+                                           ("grpo_random.tsv", "kl", "GRPO, shuffled rewards"))),
 )
 SMOOTH_MIN_POINTS = 20  # shorter series are drawn as they are
 
@@ -203,4 +218,30 @@ def placeholder_png(text: str) -> bytes:
     fig, ax = plt.subplots(figsize=(4.0, 1.2))
     ax.axis("off")
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True)
+    return _png(fig)
+
+
+def overopt_png(curve: dict | None) -> bytes | None:
+    """Proxy (RM score) and gold (verifier accuracy) against sqrt(KL to SFT), one panel each, the
+    steps as faint points under their moving average, the gold's peak marked (llm.report.overoptimisation)."""
+    if not curve:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.2), squeeze=False)
+    x = curve["sqrt_kl"]
+    for ax, (key, label, color) in zip(axes.flat, (("proxy", "RM score (proxy)", "C1"),
+                                                   ("gold", "verifier accuracy (gold)", "C2"))):
+        ax.plot(x, curve[key], "o", ms=2.5, color=color, alpha=0.3)
+        ax.plot(x, curve[f"{key}_smooth"], "-", lw=1.6, color=color, label=f"mean of {curve['window']}")
+        if key == "gold":
+            ax.axvline(curve["peak_sqrt_kl"], color="k", lw=0.8, ls="--",
+                       label="still rising at the end" if curve["still_rising"] else
+                       f"peak at sqrt(KL) {curve['peak_sqrt_kl']:.3g}")
+        ax.set_title(f"ppo_rm: {label}", fontsize=10)
+        ax.set_xlabel("sqrt(KL to SFT), KL in nats per response", fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
     return _png(fig)

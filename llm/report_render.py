@@ -17,8 +17,8 @@ import re
 from typing import Any, Sequence
 
 from llm.report import (MARK, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL, _join, all_metric_rows,
-                        fixed_prompt_rows, item_sample_groups, paired_rows, stage_headline_rows, stage_summary,
-                        stage_times, summary_rows, verdict)
+                        control_line, fixed_prompt_rows, item_sample_groups, overopt_curve, overopt_line, paired_rows,
+                        stage_headline_rows, stage_summary, stage_times, summary_rows, verdict)
 
 _URL = re.compile(r"(?i)\b(http)(s?)://")
 
@@ -123,6 +123,16 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
                 "|---|---|---|---|---|---|---|"]
         out += ["| " + " | ".join(_md(c) if c else "" for c in row) + " |" for row in paired_rows(child, paired)]
         out.append("")
+        if child == "grpo_random" and (line := control_line(paired)):
+            out += [_md(line), ""]
+    out += ["## Over-optimisation", ""]
+    curve = overopt_curve(data["curves"])
+    if curve:
+        out += [_md(overopt_line(curve)), ""]
+        if images.get("overopt"):
+            out += [f"![ppo_rm: RM score and verifier accuracy against sqrt(KL to SFT)]({images['overopt']})", ""]
+    else:
+        out += ["_No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)._", ""]
     out += ["## Training curves", ""]
     out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
     out += ["", "## Samples (✓ right, ✗ wrong; greedy)", ""]
@@ -162,7 +172,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
 
 
 _LEGEND = ("Value [95% interval]. Below it, the change against the parent model on the same items (sft vs base;"
-           " ppo, grpo, dpo vs sft; percentage points for percentages) with its paired 95% interval: ▲ / ▼"
+           " the others vs sft; percentage points for percentages) with its paired 95% interval: ▲ / ▼"
            " significant, · not significant, ? borderline (McNemar's exact test and the bootstrap interval disagree).")
 
 _CSS = """
@@ -275,6 +285,15 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
             h.append("<tr>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row[:-1])
                      + f'<td class="{cls}">{_e(row[-1])}</td></tr>')
         h.append("</table></details>")
+        if child == "grpo_random" and (line := control_line(paired)):
+            h.append(f'<p class="stage" id="control">{_e(line)}</p>')
+    h.append("<h2>Over-optimisation</h2>")
+    curve = overopt_curve(data["curves"])
+    if curve:
+        h.append(f'<p class="stage" id="overopt">{_e(overopt_line(curve))}</p>')
+        h.append(_img(images.get("overopt"), "ppo_rm: RM score and verifier accuracy against sqrt(KL to SFT)"))
+    else:
+        h.append('<p class="note">No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv).</p>')
     h.append("<h2>Training curves</h2>")
     h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
     h.append("<h2>Samples</h2><p class=\"note\">Greedy answers; ✓ right, ✗ wrong.</p>")

@@ -18,7 +18,7 @@ final-KL gate, the stage's outputs through llm.finish.finish_stage) and `summari
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -176,19 +176,22 @@ def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> s
 
 
 def rl_stage_main(stage: str, doc: str, run: Callable[..., dict | None], argv: list[str] | None, *,
-                  inputs: dict[str, str], outputs: dict[str, str]) -> int:
-    """The main() of an RL stage: `run(common, cfg, rt, **paths, progress=...)` on every rank
-    (several under torchrun), then rank 0 prints summary_line."""
+                  inputs: dict[str, str], outputs: dict[str, str],
+                  variants: dict[str, dict[str, Any]] | None = None) -> int:
+    """The main() of an RL stage: `run(common, cfg, rt, name=..., **paths, progress=...)` on every
+    rank (several under torchrun), then rank 0 prints summary_line. `variants` (llm.stage.stage_main):
+    `--variant NAME` runs it as NAME, with cfg's keys forced (ppo_rm: ppo with the RM alone)."""
     from llm.runtime import setup_runtime
     from llm.stage import stage_main
 
     def work(args, common: CommonConfig, cfg: RLConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt, **{k: getattr(args, k) for k in (*inputs, *outputs)},
+        name = getattr(args, "variant", stage)
+        m = run(common, cfg, rt, name=name, **{k: getattr(args, k) for k in (*inputs, *outputs)},
                 progress=not args.no_progress)
-        return summary_line(stage, m, args.model, args.metrics) if rt.is_main else None
+        return summary_line(name, m, args.model, args.metrics) if rt.is_main else None
 
     return stage_main(stage, doc, argv, inputs=inputs, outputs=outputs, work=work, setup=setup_runtime,
-                      torchrun=True)
+                      torchrun=True, variants=variants)
 
 
 def final_kl_gate(kl: float, max_kl: float, stage: str) -> Gate:
@@ -204,7 +207,7 @@ def final_kl_gate(kl: float, max_kl: float, stage: str) -> Gate:
 @dataclass
 class RLSetup:
     """An RL stage's starting point, from `setup_rl_stage`; the stage builds its algorithm on it."""
-    stage: str
+    stage: str                # the name it runs as: its files, messages and checkpoints
     sft: Path                 # the SFT model directory (the policy's parent)
     policy: nn.Module         # the SFT model (LM head; PPO adds a value head): the model being trained
     ref: nn.Module            # a second copy of it: the reference for KL
@@ -214,7 +217,9 @@ class RLSetup:
     val: list[dict]           # held-out problems
     inputs: dict[str, str]    # what the run was made from: model fingerprints, data hashes
     fingerprint: str          # params + inputs: checkpoints resume only under the same one
-    seed: int                 # derive_seed(common.seed, stage)
+    seed: int                 # derive_seed(common.seed, section)
+    section: str = ""         # its params section, when it is a variant of another stage (ppo_rm: ppo)
+    overrides: dict[str, Any] = field(default_factory=dict)   # the keys the variant forces
 
     @property
     def train_problems(self) -> int:
@@ -223,12 +228,17 @@ class RLSetup:
 
 def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torch.device | str, *, sft: Path,
                    data: Path, levels: Sequence[Sequence[int]], reward_source: str = "verifier",
-                   rm: Path | None = None) -> RLSetup:
+                   rm: Path | None = None, section: str | None = None,
+                   overrides: dict[str, Any] | None = None) -> RLSetup:
     """Load the SFT model twice (policy and reference), the prompts of data/train.jsonl and the
     first cfg.eval_problems of data/val.jsonl, and the reward: `reward_source` "verifier", "rm"
     (the reward model in `rm`, which must share the policy's tokenizer) or "rm+verifier" (its
     score plus the verifier's). Each of `levels` (the level lists the stage will sample from) is
-    checked for a usable problem now rather than at the step that first samples it."""
+    checked for a usable problem now rather than at the step that first samples it.
+
+    A variant (`stage` ppo_rm of `section` ppo, with `overrides` forced into cfg) draws from the
+    section's seed: the same prompts and first samples as the stage it varies, so the two runs
+    differ by what the overrides change (and cfg, in the fingerprint, tells them apart)."""
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
     ref, _, _ = load_model_dir(sft, device=device, heads=("lm",))
     inputs = {"sft": sft_meta.get("fingerprint", "")}
@@ -255,7 +265,8 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
     inputs.update({"train": sha256_file(train_path), "val": sha256_file(val_path)})
     return RLSetup(stage=stage, sft=sft, policy=policy, ref=ref, tokenizer=tok, reward_fn=reward_fn, pool=pool,
                    val=val, inputs=inputs, fingerprint=fingerprint(common, cfg, inputs),
-                   seed=derive_seed(common.seed, stage))
+                   seed=derive_seed(common.seed, section or stage),
+                   section=section if section and section != stage else "", overrides=dict(overrides or {}))
 
 
 def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
@@ -297,13 +308,14 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     if setup.val and setup.reward_fn is not None:
         out.update(_heldout_reward_change(setup, cfg, rt))
     final_kl = result.val_history[-1]["kl"] if result.val_history else out["kl_train_end"]
-    out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result),
+    variant = {"variant_of": setup.section, "overrides": setup.overrides} if setup.section else {}
+    out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result), **variant,
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
                 "resumed_from": result.resumed_from, "math_samples": samples})
     return finish_stage(stage, gates=[final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir, model=model,
                         weights=setup.policy.cpu() if rt.is_main else setup.policy, tokenizer=setup.tokenizer,
                         meta={"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
-                              "parent": str(setup.sft), "steps": result.step},
+                              "parent": str(setup.sft), "steps": result.step, **variant},
                         plots=plots, metrics=metrics, numbers=out, write=rt.is_main)
 
 

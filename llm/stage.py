@@ -13,7 +13,11 @@ outs):
 
 `inputs` and `outputs` name the stage's path options and say what each holds; they are
 required, and `--help` lists them. Every stage also takes `--params FILE` and
-`--no-progress`. `work(args, common, cfg, rt)` does the stage's work with `args.<name>` as
+`--no-progress`. A stage with `variants` ({name: {key: value}}) also takes `--variant NAME`:
+it then runs as the stage NAME (messages, and the file names its `work` derives from
+`args.variant`) from its own params section with those keys forced, so that dvc.yaml can
+run it twice, as `ppo` and as `ppo_rm`, and `dvc exp run -S ppo.lr=...` reruns both.
+`work(args, common, cfg, rt)` does the stage's work with `args.<name>` as
 Paths and returns the line to print (None on ranks > 0).
 
 `setup`: for stages that run a model, `llm.runtime.setup_runtime` (threads, the CPU kernels
@@ -53,6 +57,7 @@ another machine the run that `dvc repro <stage>` starts on the head one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -128,7 +133,7 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
                setup: Callable[[CommonConfig], Any] | None = None, torchrun: bool = False,
                errors: tuple[type[Exception], ...] = (),
                options: Callable[[argparse.ArgumentParser], object] | None = None,
-               module: str | None = None) -> int:
+               module: str | None = None, variants: dict[str, dict[str, Any]] | None = None) -> int:
     """`python -m stages.<stage> --<input> PATH ... --<output> PATH ... [--params FILE]`; returns the exit status.
 
     doc       the stage's docstring: its first paragraph is --help's description, the rest the epilog
@@ -136,6 +141,8 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
     options   options(parser) adds the stage's other command-line options
     torchrun  the stage runs as several processes when common.nproc x common.nnodes > 1
     module    what each process runs (`python -m <module> argv`; default stages.<stage>)
+    variants  {name: {key: value}}: `--variant name` forces those keys of the section and runs
+              as `name` (args.variant; the stage's name without the option)
     """
     argv = sys.argv[1:] if argv is None else argv
     description, _, epilog = doc.partition("\n\n")
@@ -149,13 +156,21 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
             group.add_argument(_option(name), dest=name, type=Path, required=True, metavar="PATH", help=what)
     if options is not None:
         options(ap)
+    if variants:
+        what = "; ".join(f"{v}: " + ", ".join(f"{k}={x}" for k, x in keys.items()) for v, keys in variants.items())
+        ap.add_argument("--variant", choices=sorted(variants), default=stage,
+                        help=f"run as this variant of the stage, with these keys of its section forced: {what}")
     args = ap.parse_args(argv)
     section = section or stage
+    module = module or f"stages.{stage}"
+    stage = getattr(args, "variant", stage)  # from here on, the name it runs as
     try:
         sections = load_sections(["common", section], args.params)
+        common, cfg = sections["common"], sections[section]
+        if stage in (variants or {}):
+            cfg = forced(cfg, variants[stage], section, f"--variant {stage}")
     except ConfigError as e:
         return _stage_error(stage, e, args.params)
-    common, cfg = sections["common"], sections[section]
 
     def guarded(rt: Any) -> str | None:  # a full disk anywhere in the stage: one line naming what was written
         with naming_full_disk(*(f"{_option(n)} {getattr(args, n)}" for n in outputs)):
@@ -175,7 +190,7 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
                 check_placement(common, cfg, section)
             except ConfigError as e:
                 return _stage_error(stage, e, args.params)
-            return launch(stage, module or f"stages.{stage}", argv, common)
+            return launch(stage, module, argv, common)
         rt = None
         try:
             rt = setup(common)
@@ -191,6 +206,13 @@ def stage_main(stage: str, doc: str, argv: list[str] | None, *, work: Work, inpu
     if summary is not None:
         print(summary)
     return 0
+
+
+def forced(cfg: Any, values: dict[str, Any], section: str, where: str) -> Any:
+    """`cfg` (a section's dataclass) with the keys of `values` set to them, checked as params.yaml
+    would be (a ConfigError names `where` and the dotted key)."""
+    from llm.config import from_dict
+    return from_dict(type(cfg), {**dataclasses.asdict(cfg), **values}, where, section)
 
 
 # ---------------------------------------------------------------------------

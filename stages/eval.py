@@ -2,7 +2,7 @@
 
     dvc repro eval@sft        (dvc.yaml passes the paths: `python -m stages.eval --help`)
 
-dvc.yaml runs it once per model (`foreach`: base, sft, ppo, grpo, dpo). Reads the `common`
+dvc.yaml runs it once per model (`foreach`: base, sft, ppo, ppo_rm, grpo, grpo_random, dpo). Reads the `common`
 and `eval` sections of params.yaml and
 
     --model      the model evaluated
@@ -60,7 +60,7 @@ from llm.metrics import timings_path
 from llm.paired import rm_separation
 
 STAGE = "eval"
-MODELS = ("base", "sft", "ppo", "grpo", "dpo")
+MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
 INPUTS = {"model": "the model directory evaluated", "sft": "the SFT model directory (reference for KL and win rate)",
           "rm": "the reward model directory", "test": "held-out math problems (JSONL)",
           "tasks": "evaluation-only instruction tasks (JSONL, may be empty)",

@@ -20,6 +20,14 @@ the step's prompts, and the trajectory is one process's up to the order of float
 match (greedy), held-out reward and KL to the reference are measured before the first step,
 every grpo.eval_every steps and at the end.
 
+`--variant grpo_random` (dvc.yaml's stage grpo_random) runs it as `grpo_random` with
+grpo.reward_control forced to shuffled and everything else from the `grpo` section (the same
+seed, so the same prompts): a control whose rewards are each step's real ones given to random
+samples (llm/grpo.py), so that the report can tell how much of GRPO's change the verifier's
+information explains. Its metrics and meta.json record the variant and what it forces; the
+forced value is in its fingerprint. `dvc exp run -S grpo.reward_control=shuffled` runs the
+control as `grpo` itself.
+
 Quality gates (the stage exits 1 with a message and writes no model): no informative group
 for grpo.max_zero_std_steps consecutive steps; final held-out KL above grpo.max_kl.
 
@@ -41,22 +49,24 @@ STAGE = "grpo"
 INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
           "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)"}
 OUTPUTS = training_outputs("the GRPO model directory")
+VARIANTS = {"grpo_random": {"reward_control": "shuffled"}}   # name: the keys of the grpo section it forces
 
 
 def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
-        metrics: Path, plots: Path, progress: bool = True) -> dict:
+        metrics: Path, plots: Path, progress: bool = True, name: str = STAGE) -> dict:
     from llm.grpo import GRPO
     from llm.rl import finish_rl_stage, setup_rl_stage
     from llm.shares import step_generator
 
     # both level lists are checked now, not at step curriculum_steps
-    setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data,
-                           levels=(cfg.levels, cfg.curriculum_levels))
+    setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data,
+                           levels=(cfg.levels, cfg.curriculum_levels), section=STAGE, overrides=VARIANTS.get(name))
     policy, tok = setup.policy, setup.tokenizer
     if rt.is_main:
-        print(f"{STAGE}: {setup.train_problems} train problems ({setup.pool.dropped} too long for"
+        control = "; rewards shuffled across each step's samples (a control)" if cfg.reward_control != "none" else ""
+        print(f"{name}: {setup.train_problems} train problems ({setup.pool.dropped} too long for"
               f" seq_len={policy.config.seq_len}), {len(setup.val)} held-out; {policy.summary()};"
-              f" {rt.world_size} process(es)", flush=True)
+              f" {rt.world_size} process(es){control}", flush=True)
 
     def prompts_fn(step: int):
         levels = cfg.curriculum_levels if step < cfg.curriculum_steps else cfg.levels
@@ -68,7 +78,8 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
 
     def extra_metrics(result) -> dict:
         zero_std = [r["frac_reward_zero_std"] for r in result.history]
-        return {"frac_reward_zero_std_mean": sum(zero_std) / max(len(zero_std), 1)}
+        return {"frac_reward_zero_std_mean": sum(zero_std) / max(len(zero_std), 1),
+                "reward_control": cfg.reward_control}
 
     # the reward's trend is fitted to the steps on grpo.levels: the curriculum's easier prompts
     # before them would read as a fall
@@ -79,7 +90,7 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
 
 def main(argv: list[str] | None = None) -> int:
     from llm.rl import rl_stage_main
-    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS)
+    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS, variants=VARIANTS)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ the prompts, and the trajectory is one process's up to the order of float sums (
 Held-out exact match (greedy), held-out reward (sampled responses scored the same way) and KL
 to the reference are measured before the first step, every ppo.eval_every steps and at the end.
 
+`--variant ppo_rm` (dvc.yaml's stage ppo_rm) runs it as `ppo_rm` with ppo.reward_source forced
+to rm and everything else from the `ppo` section (the same seed, so the same prompts): the
+reward model alone, the proxy that the over-optimisation curve of the report sets against the
+verifier's accuracy of the same rollouts (the gold). Its metrics and meta.json record the
+variant and what it forces; the forced value is in its fingerprint.
+
 Quality gate (the stage exits 1 with a message and writes no model): final held-out KL above
 ppo.max_kl.
 
@@ -44,22 +50,23 @@ INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen ref
           "rm": "the reward model directory (read when ppo.reward_source uses it)",
           "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)"}
 OUTPUTS = training_outputs("the PPO model directory")
+VARIANTS = {"ppo_rm": {"reward_source": "rm"}}   # name: the keys of the ppo section it forces
 
 
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
-        model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict:
+        model: Path, metrics: Path, plots: Path, progress: bool = True, name: str = STAGE) -> dict:
     from llm.ppo import PPO
     from llm.rl import finish_rl_stage, setup_rl_stage
     from llm.shares import step_generator
 
-    setup = setup_rl_stage(STAGE, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
-                           reward_source=cfg.reward_source, rm=rm)
+    setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
+                           reward_source=cfg.reward_source, rm=rm, section=STAGE, overrides=VARIANTS.get(name))
     policy, tok = setup.policy, setup.tokenizer
     policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
     source = {"rm": f"the reward model {rm}", "verifier": "the verifier",
               "rm+verifier": f"the reward model {rm} plus the verifier"}[cfg.reward_source]
     if rt.is_main:
-        print(f"{STAGE}: reward from {source};"
+        print(f"{name}: reward from {source};"
               f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
               f" held-out; {policy.summary()}; {rt.world_size} process(es)", flush=True)
 
@@ -78,7 +85,7 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Pat
 
 def main(argv: list[str] | None = None) -> int:
     from llm.rl import rl_stage_main
-    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS)
+    return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS, variants=VARIANTS)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ and whatever exists, under the metrics directory, of
 
     eval/<model>.json, _samples.json, _items.jsonl   eval's metrics, samples, per-item outcomes
     <stage>.json                                      tokenizer, tokenize, pretrain, clean_sft, sft,
-                                                      reward, pairs, dpo, ppo, grpo
+                                                      reward, pairs, dpo, ppo, ppo_rm,
+                                                      grpo, grpo_random
     plots/*.tsv                                       per-step training curves (llm/monitor.py)
 
 A missing file is listed under "Not available" in the report, never invented. Compares each
@@ -25,6 +26,8 @@ from `common.seed`), and writes, into the same directory:
                          base64 data URIs; the stage fails if an http(s) URL slipped in
     report_curves.png    training curves, smoothed over the faint raw ones (DVC image plot)
     report_eval.png      accuracy per skill, win rate and KL to SFT (log axis) per model
+    report_overopt.png   over-optimisation: ppo_rm's RM score (proxy) and verifier accuracy (gold)
+                         per step against sqrt(KL to SFT), from plots/ppo_rm.tsv
     summary.json         the headline numbers per model (llm/metrics.py headline), a DVC metric
                          that `dvc exp show` compares across experiments
 
@@ -45,8 +48,8 @@ INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and pl
 def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
         params: Path = Path("params.yaml")) -> tuple[dict, dict]:
     """Write the report files under metrics_dir; returns (what was collected, the paired changes)."""
-    from llm.report import collect, paired_deltas, paired_metrics, provenance
-    from llm.report_plots import curves_png, eval_png, placeholder_png
+    from llm.report import collect, overopt_curve, paired_deltas, paired_metrics, provenance
+    from llm.report_plots import curves_png, eval_png, overopt_png, placeholder_png
     from llm.report_render import find_urls, render_html, render_markdown
 
     data = collect(metrics_dir, max_samples=cfg.max_samples)
@@ -54,8 +57,10 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     head = provenance(params)
     curves, _ = curves_png(data["curves"])
     evals = eval_png(data["evals"])
+    overopt = overopt_png(overopt_curve(data["curves"]))
     images = {"curves": curves or placeholder_png("no training curves yet (metrics/plots/*.tsv)"),
-              "eval": evals or placeholder_png("no eval metrics yet (metrics/eval/<model>.json)")}
+              "eval": evals or placeholder_png("no eval metrics yet (metrics/eval/<model>.json)"),
+              "overopt": overopt or placeholder_png("no per-step history of ppo_rm yet (metrics/plots/ppo_rm.tsv)")}
     page = render_html(data, paired, head, images)
     urls = find_urls(page)
     if urls:  # an internal error: render_html defangs every text it writes
@@ -63,8 +68,10 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     atomic_write_json(metrics_dir / "paired.json", paired_metrics(paired))
     atomic_write_bytes(metrics_dir / "report_curves.png", images["curves"])
     atomic_write_bytes(metrics_dir / "report_eval.png", images["eval"])
+    atomic_write_bytes(metrics_dir / "report_overopt.png", images["overopt"])
     atomic_write_text(metrics_dir / "report.md",
-                      render_markdown(data, paired, head, {"curves": "report_curves.png", "eval": "report_eval.png"}))
+                      render_markdown(data, paired, head, {"curves": "report_curves.png", "eval": "report_eval.png",
+                                                           "overopt": "report_overopt.png"}))
     atomic_write_text(metrics_dir / "report.html", page)
     atomic_write_json(metrics_dir / "summary.json", headline(metrics_dir))
     return data, paired

@@ -116,8 +116,8 @@ def _change_and_repro(repo: Path, section: str, key: str, value) -> set[str]:
 def _downstream(stage: str) -> set[str]:
     """Stages that must rerun when `stage`'s params change: it and what depends on it."""
     return {
-        "ppo": {"ppo", "eval@ppo", "report"},
-        "grpo": {"grpo", "eval@grpo", "report"},
+        "ppo": {"ppo", "eval@ppo", "ppo_rm", "eval@ppo_rm", "report"},          # ppo_rm: a variant of ppo
+        "grpo": {"grpo", "eval@grpo", "grpo_random", "eval@grpo_random", "report"},
         "dpo": {"dpo", "eval@dpo", "report"},
     }[stage]
 

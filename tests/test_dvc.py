@@ -122,6 +122,9 @@ def test_every_path_is_written_once_on_the_command_line_and_declared(name, stage
 
     module = importlib.import_module(stage["cmd"].split("-m ")[1].split()[0])
     opts, _ = _path_args(stage["cmd"])
+    if "variant" in opts:  # not a path: the stage runs as this variant of its script (llm/stage.py)
+        variant = opts.pop("variant")
+        assert variant == name and variant in getattr(module, "VARIANTS", {}), f"stage {name}: --variant {variant}"
     inputs, outputs = getattr(module, "INPUTS", {}), getattr(module, "OUTPUTS", {})
     assert set(opts) - {"params"} == set(inputs) | set(outputs), f"stage {name}: options {sorted(opts)}"
     deps = [d for d in _declared_paths(stage, "deps") if not d.startswith(("llm/", "stages/"))]

@@ -241,6 +241,76 @@ def test_under_autocast_the_old_logprobs_come_from_a_full_forward(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# the reward control (grpo.reward_control)
+
+
+def _advantage_inputs(monkeypatch, cfg: GRPOConfig, steps: int = 2) -> tuple[list, list]:
+    """(each step's rewards from the reward function, those group_advantages got) over `steps` steps."""
+    import llm.grpo as grpo_mod
+    given, used = [], []
+    real = grpo_mod.group_advantages
+
+    def spy(r):
+        used.append(r.flatten().clone())
+        return real(r)
+
+    def reward_fn(ro, problems):
+        r, stats = target_fraction(ro, problems)
+        r = r + torch.arange(len(ro)) * 1e-3   # every reward distinct: any permutation shows
+        given.append(r.clone())
+        return r, stats
+
+    monkeypatch.setattr(grpo_mod, "group_advantages", spy)
+    algo = grpo(cfg, reward_fn=reward_fn)
+    updater = Updater(algo.model, cfg, CPU, stage="grpo", say=lambda m: None, sum_gradients=True)
+    for step in range(steps):
+        algo.step(step, updater)
+    return given, used
+
+
+def test_no_reward_control_passes_the_rewards_through_bit_for_bit(monkeypatch):
+    given, used = _advantage_inputs(monkeypatch, grpo_cfg(max_steps=2))
+    assert grpo_cfg().reward_control == "none"
+    assert all(torch.equal(g.float(), u) for g, u in zip(given, used)) and len(used) == 2
+
+
+def test_shuffled_rewards_are_the_real_ones_in_a_seeded_random_order(monkeypatch):
+    given, used = _advantage_inputs(monkeypatch, grpo_cfg(max_steps=2, reward_control="shuffled"))
+    for g, u in zip(given, used):
+        assert torch.equal(g.float().sort().values, u.sort().values)   # the same values: mean and spread kept
+        assert u.mean() == pytest.approx(float(g.mean())) and u.std() == pytest.approx(float(g.std()))
+        assert not torch.equal(g.float(), u)                          # but given to other samples
+    assert not torch.equal(used[0].argsort(), used[1].argsort())        # a new order each step
+    monkeypatch.undo()
+    _, again = _advantage_inputs(monkeypatch, grpo_cfg(max_steps=2, reward_control="shuffled"))
+    assert all(torch.equal(a, b) for a, b in zip(used, again))          # seeded: a rerun is identical
+
+
+def test_shuffled_rewards_is_a_seeded_permutation():
+    from llm.grpo import shuffled_rewards
+    r = torch.tensor([0.0, 0.2, 1.0, 1.2, 0.0, 1.2, 0.2, 1.0])
+    a = shuffled_rewards(r, torch.Generator().manual_seed(3))
+    assert torch.equal(a, shuffled_rewards(r, torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, shuffled_rewards(r, torch.Generator().manual_seed(4)))
+    assert torch.equal(a.sort().values, r.sort().values) and a.mean() == r.mean() and a.std() == r.std()
+
+
+def test_the_control_leaves_out_step_credit(monkeypatch):
+    """Step credit marks right and wrong step results: the control, which must say nothing about
+    correctness, leaves it out."""
+    import llm.grpo as grpo_mod
+    monkeypatch.setattr(grpo_mod, "step_credit", lambda tok, ro: torch.ones(ro.response_mask.shape))
+    for control, credited in (("none", True), ("shuffled", False)):
+        cfg = grpo_cfg(step_credit=1.0, reward_control=control)
+        algo = GRPO(tiny(), tiny(), cfg, prompts_fn=None, reward_fn=None, stop_ids=(STOP,), pad_id=PAD, seed=0,
+                    tokenizer=object())
+        ro = grpo_mod.rollout(algo.model, PROMPTS[:2], max_new_tokens=4, temperature=1.0, stop_ids=(STOP,),
+                              pad_id=PAD, generator=torch.Generator().manual_seed(0))
+        adv = algo.scored(ro, torch.zeros(2)).adv
+        assert bool((adv != 0).any()) == credited, control
+
+
+# ---------------------------------------------------------------------------
 # resume
 
 
@@ -513,3 +583,16 @@ def test_the_held_out_rewards_change_is_paired_by_problem():
     assert ch["delta"] == pytest.approx(0.1) and ch["lo"] == pytest.approx(0.1) and ch["hi"] == pytest.approx(0.1)
     mixed = heldout_reward_change(start, start[1:] + start[:1], seed=0)  # shuffled: no change on average
     assert mixed["delta"] == pytest.approx(0.0) and mixed["lo"] < 0 < mixed["hi"]
+
+
+@pytest.mark.slow
+def test_grpo_random_runs_the_grpo_section_with_shuffled_rewards(tmp_path):
+    make_workspace(tmp_path, "grpo")
+    p = run_stage(tmp_path, "grpo_random")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("grpo_random: ") and "rewards shuffled" in p.stdout
+    m = read_metrics(tmp_path / "metrics/grpo_random.json")
+    assert m["reward_control"] == "shuffled" and m["variant_of"] == "grpo"
+    assert m["overrides"] == {"reward_control": "shuffled"}
+    head = (tmp_path / "metrics/plots/grpo_random.tsv").read_text().splitlines()[0].split("\t")
+    assert "accuracy" in head   # the verifier's real accuracy, logged as before

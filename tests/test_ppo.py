@@ -207,3 +207,21 @@ def test_ppo_stage_with_the_verifier_and_the_kl_gate(tmp_path):
     assert not (tmp_path / "models/ppo").exists()
     assert last_good.read_text() == "step\treward\n1\t0.5\n"  # a failed run publishes no curves
     assert (tmp_path / "runs/ppo/plots/ppo.tsv").is_file()     # they stay in its run directory
+
+
+@pytest.mark.slow
+def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
+    """dvc.yaml's ppo_rm: the ppo section (here with the verifier) run under its own name with the
+    reward source forced to rm; its files, metrics and meta.json say so."""
+    make_workspace(tmp_path, "ppo", {"reward_source": "verifier"}, rm=True)
+    p = run_stage(tmp_path, "ppo_rm")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ppo_rm: reward from the reward model" in p.stdout
+    m = read_metrics(tmp_path / "metrics/ppo_rm.json")
+    assert m["reward_source"] == "rm" and m["variant_of"] == "ppo" and m["overrides"] == {"reward_source": "rm"}
+    head = (tmp_path / "metrics/plots/ppo_rm.tsv").read_text().splitlines()[0].split("\t")
+    assert {"reward", "accuracy", "kl", "kl_seq"} <= set(head)   # the over-optimisation curve's columns
+    from llm.artifacts import load_model_dir
+    _, _, meta = load_model_dir(tmp_path / "models/ppo_rm")
+    assert meta["stage"] == "ppo_rm" and meta["overrides"] == {"reward_source": "rm"}
+    assert not (tmp_path / "models/ppo").exists() and (tmp_path / "runs/ppo_rm").is_dir()

@@ -388,3 +388,73 @@ def test_an_averaged_sft_shows_the_loss_of_its_final_weights_beside_its_own():
     assert ("sft", "held-out loss", "0.071") in rows
     assert ("sft", "held-out loss of the final weights (the model is the mean of the last checkpoints)", "0.083") in rows
     assert not [r for r in stage_headline_rows({"sft": {"val_loss": 0.071}}) if "final weights" in r[1]]
+
+
+# ---------------------------------------------------------------------------
+# the variants: over-optimisation (ppo_rm) and GRPO's control (grpo_random)
+
+def _hump(n: int = 60) -> tuple[list[float], list[float], list[float]]:
+    """n steps whose KL per response grows as step^2 / 100 (sqrt(KL) = step / 10): a proxy that keeps
+    rising and a gold 0.3 + 0.1 x - 0.05 (x - 3)^2 beyond x = 3 (x = sqrt(KL)), which peaks at x = 4 and then falls."""
+    kl = [(i / 10) ** 2 for i in range(n)]
+    gold = [0.3 + 0.1 * (i / 10) - 0.05 * max(0.0, i / 10 - 3.0) ** 2 for i in range(n)]
+    return kl, gold, [0.1 * i for i in range(n)]
+
+
+def test_overoptimisation_finds_where_the_gold_stops_rising():
+    from llm.report import overoptimisation
+    kl, gold, proxy = _hump()
+    c = overoptimisation(list(reversed(kl)), list(reversed(gold)), list(reversed(proxy)))  # order of steps: any
+    assert not c["still_rising"] and c["peak_sqrt_kl"] == pytest.approx(4.0, abs=0.3)
+    assert c["sqrt_kl"] == sorted(c["sqrt_kl"]) and c["proxy_smooth"][-1] > c["proxy_smooth"][c["peak"]]
+    assert c["peak_gold"] == max(c["gold_smooth"]) and c["n"] == 60
+
+
+def test_overoptimisation_of_a_gold_that_never_falls_is_still_rising():
+    from llm.report import overopt_line, overoptimisation
+    kl = [(i / 10) ** 2 for i in range(30)]
+    c = overoptimisation(kl, [0.2 + 0.01 * i for i in range(30)])
+    assert c["still_rising"] and c["peak"] == len(kl) - 1
+    assert "still rising at the end" in overopt_line(c)
+
+
+def test_overoptimisation_reads_a_negative_kl_as_zero_and_needs_three_steps():
+    from llm.report import overoptimisation
+    c = overoptimisation([-0.01, 0.04, 0.09, float("nan")], [0.1, 0.2, 0.3, 0.4])
+    assert c["sqrt_kl"] == pytest.approx([0.0, 0.2, 0.3]) and c["n"] == 3
+    assert overoptimisation([0.1, 0.2], [0.1, 0.2]) is None
+
+
+def test_the_report_shows_ppo_rm_and_grpo_random_beside_ppo_and_grpo(metrics):
+    _write(metrics / "eval/ppo_rm.json", _eval(0.30, win_rate_vs_sft=0.6, kl=0.2))
+    _write(metrics / "eval/grpo_random.json", _eval(0.39, win_rate_vs_sft=0.5, kl=0.01))
+    _write(metrics / "eval/ppo_rm_items.jsonl", _items(38, 30))
+    _write(metrics / "eval/grpo_random_items.jsonl", _items(47, 30))
+    _write(metrics / "eval/grpo_items.jsonl", _items(70, 10))
+    for name in ("ppo_rm", "grpo_random"):
+        _write(metrics / f"eval/{name}_samples.json", {"model": name, "item_samples": []})
+    kl, gold, proxy = _hump()
+    _write(metrics / "plots/ppo_rm.tsv", "step\treward\taccuracy\tkl\tkl_seq\n" + "".join(
+        f"{i}\t{p}\t{g}\t{k / 40}\t{k}\n" for i, (k, g, p) in enumerate(zip(kl, gold, proxy))))
+    data, paired = _run(metrics)
+    _, rows = summary_rows(data["evals"], paired)
+    assert [r["model"] for r in rows] == ["base", "sft", "ppo_rm", "grpo", "grpo_random"]
+    assert {r["model"]: r["parent"] for r in rows}["grpo_random"] == "sft"
+    md = (metrics / "report.md").read_text()
+    assert "### GRPO on shuffled rewards (against SFT)" in md and "### PPO on the RM alone (against SFT)" in md
+    # grpo +20 items of 120 against SFT, its control -3: the real reward explains +19.2 pp
+    line = next(ln for ln in md.splitlines() if ln.startswith("GRPO against its control"))
+    assert "+16.7 pp [" in line and "-2.5 pp [" in line and "explains +19.2 pp" in line
+    assert "## Over-optimisation" in md and "stops rising at sqrt(KL to SFT) 4 (KL 16 nats per response)" in md
+    assert "![ppo_rm: RM score and verifier accuracy against sqrt(KL to SFT)](report_overopt.png)" in md
+    page = (metrics / "report.html").read_text()
+    assert len(re.findall(r'src="data:image/png', page)) == 3 and 'id="control"' in page and 'id="overopt"' in page
+    assert (metrics / "report_overopt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_the_variants_the_report_says_what_is_missing(metrics):
+    _run(metrics)
+    md = (metrics / "report.md").read_text()
+    assert "metrics/eval/ppo_rm.json: missing" in md and "metrics/eval/grpo_random.json: missing" in md
+    assert "No per-step history of PPO on the reward model alone" in md and "GRPO against its control" not in md
+    assert (metrics / "report_overopt.png").stat().st_size > 0   # a placeholder: dvc.yaml declares the file

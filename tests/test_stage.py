@@ -93,6 +93,68 @@ def test_a_refused_params_file_says_how_to_get_the_outputs_back(tmp_path, capsys
     assert "`dvc checkout prepare` from the DVC cache" in last and "`git checkout -- <path>`" in last
 
 
+def _variant_run(tmp_path, module, argv: list[str]) -> tuple[int, dict]:
+    """module.main(argv) with the real params and `run` replaced: what it was called with."""
+    seen: dict = {}
+
+    def run(common, cfg, rt, *, name, progress, **paths):
+        seen.update(name=name, cfg=cfg, common=common, paths=paths)
+        return {"reward_start": 0.0, "reward_end": 0.0, "final_kl": 0.0}   # what summary_line prints
+
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    from llm.rl import rl_stage_main
+    opts = [a for k in (*module.INPUTS, *module.OUTPUTS) for a in (f"--{k.replace('_', '-')}", str(tmp_path / k))]
+    rl_main = lambda argv: rl_stage_main(module.STAGE, module.__doc__, run, argv, inputs=module.INPUTS,  # noqa: E731
+                                         outputs=module.OUTPUTS, variants=module.VARIANTS)
+    return rl_main(["--params", str(tmp_path / "params.yaml"), *opts, *argv]), seen
+
+
+@pytest.mark.parametrize("stage,variant,key,value", [("ppo", "ppo_rm", "reward_source", "rm"),
+                                                     ("grpo", "grpo_random", "reward_control", "shuffled")])
+def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, stage, variant, key, value):
+    """`--variant NAME` (dvc.yaml's ppo_rm, grpo_random): the stage's run gets the name and its
+    section with the variant's keys forced, the rest as params.yaml has it; the fingerprint of
+    what it computes differs from the plain stage's."""
+    import importlib
+
+    from llm.config import fingerprint
+    module = importlib.import_module(f"stages.{stage}")
+    assert module.VARIANTS[variant] == {key: value}
+    code, plain = _variant_run(tmp_path, module, [])
+    assert code == 0
+    code, var = _variant_run(tmp_path, module, ["--variant", variant])
+    assert code == 0
+    assert plain["name"] == stage and var["name"] == variant
+    assert getattr(plain["cfg"], key) != value and getattr(var["cfg"], key) == value
+    p = yaml.safe_load((ROOT / "params.yaml").read_text())[stage]
+    assert {k: v for k, v in vars(var["cfg"]).items() if k != key} == {k: v for k, v in vars(plain["cfg"]).items()
+                                                                      if k != key}
+    assert getattr(plain["cfg"], key) == p[key]
+    assert fingerprint(plain["common"], plain["cfg"]) != fingerprint(var["common"], var["cfg"])
+    assert plain["paths"] == var["paths"]
+
+
+def test_an_unknown_variant_is_refused(tmp_path, capsys):
+    import stages.ppo as ppo
+    with pytest.raises(SystemExit) as e:
+        _variant_run(tmp_path, ppo, ["--variant", "ppo_verifier"])
+    assert e.value.code == 2 and "invalid choice: 'ppo_verifier'" in capsys.readouterr().err
+
+
+def test_the_default_reward_control_leaves_the_fingerprint_as_it_was():
+    """grpo.reward_control came after runs were made: at its default it does not count, so their
+    checkpoints still resume."""
+    import dataclasses
+
+    from llm.config import GRPOConfig, fingerprint, load_sections
+    cfg = load_sections(["grpo"], ROOT / "params.yaml")["grpo"]
+    assert cfg.reward_control == "none"
+    before = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GRPOConfig)  # the other added keys as well
+              if f.name != "reward_control" and not (f.metadata["added"] and getattr(cfg, f.name) == f.default)}
+    assert fingerprint(cfg) == fingerprint(before)
+    assert fingerprint(dataclasses.replace(cfg, reward_control="shuffled")) != fingerprint(before)
+
+
 @pytest.mark.parametrize("stage", DATA_STAGES)
 def test_data_stages_do_not_depend_on_the_training_code(stage):
     """Editing the model, the kernels or the loop must not rerun tokenization under DVC: the data
