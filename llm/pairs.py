@@ -235,6 +235,41 @@ def comparisons(prompts: list[dict], samples: list[list[dict]], tie_epsilon: flo
     return out
 
 
+@torch.no_grad()
+def errors_sft_would_make(policy, tok, records: list[dict], prompt_ids: dict[str, list[int]]) -> dict:
+    """Of the comparisons whose rejected answer has a wrong worked step (`check_steps`: a wrong
+    result, or a wrong number carried from the step before), how many went wrong exactly where
+    the SFT model's own greedy choice goes: every token of the first wrong result is the argmax
+    of its next-token prediction, given the answer so far.
+
+    Those errors are what the model believes. A reward read from the same model (its likelihood,
+    a head on its trunk) has no information to rank them, so their share bounds what such a
+    reward can rank right: {"with_wrong_step", "sft_would_make", "share"}."""
+    from llm.preference import encode_response
+    from llm.rewards import check_steps
+
+    n_wrong = n_believed = 0
+    for r in records:
+        ids = encode_response(prompt_ids[r["prompt_id"]], r["rejected"], tok)[-policy.config.seq_len:]
+        start = len(ids) - 1 - len(tok.encode(r["rejected"], allowed_special="none"))
+        toks = ids[start:-1]
+        pieces = [tok.token_bytes(t) if 0 <= t < tok.n_base else b"" for t in toks]
+        wrong = [(a, b) for a, b, right in check_steps(b"".join(pieces)) if not right]
+        if not wrong or start < 1:
+            continue
+        n_wrong += 1
+        a, b = wrong[0]
+        ends, pos = [], 0
+        for piece in pieces:
+            pos += len(piece)
+            ends.append(pos)
+        at = [start + u for u in range(len(toks)) if ends[u] > a and ends[u] - len(pieces[u]) < b]
+        greedy = policy(torch.tensor([ids], device=next(policy.parameters()).device)).argmax(-1)[0].tolist()
+        n_believed += all(greedy[t - 1] == ids[t] for t in at)
+    return {"with_wrong_step": n_wrong, "sft_would_make": n_believed,
+            "share": n_believed / n_wrong if n_wrong else None}
+
+
 def adversarial_pairs(prompts: list[dict], prompt_ids: list[list[int]], samples: list[list[dict]], *,
                       wanted: int, tied_prompts: list[int], rng: random.Random,
                       rm_score: Callable[[list[list[int]]], list[float]], tok, seq_len: int) -> list[dict]:

@@ -20,10 +20,12 @@ reward model's lessons, and its test as PPO uses it, any two of the policy's ans
 Under torchrun each rank samples a share of the batches and rank 0 writes what one process would.
 
 Writes the samples directory: samples.jsonl (every prompt, its split and its samples with their
-verifier score and SFT log-probability), train.jsonl and val.jsonl (the verifier-labelled comparisons,
+verifier score, and SFT's log-probability where it can make a pair), train.jsonl and val.jsonl (the verifier-labelled comparisons,
 in the preference-pair format plus provenance and `sft_logp_chosen` / `sft_logp_rejected`, the
 mean log-probability per answer token), and metrics/samples.json (how many pairs each source
-gave, ties, what SFT's likelihood ranks right on the held-out pairs, sample quality per temperature).
+gave, ties, what SFT's likelihood ranks right on the held-out pairs, the share of held-out
+wrong answers whose first wrong step is SFT's own greedy choice (errors the model believes, which
+no reward read from it can rank), sample quality per temperature).
 """
 from __future__ import annotations
 
@@ -77,7 +79,12 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path
         for x in smp:
             x["verifier"] = lib.verify(x["text"], p)
             x["score"] = x["verifier"]
-    lib.add_likelihoods(samples, prompt_ids, policy, tok, batch_size=cfg.batch_size, device=device, rt=rt)
+    # SFT's likelihood of the answers that can make a pair (their scores differ, or no verifier
+    # scores them and the reward model will): a prompt whose answers all score the same is a tie
+    pairable = [i for i, smp in enumerate(samples)
+                if prompts[i]["check"] is None or len({x["verifier"] for x in smp}) > 1]
+    lib.add_likelihoods([samples[i] for i in pairable], [prompt_ids[i] for i in pairable], policy, tok,
+                        batch_size=cfg.batch_size, device=device, rt=rt)
 
     checked = [i for i, p in enumerate(prompts) if p["check"] is not None]
     pairs = lib.comparisons([prompts[i] for i in checked], [samples[i] for i in checked], cfg.tie_epsilon)
@@ -93,6 +100,9 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path
         print(f"{STAGE}: warning: {len(train)} train / {len(val)} val comparisons: the reward model will learn from"
               f" the generated pairs alone (raise pairs.n_prompts, add temperatures or samples)", flush=True)
 
+    # the held-out errors SFT itself would make: no reward read from SFT can rank those pairs
+    ids_of = {p["id"]: ids for p, ids in zip(prompts, prompt_ids)}
+    believed = lib.errors_sft_would_make(policy, tok, val, ids_of) if main else {}
     m = {"prompts": len(prompts), "prompts_too_long": too_long,
          "prompts_checked": len(checked), "prompts_unchecked": len(prompts) - len(checked),
          "prompt_sources": dict(sorted(Counter(p["kind"] for p in prompts).items())),
@@ -103,6 +113,8 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path
          # the baseline a reward model must beat on the same held-out pairs: the SFT model's own
          # mean log-probability per answer token, higher for the chosen answer
          "sft_likelihood_accuracy": lib.mean(r["sft_logp_chosen"] > r["sft_logp_rejected"] for r in val),
+         "heldout_errors_sft_would_make": believed.get("share"),
+         "heldout_pairs_with_wrong_step": believed.get("with_wrong_step"),
          "by_temperature": lib.quality_by_temperature(prompts, samples, cfg.temperatures),
          "generated_tokens": gen_tokens, "generate_time_s": t_gen,
          "generate_tokens_per_s": gen_tokens / t_gen if t_gen else None,

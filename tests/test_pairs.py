@@ -302,3 +302,35 @@ def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_
     for text in expected:
         assert text in str(e.value)
     assert not (ws / "data/pairs").exists()  # nothing written
+
+
+def test_errors_sft_would_make_are_wrong_steps_the_model_itself_predicts():
+    from types import SimpleNamespace
+
+    from llm.chat import render_prompt
+    from llm.pairs import errors_sft_would_make
+    from llm.tokenizer import Tokenizer
+    tok = Tokenizer.train(["12 + 7 = 19\n19 * 2 = 38\n#### 38 What is 12 + 7?"] * 4, vocab_size=300,
+                          min_frequency=1, jieba=False)
+
+    class Predicts(torch.nn.Module):
+        """A stand-in policy whose next-token prediction is the token that follows (it believes
+        whatever is written), or with believes=False always token 0."""
+        def __init__(self, believes: bool):
+            super().__init__()
+            self.w, self.believes = torch.nn.Parameter(torch.zeros(1)), believes
+            self.config = SimpleNamespace(seq_len=128)
+
+        def forward(self, idx):
+            nxt = torch.cat([idx[:, 1:], idx[:, -1:]], 1) if self.believes else torch.zeros_like(idx)
+            return torch.nn.functional.one_hot(nxt, tok.vocab_size).float()
+
+    prompt = [{"role": "user", "content": "What is 12 + 7, doubled?"}]
+    recs = [{"prompt_id": "p", "rejected": "12 + 7 = 18\n18 * 2 = 36\n#### 36"},   # a wrong step
+            {"prompt_id": "p", "rejected": "12 + 7 = 19\n19 * 2 = 38\n#### 37"},   # no wrong step: not counted
+            {"prompt_id": "p", "rejected": "12 + 7 = 19\n20 * 2 = 40\n#### 40"}]   # a wrong number carried
+    ids = {"p": render_prompt(prompt, tok)}
+    assert errors_sft_would_make(Predicts(True), tok, recs, ids) == {"with_wrong_step": 2, "sft_would_make": 2,
+                                                                      "share": 1.0}
+    assert errors_sft_would_make(Predicts(False), tok, recs, ids)["share"] == 0.0
+    assert errors_sft_would_make(Predicts(True), tok, recs[1:2], ids)["share"] is None
