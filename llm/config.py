@@ -418,6 +418,8 @@ class RewardConfig(TrainConfig):
                                    " trunk's LM head to the head's reward (llm/reward_model.py)")
     train_trunk: bool = _f(doc="false: only the reward head (and the likelihood feature's weight) learn; the SFT"
                                " trunk stays as it is (a linear probe)")
+    head_init: Literal["random", "zero"] = _f("random", added=True, doc="with logprob_feature, zero: the reward head"
+                                              " starts at 0, so the reward starts as the likelihood feature alone")
 
 
 @dataclass(kw_only=True)

@@ -56,8 +56,8 @@ MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
 PARENT = {"sft": "base", "ppo": "sft", "ppo_rm": "sft", "grpo": "sft", "grpo_random": "sft", "dpo": "sft"}
 NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "ppo_rm": "PPO on the RM alone", "grpo": "GRPO",
         "grpo_random": "GRPO on shuffled rewards", "dpo": "DPO"}
-STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "reward", "pairs", "dpo", "ppo", "ppo_rm", "grpo",
-          "grpo_random")
+STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "samples", "reward", "pairs", "dpo", "ppo",
+          "ppo_rm", "grpo", "grpo_random")
 PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
                               " in minutes. These numbers check the plumbing, not learning: do not read them as"
                               " results."}
@@ -115,7 +115,15 @@ STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
     ("sft", "val_loss", "held-out loss", "num"),
     ("sft", "val_loss_last", "held-out loss of the final weights (the model is the mean of the last checkpoints)", "num"),
     ("sft", "math_exact_match", "validation math", "pct"),
-    ("reward", "accuracy", "held-out pairs ranked right", "pct"),
+    ("samples", "pairs", "comparisons of SFT's own answers, labelled by the verifier", "int"),
+    ("samples", "heldout_errors_sft_would_make",
+     "held-out wrong answers whose first wrong step is SFT's own greedy choice (no reward read from SFT can rank"
+     " these)", "pct"),
+    ("reward", "accuracy", "held-out comparisons of SFT's own answers ranked right", "pct"),
+    ("reward", "sft_likelihood_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),
+    ("reward", "accuracy_without_likelihood", "the same pairs, the likelihood feature off (the learned head alone)",
+     "pct"),
+    ("reward", "generated_accuracy", "generated pairs (a slip or a broken format) ranked right", "pct"),
     ("pairs", "pairs", "preference pairs", "int"),
     ("dpo", "rewards_accuracy", "held-out preference accuracy", "pct"),
     ("dpo", "ref_logp_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),

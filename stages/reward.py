@@ -76,6 +76,9 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     gpt.add_head("reward", seed=derive_seed(common.seed, STAGE, "head"))
     if cfg.logprob_feature:
         gpt.add_head("reward_logprob", marker=tok.special[ROLE_TOKENS["assistant"]])
+        if cfg.head_init == "zero":  # the reward starts as the likelihood; the head learns what improves on it
+            torch.nn.init.zeros_(gpt.reward_head.weight)
+            torch.nn.init.zeros_(gpt.reward_head.bias)
     generated = load_pair_splits(data, tok, gpt.config.seq_len)
     own = _load_own(samples, tok, gpt.config.seq_len)   # comparisons of SFT's own answers, or None
     if own is None:  # SFT's samples never disagreed where a verifier could tell (a weak model, or no verifier)

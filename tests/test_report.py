@@ -380,7 +380,7 @@ def test_stage_headlines_carry_their_intervals():
     assert ("ppo", "rollout reward, change of the line fitted to every step", "0.006 [-0.066, 0.078]") in rows
     assert ("ppo", "held-out reward, change on the same problems and draws", "0.033 [0.001, 0.070]") in rows
     assert ("ppo", "rollout reward, first steps", "0.900") in rows  # no interval: the value alone
-    assert ("reward", "held-out pairs ranked right", "98.0%") in rows
+    assert ("reward", "held-out comparisons of SFT's own answers ranked right", "98.0%") in rows
 
 
 def test_an_averaged_sft_shows_the_loss_of_its_final_weights_beside_its_own():

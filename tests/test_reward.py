@@ -69,7 +69,8 @@ def params(**sections) -> dict:
     p = {
         "common": common_params(),
         "reward": {"bucket_width": 16, "label_smoothing": 0.1, "margin": 0.0, "min_accuracy": 0.0,
-                   "generated_share": 0.5, "logprob_feature": False, "train_trunk": True, **tcfg()},
+                   "generated_share": 0.5, "logprob_feature": False, "train_trunk": True, "head_init": "random",
+                   **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,
                   "max_new_tokens": 12, "batch_size": 8, "adversarial_fraction": 0.05, "tie_epsilon": 1.0e-3,
                   "tie_break": "first", "val_fraction": 0.25, "verify_tasks": False},
