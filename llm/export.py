@@ -395,13 +395,21 @@ def _metrics(metrics: dict[str, dict], stage: str | None) -> list[str]:
                     " those, not general ability. Every other number is in the metrics file.", ""]
 
 
-def _limitations(model: GPT, stage: str | None, license: str | None) -> list[str]:
+def _limitations(model: GPT, stage: str | None, license: str | None, metrics: dict | None = None) -> list[str]:
+    m = metrics or {}
+    scope = m.get("scope_no_math_rate")
+    turns = m.get("multiturn_exact_match")
     lines = ["## Limitations", "",
              f"- A tiny model ({format_count(model.n_params())} parameters, {model.config.seq_len}-token context)"
              " trained on Shakespeare, arithmetic word problems, seven instruction tasks and bare arithmetic. It"
              " can do those kinds of prompts, as often as the table above says, and nothing else: other"
-             " questions, facts, code, advice or conversation get fluent-looking nonsense.",
-             "- One turn: it was trained on one user message and one answer; later turns are outside what it saw.",
+             " questions, facts, code, advice or conversation get fluent-looking nonsense"
+             + (f" or, as it was taught, a short statement of what it can do ({scope:.0%} of held-out such requests"
+                " got no worked sum)." if isinstance(scope, (int, float)) else "."),
+             (f"- Two exchanges at most: it was trained on follow-ups to a first answer (second answers right"
+              f" {turns:.0%} of the time on held-out math); longer conversations are outside what it saw."
+              if isinstance(turns, (int, float)) else
+              "- One turn: it was trained on one user message and one answer; later turns are outside what it saw."),
              f"- Prompt plus answer must fit in {model.config.seq_len} tokens (`max_length` in"
              " `generation_config.json`); positions beyond were never trained.",
              "- No safety training and no evaluation of bias or toxicity.",
@@ -440,7 +448,8 @@ def model_card(model: GPT, tokenizer: Any, *, name: str, meta: dict | None = Non
              " by `python -m llm.export`. It is a study object, not an assistant: read Limitations.")
     return "\n".join([card_metadata(name, stage, license, metrics), "", f"# {name}", "", intro, "",
                       *_usage(name), *_architecture(model, list(dropped_heads)), *_tokenizer(tokenizer),
-                      *_training(meta, stage), *_metrics(metrics, stage), *_limitations(model, stage, license)])
+                      *_training(meta, stage), *_metrics(metrics, stage), *_limitations(model, stage, license,
+                                    {k: v for d in metrics.values() if isinstance(d, dict) for k, v in d.items()})])
 
 
 def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path, *, name: str | None = None,

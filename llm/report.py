@@ -91,6 +91,9 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     *((f"task_exact_match_{k}", f"task: {k.replace('_', ' ')}", "pct")
       for k in TASK_KINDS),
     ("arithmetic_exact_match", "bare arithmetic", "pct"),
+    ("multiturn_exact_match", "second turns: math right in the second answer", "pct"),
+    ("scope_no_math_rate", "requests outside its skills answered without a worked sum", "pct"),
+    ("scope_exact_match", "requests outside its skills answered with the taught statement", "pct"),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),

@@ -54,11 +54,14 @@ from llm.paired import (bootstrap_means, compare, mcnemar_exact, parse_items, pe
 EVAL_DIR = "metrics/eval"
 HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
 # FILE:KEY in a run's metrics/: what the eval items do not hold (shown where every run has it)
-STAGE_METRICS = ("reward.json:accuracy", "dpo.json:rewards_accuracy", "dpo.json:ref_logp_accuracy",
+STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
+                 "reward.json:accuracy_without_likelihood", "samples.json:heldout_errors_sft_would_make",
+                 "dpo.json:rewards_accuracy", "dpo.json:ref_logp_accuracy",
                  "ppo.json:reward_delta", "ppo.json:reward_trend", "ppo.json:heldout_reward_delta",
                  "grpo.json:reward_delta", "grpo.json:reward_trend", "grpo.json:heldout_reward_delta",
                  "eval/ppo.json:kl", "eval/grpo.json:kl",
-                 "eval/dpo.json:kl")
+                 "eval/dpo.json:kl", "eval/sft.json:multiturn_exact_match", "eval/sft.json:scope_no_math_rate",
+                 "eval/sft.json:val_bpb", "eval/base.json:val_bpb")
 
 
 @dataclass

@@ -511,8 +511,12 @@ def test_a_key_added_at_its_neutral_default_leaves_the_fingerprint_as_before():
     other value it is a different run."""
     from llm.config import fingerprint, to_dict
     sections = load_sections(["common", "sft"], ROOT / "params.yaml")
-    common, sft = sections["common"], dataclasses.replace(sections["sft"], min_source_examples=0, average_last=1)
-    added = {f.name for f in dataclasses.fields(sft) if f.metadata.get("added")}  # average_last came later still
+    added_fields = [f for f in dataclasses.fields(sections["sft"]) if f.metadata.get("added")]
+    # every added key at its default (replay_fraction, set in params.yaml, came later still)
+    common = sections["common"]
+    sft = dataclasses.replace(sections["sft"], **{f.name: f.default for f in added_fields})
+    assert (sft.min_source_examples, sft.average_last) == (0, 1)
+    added = {f.name for f in added_fields}
     assert {"min_source_examples", "average_last"} <= added
     before = {k: v for k, v in to_dict(sft).items() if k not in added}
     assert fingerprint(common, sft, {"base": "x"}) == fingerprint(common, before, {"base": "x"})

@@ -265,6 +265,12 @@ def test_the_model_card_says_what_the_model_is(tmp_path, tok):
         assert fact in card, fact
     export_hf(m, tok, tmp_path / "bare")
     assert "records no fingerprint" in card_of(tmp_path / "bare")[1]
+    # a model evaluated on second turns and on requests outside its skills says what it learned there
+    scoped = {**EVAL_METRICS, "multiturn_exact_match": 0.835, "scope_no_math_rate": 1.0}
+    export_hf(m, tok, tmp_path / "scoped", name="sft", meta=meta, metrics={"eval/sft.json": scoped})
+    card = card_of(tmp_path / "scoped")[1]
+    assert "One turn" not in card and "Two exchanges at most" in card and "second answers right 84%" in card
+    assert "a short statement of what it can do (100% of held-out such requests got no worked sum)" in card
 
 
 def test_the_card_header_is_hub_metadata_that_claims_no_license_the_repository_does_not_state(tmp_path, tok):

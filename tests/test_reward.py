@@ -391,3 +391,20 @@ def test_quality_gate_fails_on_an_untrained_rm_and_keeps_the_previous_outputs(tm
     assert not (ws / "metrics/plots/reward.tsv").exists()
     failed = json.loads((ws / "runs/reward/failed_metrics.json").read_text())
     assert failed["accuracy"] < 0.99 and failed["n_pairs"] == N_OWN_VAL
+
+
+@pytest.mark.slow
+def test_head_init_zero_starts_the_reward_as_the_likelihood_feature_alone(tmp_path):
+    from llm.reward_model import response_logprob
+    ws = make_workspace(tmp_path)
+    write_params(ws, reward=dict(logprob_feature=True, head_init="zero", max_steps=1, warmup_steps=0, lr=1.0e-12,
+                                 min_lr=0.0))
+    run = run_stage(ws, "reward")
+    assert run.returncode == 0, run.stderr
+    rm, tok, _ = load_model_dir(ws / "models/reward")
+    assert float(rm.reward_head.weight.abs().max()) < 1e-9 and abs(float(rm.reward_head.bias)) < 1e-9
+    seq = render([{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "#### 12"}], tok)[0]
+    idx = torch.tensor([seq])
+    with torch.no_grad():
+        feature = response_logprob(rm.eval(), idx, rm.hidden_states(idx))
+        assert float(reward(rm, idx)[0]) == pytest.approx(float(rm.reward_logprob_head.weight * feature[0]), abs=1e-6)
