@@ -168,18 +168,22 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # Two-exchange conversations and out-of-scope requests, each from generators of their own:
     # at their default counts (0) they draw nothing, and at any count they change no record above.
     trained |= {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
-    data["multiturn"]["test"], train = _multiturn(cfg, seed, trained, asked | eval_questions)
+    prompts = {t["prompt"] for t in items["tasks"]} | {q["question"] for q in items["arithmetic"]}
+    data["multiturn"]["test"], train = _multiturn(cfg, seed, trained, asked | eval_questions, prompts)
     data["sft"]["train"] += train
     data["scope"]["test"], train = _scope(cfg, seed, trained)
     data["sft"]["train"] += train
     return data, {"sources": sources_stats}
 
 
-def _multiturn(cfg, seed: int, trained: set[str], held_out: set[str]) -> tuple[list[dict], list[dict]]:
+def _multiturn(cfg, seed: int, trained: set[str], held_out: set[str], eval_prompts: set[str]
+               ) -> tuple[list[dict], list[dict]]:
     """cfg.multiturn_test evaluation conversations (the first three turns, and the last turn's
     answer) whose first question, and second when it is a word problem, is no training prompt;
-    then cfg.multiturn_train SFT conversations that share no such question with them and ask no
-    question or calculation in `held_out` (the evaluation's math and bare calculations)."""
+    then cfg.multiturn_train SFT conversations that share no such question with them, ask no
+    question or calculation in `held_out` (the evaluation's math and bare calculations) and have
+    no user turn among `eval_prompts` (the evaluation's instruction tasks and bare calculations,
+    word for word: a task after a sum asks a task prompt in its second turn)."""
     test, test_questions = [], set()
     for i, c in enumerate(_conversations(cfg, seed, "multiturn_test", lambda c: bool(_asked(c) & trained))):
         test_questions |= _asked(c)
@@ -188,8 +192,13 @@ def _multiturn(cfg, seed: int, trained: set[str], held_out: set[str]) -> tuple[l
     train = [{"id": f"multiturn-train-{i}", "source": "generated/multiturn", "messages": list(c.messages)}
              for i, c in enumerate(_conversations(
                  cfg, seed, "multiturn_train",
-                 lambda c: bool(_asked(c) & test_questions or (_asked(c) | set(c.expressions)) & held_out)))]
+                 lambda c: bool(_asked(c) & test_questions or (_asked(c) | set(c.expressions)) & held_out
+                                or _user_turns(c) & eval_prompts)))]
     return test, train
+
+
+def _user_turns(c) -> set[str]:
+    return {m["content"] for m in c.messages if m["role"] == "user"}
 
 
 def _asked(c) -> set[str]:

@@ -14,6 +14,9 @@ def _run_prepare(tmp_path, **overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["prepare"].update(math_train=300, math_val=40, math_test=60, math_pretrain_docs=50, task_train=100,
                              task_val=20, pref_train=80, pref_val=20)
+    # two-exchange conversations and out-of-scope requests off unless a test asks: they are drawn
+    # last and skip what the evaluation asks, so they would blur what each test isolates
+    params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0)
     params["prepare"].update(overrides)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -62,11 +65,13 @@ def test_eval_only_items_are_no_training_prompt(tmp_path):
 
 
 def test_eval_only_items_change_no_training_record(tmp_path):
-    """Without bare calculations in SFT, the evaluation-only items leave every training file as it was."""
+    """Without bare calculations and two-exchange conversations in SFT (both are drawn after the
+    evaluation's items and skip them), the evaluation-only items leave every training file as it was."""
     a, b = tmp_path / "with", tmp_path / "without"
     a.mkdir(), b.mkdir()
-    assert _run_prepare(a, task_test=10, arithmetic_test=30, arithmetic_train=0).returncode == 0
-    assert _run_prepare(b, task_test=0, arithmetic_test=0, arithmetic_train=0).returncode == 0
+    none = dict(arithmetic_train=0, multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0)
+    assert _run_prepare(a, task_test=10, arithmetic_test=30, **none).returncode == 0
+    assert _run_prepare(b, task_test=0, arithmetic_test=0, **none).returncode == 0
     files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
     assert len(files) == 13  # multiturn/test and scope/test are empty at their default counts
     for f in files:
@@ -181,9 +186,11 @@ def test_a_directory_as_source_path_fails_cleanly_even_when_skipping_bad_records
 def _small_cfg(**overrides):
     from llm.config import load_params_text
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["prepare"].update(shakespeare=False, math_train=200, math_val=20, math_test=30, math_pretrain_docs=20,
-                             task_train=60, task_val=10, task_test=5, pref_train=40, pref_val=8, arithmetic_train=20,
-                             arithmetic_test=10, **overrides)
+    params["prepare"].update({"shakespeare": False, "math_train": 200, "math_val": 20, "math_test": 30,
+                              "math_pretrain_docs": 20, "task_train": 60, "task_val": 10, "task_test": 5,
+                              "pref_train": 40, "pref_val": 8, "arithmetic_train": 20, "arithmetic_test": 10,
+                              "multiturn_train": 0, "multiturn_test": 0, "scope_train": 0, "scope_test": 0,
+                              **overrides})
     return load_params_text(yaml.safe_dump(params, sort_keys=False)).prepare
 
 
@@ -246,3 +253,15 @@ def test_more_out_of_scope_requests_than_the_generator_has_is_refused_naming_the
     from llm.fileio import DataError
     with pytest.raises(DataError, match=r"prepare\.scope_train \(there are \d+ English and \d+ Chinese ones"):
         build(_small_cfg(scope_test=10, scope_train=1000), seed=7)
+
+
+def test_no_two_exchange_conversation_asks_an_evaluation_prompt_in_any_turn():
+    """A task after a sum asks a task prompt in its second turn; the reverse and repeat tasks have
+    few distinct prompts, so without the check many of the evaluation's would be trained on."""
+    from llm.data import build
+    on, _ = build(_small_cfg(multiturn_train=2000, task_test=40, arithmetic_test=60), seed=7)
+    evals = {t["prompt"] for t in on["tasks"]["test"]} | {q["question"] for q in on["arithmetic"]["test"]}
+    assert sum(t["kind"] in ("reverse", "repeat") for t in on["tasks"]["test"]) >= 40
+    turns = {m["content"] for r in on["sft"]["train"] if r["source"] == "generated/multiturn"
+             for m in r["messages"] if m["role"] == "user"}
+    assert len(turns) > 2000 and not evals & turns
