@@ -274,21 +274,24 @@ def test_eval_on_two_processes_writes_the_bytes_of_one(tmp_path, world):
 
 
 @pytest.mark.slow
-def test_pairs_on_two_processes_write_the_bytes_of_one(tmp_path):
+def test_samples_and_pairs_on_two_processes_write_the_bytes_of_one(tmp_path):
     from tests.test_reward import make_workspace
     src = make_workspace(tmp_path / "src", reward_model=True)
     runs = {}
     for n in (1, 2):
         ws = _copy_with_nproc(src, tmp_path / f"n{n}", n)
-        r = _stage(ws, "pairs")
-        assert r.returncode == 0, r.stdout + r.stderr
+        for stage in ("samples", "pairs"):
+            r = _stage(ws, stage)
+            assert r.returncode == 0, r.stdout + r.stderr
         runs[n] = ws
-    for f in ("data/pairs/train.jsonl", "data/pairs/val.jsonl", "metrics/plots/pairs.tsv"):
+    for f in ("data/samples/samples.jsonl", "data/samples/train.jsonl", "data/samples/val.jsonl",
+              "data/pairs/train.jsonl", "data/pairs/val.jsonl", "metrics/plots/pairs.tsv"):
         assert (runs[1] / f).read_bytes() == (runs[2] / f).read_bytes(), f
     timing = ("generate_time_s", "generate_tokens_per_s", "score_time_s", "stage_time_s")
-    m1, m2 = (json.loads((runs[n] / "metrics/pairs.json").read_text()) for n in (1, 2))
-    assert {k: v for k, v in m1.items() if k not in timing} == {k: v for k, v in m2.items() if k not in timing}
-    assert m1["pairs"] > 0
+    for stage in ("samples", "pairs"):
+        m1, m2 = (json.loads((runs[n] / f"metrics/{stage}.json").read_text()) for n in (1, 2))
+        assert {k: v for k, v in m1.items() if k not in timing} == {k: v for k, v in m2.items() if k not in timing}
+        assert m1["responses" if stage == "samples" else "pairs"] > 0
 
 
 # ---------------------------------------------------------------------------
