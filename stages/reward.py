@@ -169,6 +169,9 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
 def _load_own(samples: Path, tok, seq_len: int):
     """The samples stage's comparisons (PairSplits), or None when either side is empty."""
     from llm.fileio import DataError
+    if any(not (Path(samples) / f).is_file() or (Path(samples) / f).stat().st_size == 0
+           for f in ("train.jsonl", "val.jsonl")):
+        return None
     try:
         return load_pair_splits(samples, tok, seq_len)
     except DataError as e:

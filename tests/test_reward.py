@@ -408,3 +408,17 @@ def test_head_init_zero_starts_the_reward_as_the_likelihood_feature_alone(tmp_pa
     with torch.no_grad():
         feature = response_logprob(rm.eval(), idx, rm.hidden_states(idx))
         assert float(reward(rm, idx)[0]) == pytest.approx(float(rm.reward_logprob_head.weight * feature[0]), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_without_comparisons_of_sfts_own_answers_the_reward_model_learns_from_the_generated_pairs(tmp_path):
+    """A weak SFT model whose samples never disagree (the smoke profile's): the samples stage
+    writes empty comparison files, and the reward stage trains and tests on the generated pairs."""
+    ws = make_workspace(tmp_path)
+    for f in ("train.jsonl", "val.jsonl"):
+        (ws / "data/samples" / f).write_text("")
+    run = run_stage(ws, "reward")
+    assert run.returncode == 0, run.stderr
+    assert "no comparisons of SFT's own answers" in run.stdout + run.stderr
+    m = read_metrics(ws / "metrics/reward.json")
+    assert m["held_out_on"] == "generated" and m["n_pairs"] == 16 and m["train_pairs_generated"] == 0
