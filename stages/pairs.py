@@ -44,7 +44,7 @@ OUTPUTS = {"out": "the pairs directory", "metrics": "the metrics JSON", "plots":
 
 
 def run(common: CommonConfig, cfg: PairsConfig, device, *, samples: Path, rm: Path, out: Path, metrics: Path,
-        plots: Path, progress: bool = True, rt: Runtime | None = None) -> dict:
+        plots: Path, rt: Runtime | None = None) -> dict:
     """Make, write (rank 0) and return the pairs' metrics. rt: a distributed Runtime shares the
     reward model's scoring out over its ranks; the files are those of one process."""
     t_start = time.perf_counter()
@@ -113,8 +113,7 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, samples: Path, rm: Pa
 
 def main(argv: list[str] | None = None) -> int:
     def work(args, common: CommonConfig, cfg: PairsConfig, rt: Runtime) -> str | None:
-        m = run(common, cfg, rt.device, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)},
-                progress=not args.no_progress, rt=rt)
+        m = run(common, cfg, rt.device, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)}, rt=rt)
         if not rt.is_main:
             return None
         ps = m["preference_score"]

@@ -167,7 +167,7 @@ def _run_pairs(ws, p: dict, out) -> dict:
                       sft_data=ws / "data/clean_sft/train.jsonl", out=samples, metrics=ws / "metrics/samples.json",
                       progress=False)
     return pairs_stage.run(common, cfg, "cpu", samples=samples, rm=ws / "models/reward", out=out,
-                           metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots", progress=False)
+                           metrics=ws / "metrics/pairs.json", plots=ws / "metrics/plots")
 
 
 def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
