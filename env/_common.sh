@@ -10,7 +10,9 @@
 #      with --dev also env/requirements-dev.txt;
 #   4. put Vega, Vega-Lite and Vega-Embed (pinned below, fetched with `npm pack`) into
 #      $LLM_VENV/share/vega, so that `dvc plots show` renders offline (env/dvc_plots.html);
-#      without npm this step only warns: the pipeline does not need it;
+#      without npm this step only warns: the pipeline does not need it; then (on every run, as
+#      it is quick) a copy of that page template with Vega inlined, named in .dvc/config.local
+#      (`plots_page`), so pages written by `-o DIR` draw wherever DIR is;
 #   5. write $LLM_VENV/.setup-stamp, a hash of everything that decides what gets installed
 #      (requirement files, pyproject.toml, the Vega pins, torch variant, Python version, repo
 #      path). A later run whose hash matches skips steps 1-4 and only verifies `import torch, llm`
@@ -305,6 +307,33 @@ install_vega() {
     say "vega: installed into $VEGA_DIR"
 }
 
+# After step 4 (and on every later run): env/dvc_plots.html with Vega inlined, written to
+# $VEGA_DIR/dvc_plots.html, and DVC's `plots.html_template` pointed at it in .dvc/config.local
+# (per clone, not tracked), so that `dvc plots show -o DIR` and `dvc plots diff -o DIR` draw
+# offline wherever DIR is. Without Vega, or with a venv outside the repository (LLM_VENV; the
+# setting would then hold a machine's path), DVC keeps the tracked template, which works for a
+# DIR directly under the repository root, and this says how to opt in.
+plots_page() {
+    local entry name rel
+    for entry in $VEGA_FILES; do
+        name="${entry#*:}"; name="$(basename "${name%%:*}")"
+        [[ -f "$VEGA_DIR/$name" ]] || return 0
+    done
+    "$VENV_PY" "$ENV_DIR/plots_page.py" "$ENV_DIR/dvc_plots.html" "$VEGA_DIR" "$VEGA_DIR/dvc_plots.html" >/dev/null \
+        || { warn "could not write $VEGA_DIR/dvc_plots.html (above): \`dvc plots show -o DIR\` draws only for a DIR directly under the repository."; return 0; }
+    case "$VEGA_DIR" in
+        "$REPO_ROOT"/*)
+            rel="../${VEGA_DIR#"$REPO_ROOT"/}/dvc_plots.html"  # DVC reads it relative to .dvc/
+            if (cd "$REPO_ROOT" && "$VENV/bin/dvc" config --local plots.html_template "$rel"); then
+                say "plots: dvc plots pages carry Vega ($rel in .dvc/config.local), so -o DIR draws anywhere"
+            else
+                warn "could not set plots.html_template in $REPO_ROOT/.dvc/config.local; \`dvc plots show -o DIR\` draws only for a DIR directly under the repository."
+            fi ;;
+        *)
+            say "plots: for dvc plots pages that draw anywhere: dvc config --local plots.html_template '$VEGA_DIR/dvc_plots.html'" ;;
+    esac
+}
+
 # Import torch and llm from the venv; prints one summary line; returns non-zero on any problem.
 verify_imports() {
     "$VENV_PY" - "$(torch_pin_version)" "$REPO_ROOT" <<'PY'
@@ -360,6 +389,7 @@ run_setup() {
         if ((CHECK_ONLY)); then say "up to date: $VENV matches $(basename "$STAMP")"; return 0; fi
         if ((DRY_RUN)); then say "dry run: $VENV is up to date; a run would only verify 'import torch, llm'"; return 0; fi
         say "up to date: $VENV matches its $(basename "$STAMP") (requirements unchanged); skipping installs"
+        plots_page
         if verify_imports; then
             if declare -F final_check >/dev/null; then final_check; fi
             return 0
@@ -387,6 +417,7 @@ run_setup() {
     install_torch "$pin"
     install_rest "$DEV"
     install_vega
+    plots_page
     verify_imports || die "the install finished but 'import torch, llm' fails in $VENV (see above)." \
         "Remove the venv (rm -rf '$VENV') and rerun $SETUP_NAME; if it fails again, report the message above."
     if declare -F final_check >/dev/null; then final_check; fi

@@ -414,3 +414,28 @@ def test_without_npm_the_setup_warns_and_goes_on(borrowed_venv, tmp_path):
     r = _vega_setup(tmp_path, borrowed_venv, None)
     assert r.returncode == 0, r.stderr
     assert "npm not found" in r.stderr and "dvc plots show" in r.stderr
+
+
+def test_plots_page_inlines_vega_so_a_page_draws_wherever_it_is_written(tmp_path):
+    """env/plots_page.py turns the tracked template's `../.venv/share/vega/*.js` tags (which hold
+    only for an output folder directly under the repository) into the scripts themselves."""
+    import runpy
+
+    inline = runpy.run_path(str(ENV / "plots_page.py"))["inline"]
+    template = (ENV / "dvc_plots.html").read_text()
+    names = ("vega.min.js", "vega-lite.min.js", "vega-embed.min.js")
+    assert all(f'src="../.venv/share/vega/{n}"' in template for n in names)
+    for n in names:
+        (tmp_path / n).write_text(f"window.loaded_{n.split('.')[0].replace('-', '_')} = 1;")
+    page = inline(template, tmp_path)
+    assert "../.venv/share/vega/" not in page and "{plot_divs}" in page
+    assert all(f"window.loaded_{n.split('.')[0].replace('-', '_')} = 1;" in page for n in names)
+
+    (tmp_path / "vega-lite.min.js").unlink()
+    with pytest.raises(FileNotFoundError, match="vega-lite.min.js"):
+        inline(template, tmp_path)
+    (tmp_path / "vega-lite.min.js").write_text("x = '</script>';")
+    with pytest.raises(ValueError, match="end the inline script"):
+        inline(template, tmp_path)
+    with pytest.raises(ValueError, match="nothing to inline"):
+        inline("<html>{plot_divs}</html>", tmp_path)
