@@ -198,6 +198,9 @@ class PrepareConfig:
                           " answered with a statement of what the model can do; 0: none")
     scope_test: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="evaluation-only requests outside the model's skills,"
                          " none a training prompt")
+    scope_second_turn: float = _f(0.0, lo=0.0, hi=1.0, added=True, doc="share of the out-of-scope requests, in"
+                                  " training and in the evaluation, asked as the second turn after a sum or a"
+                                  " word problem (a user who goes off-topic mid-conversation); 0: all first turns")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)

@@ -44,8 +44,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from llm.fileio import DataError
-from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, paraphrase_answer,
-                            preference_pair, scope_prompt_count, scope_request, task, task_preference_pair)
+from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, opening_exchange,
+                            paraphrase_answer, preference_pair, scope_prompt_count, scope_request, task,
+                            task_preference_pair)
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
 # Share of generated SFT samples re-emitted as exact duplicates / same-instruction
@@ -171,7 +172,8 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     prompts = {t["prompt"] for t in items["tasks"]} | {q["question"] for q in items["arithmetic"]}
     data["multiturn"]["test"], train = _multiturn(cfg, seed, trained, asked | eval_questions, prompts)
     data["sft"]["train"] += train
-    data["scope"]["test"], train = _scope(cfg, seed, trained)
+    opened = {m["content"] for c in data["multiturn"]["test"] for m in c["messages"] if m["role"] == "user"}
+    data["scope"]["test"], train = _scope(cfg, seed, trained, asked | eval_questions | opened)
     data["sft"]["train"] += train
     return data, {"sources": sources_stats}
 
@@ -217,10 +219,16 @@ def _conversations(cfg, seed: int, key: str, skip) -> list:
                      f"prepare: could not draw {n} distinct conversations for prepare.{key}; lower it")
 
 
-def _scope(cfg, seed: int, trained: set[str]) -> tuple[list[dict], list[dict]]:
+def _scope(cfg, seed: int, trained: set[str], held_out: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
     """cfg.scope_test requests outside the model's skills, none a training prompt, then
-    cfg.scope_train others as SFT conversations answered with what the model can do."""
+    cfg.scope_train others as SFT conversations answered with what the model can do. A
+    cfg.scope_second_turn share of each is asked after a first exchange (`opening_exchange`: a
+    sum or word problem, answered), whose question and calculation are none in `held_out` (the
+    evaluation's questions and calculations, and the user turns of its conversations); the
+    test records carry it as "history". The openings draw from a generator of their own, so the
+    requests are those drawn without them."""
     rng = random.Random(f"{seed}:prepare:scope")
+    opening_rng = random.Random(f"{seed}:prepare:scope:opening")
     drawn: dict[str, list] = {}
     taken = set(trained)
     for key in ("scope_test", "scope_train"):
@@ -231,10 +239,22 @@ def _scope(cfg, seed: int, trained: set[str]) -> tuple[list[dict], list[dict]]:
                                f" {scope_prompt_count('en')} English and {scope_prompt_count('zh')} Chinese ones"
                                f" for scope_test and scope_train together); lower it")
         taken |= {r.prompt for r in drawn[key]}
-    test = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang,
-             "source": "generated/scope"} for i, r in enumerate(drawn["scope_test"])]
+
+    def opening(lang: str) -> list[dict]:
+        if opening_rng.random() >= cfg.scope_second_turn:
+            return []
+        while True:
+            messages, expr = opening_exchange(opening_rng, lang, levels=tuple(cfg.math_levels))
+            if messages[0]["content"] not in held_out and expr not in held_out:
+                return list(messages)
+
+    test = []
+    for i, r in enumerate(drawn["scope_test"]):
+        history = opening(r.lang)
+        test.append({"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang,
+                     "source": "generated/scope", **({"history": history} if history else {})})
     train = [{"id": f"scope-train-{i}", "source": "generated/scope", "messages": [
-        {"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer}]}
+        *opening(r.lang), {"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer}]}
         for i, r in enumerate(drawn["scope_train"])]
     return test, train
 

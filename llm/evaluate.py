@@ -244,13 +244,23 @@ def has_math_template(response: str) -> bool:
 
 def score_scope(items: Sequence[dict], responses: Sequence[str], confidence: float = 0.95
                 ) -> tuple[dict, list[bool]]:
-    """Answers to requests outside the model's skills ({"prompt", "answer", "lang"}): the share
-    with no math template (`has_math_template`), and the share that is exactly the taught
-    statement of what the model can do, with Wilson intervals -> (metrics, per-item no-math outcomes)."""
+    """Answers to requests outside the model's skills ({"prompt", "answer", "lang", and
+    "history" when asked after a first exchange}): the share with no math template
+    (`has_math_template`), overall, per language and (where some have a history) per turn, and
+    the share that is exactly the taught statement of what the model can do, with Wilson
+    intervals -> (metrics, per-item no-math outcomes)."""
     no_math = [not has_math_template(r) for r in responses]
     exact = [r.strip() == c["answer"].strip() for c, r in zip(items, responses)]
-    return {**rate("scope_no_math_rate", no_math, confidence), **rate("scope_exact_match", exact, confidence),
-            "scope_n": len(items)}, no_math
+    out = {**rate("scope_no_math_rate", no_math, confidence), **rate("scope_exact_match", exact, confidence),
+           "scope_n": len(items)}
+    second = [bool(c.get("history")) for c in items]
+    if any(second):  # asked after a first exchange: reported apart, as well as in the whole
+        for name, turn in (("first_turn", False), ("second_turn", True)):
+            pick = [k for k, s in zip(no_math, second) if s == turn]
+            out.update({**rate(f"scope_no_math_rate_{name}", pick, confidence), f"scope_n_{name}": len(pick)})
+    for lang, cs in _by(items, no_math, "lang").items():
+        out.update(rate(f"scope_no_math_rate_{lang}", cs, confidence))
+    return out, no_math
 
 
 def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
@@ -536,13 +546,26 @@ def _conversation_sets(res: _Results, model, tokenizer, cfg: EvalConfig, multitu
                    c["answer"], a, k) for c, a, k in zip(multiturn, replies, ok)]
     if scope:
         with res.timed("scope"):
-            replies = answer_questions(model, tokenizer, [c["prompt"] for c in scope],
-                                       max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)
+            first = [i for i, c in enumerate(scope) if not c.get("history")]
+            later = [i for i, c in enumerate(scope) if c.get("history")]
+            replies = [""] * len(scope)
+            for i, a in zip(first, answer_questions(model, tokenizer, [scope[i]["prompt"] for i in first],
+                                                    max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                                    rt=rt)):
+                replies[i] = a
+            if later:
+                prompts = [render_prompt([*scope[i]["history"], {"role": "user", "content": scope[i]["prompt"]}],
+                                         tokenizer) for i in later]
+                for i, a in zip(later, generate_replies(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
+                                                        batch_size=cfg.batch_size, rt=rt)[0]):
+                    replies[i] = a
         scored, ok = score_scope(scope, replies, cfg.confidence)
         res.metrics.update(scored)
-        res.items += [{"set": "scope", "id": c.get("id", str(i)), "lang": c.get("lang", ""), "correct": k}
-                      for i, (c, k) in enumerate(zip(scope, ok))]
-        shown += [("scope", c.get("lang", ""), c["prompt"], c["answer"], a, k) for c, a, k in zip(scope, replies, ok)]
+        res.items += [{"set": "scope", "id": c.get("id", str(i)), "lang": c.get("lang", ""),
+                       "turn": 2 if c.get("history") else 1, "correct": k} for i, (c, k) in enumerate(zip(scope, ok))]
+        shown += [("scope", c.get("lang", "") + (", second turn" if c.get("history") else ""),
+                   " / ".join([m["content"] for m in c.get("history", []) if m["role"] == "user"] + [c["prompt"]]),
+                   c["answer"], a, k) for c, a, k in zip(scope, replies, ok)]
     if shown:
         res.extras["item_samples"] += _first_of_each_group(shown, n_samples_kept)
 

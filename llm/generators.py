@@ -23,7 +23,8 @@ records byte for byte:
   first (`MULTITURN_KINDS`): an operation on the previous result ("And times 2?" answered
   `12 * 2 = 24`, `#### 24`), a new word problem after an old one, an instruction task after a sum.
 - `scope_request(rng, lang)`: a request outside these skills ("Write a poem about the sea."),
-  answered by `SCOPE_ANSWER`, a statement of what the model can do.
+  answered by `SCOPE_ANSWER`, a statement of what the model can do; `opening_exchange(rng,
+  lang)` is a first exchange (a sum or a word problem, answered) to ask such a request after.
 - `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
   formatted) and a rejected one (a wrong result, or the right result in a broken
   format: no `####` line).
@@ -347,6 +348,14 @@ def _first_turn(rng: random.Random, lang: str, levels: list[int]) -> tuple[str, 
     return p.question, p.solution, p.answer, ""
 
 
+def opening_exchange(rng: random.Random, lang: str, levels: tuple[int, ...] = (1, 2, 3, 4)
+                     ) -> tuple[tuple[dict, dict], str]:
+    """((user, assistant) messages, bare expression or ""): a first exchange, a calculation or a
+    word problem answered, as two-exchange conversations open, for a second question of any kind."""
+    q, a, _, expr = _first_turn(rng, lang, list(levels))
+    return ({"role": "user", "content": q}, {"role": "assistant", "content": a}), expr
+
+
 def _followup(rng: random.Random, value: int, lang: str) -> tuple[str, str, int]:
     """(follow-up question, its solution, its value): one operation applied to `value`, kept a
     non-negative whole number (a division only where it is exact)."""
@@ -440,11 +449,32 @@ _SCOPE_EN = [
 ]
 _FILL = {"form": _FORMS, "topic": _TOPICS, "person": _PEOPLE, "opinion": _OPINIONS, "phrase": _PHRASES,
          "language": _LANGUAGES, "country": _COUNTRIES, "thing": _THINGS}
-_SCOPE_ZH = [("写一首关于{t}的诗。", ["大海", "月亮", "秋天", "春雨", "故乡", "星空", "长城", "梅花"]),
-             ("{t}是谁？", ["李白", "孔子", "秦始皇", "爱因斯坦", "居里夫人", "拿破仑", "鲁迅", "牛顿"]),
-             ("你觉得{t}怎么样？", ["网上购物", "电动汽车", "短视频", "在家上班", "现代艺术", "电子游戏"]),
-             ("把“{t}”翻译成英文。", ["早上好", "谢谢你", "我喜欢看书", "明天见", "今天天气很好", "生日快乐"]),
-             ("{t}的首都是哪里？", ["法国", "巴西", "日本", "埃及", "加拿大", "印度"])]
+_ZH_TOPICS = ["大海", "月亮", "秋天", "春雨", "故乡", "星空", "长城", "梅花", "冬天的早晨", "小狗", "友谊", "高山",
+              "森林", "沙漠", "火车旅行", "灯塔", "咖啡", "河流", "机器人", "音乐", "生日", "风", "花园", "老钟"]
+_ZH_PEOPLE = ["李白", "孔子", "秦始皇", "爱因斯坦", "居里夫人", "拿破仑", "鲁迅", "牛顿", "杜甫", "达尔文", "莫扎特",
+              "诸葛亮", "武则天", "伽利略", "苏轼", "孙中山"]
+_ZH_OPINIONS = ["网上购物", "电动汽车", "短视频", "在家上班", "现代艺术", "电子游戏", "快餐", "太空旅行", "养猫",
+                "城市生活", "古典音乐", "社交媒体"]
+_ZH_PHRASES = ["早上好", "谢谢你", "我喜欢看书", "明天见", "今天天气很好", "生日快乐", "车站在哪里", "这个多少钱",
+               "我很高兴", "晚安"]
+_ZH_COUNTRIES = ["法国", "巴西", "日本", "埃及", "加拿大", "印度", "肯尼亚", "秘鲁", "挪威", "澳大利亚", "墨西哥", "越南"]
+_ZH_THINGS = ["彩虹", "互联网", "疫苗", "飞机发动机", "股市", "冰箱", "光合作用", "黑洞", "自行车变速器", "心脏"]
+# Chinese requests: enough distinct ones (216) that the Chinese share of scope_train teaches the
+# statement from about as many examples per word as the English one gets.
+_SCOPE_ZH = [("写一首关于{t}的诗。", _ZH_TOPICS),
+             ("写一个关于{t}的故事。", _ZH_TOPICS),
+             ("讲一个关于{t}的笑话。", _ZH_TOPICS),
+             ("给一本关于{t}的书起个名字。", _ZH_TOPICS),
+             ("{t}是谁？", _ZH_PEOPLE),
+             ("给我讲讲{t}的生平。", _ZH_PEOPLE),
+             ("你觉得{t}怎么样？", _ZH_OPINIONS),
+             ("{t}是个好主意吗？", _ZH_OPINIONS),
+             ("把“{t}”翻译成英文。", _ZH_PHRASES),
+             ("把“{t}”翻译成日文。", _ZH_PHRASES),
+             ("{t}的首都是哪里？", _ZH_COUNTRIES),
+             ("帮我计划一次去{t}的旅行。", _ZH_COUNTRIES),
+             ("解释一下{t}是怎么工作的。", _ZH_THINGS),
+             ("{t}的原理是什么？", _ZH_THINGS)]
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,8 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("arithmetic_exact_match", "bare arithmetic", "pct"),
     ("multiturn_exact_match", "second turns: math right in the second answer", "pct"),
     ("scope_no_math_rate", "requests outside its skills answered without a worked sum", "pct"),
+    ("scope_no_math_rate_second_turn", "the same, asked after a sum or a word problem", "pct"),
+    ("scope_no_math_rate_zh", "the same, asked in Chinese", "pct"),
     ("scope_exact_match", "requests outside its skills answered with the taught statement", "pct"),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),

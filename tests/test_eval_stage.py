@@ -368,3 +368,38 @@ def test_an_empty_evaluation_only_file_is_not_scored_and_a_missing_one_is_an_err
     assert _optional_jsonl(tmp_path / "test.jsonl") == []
     with pytest.raises(FileNotFoundError, match="run `dvc repro prepare` first"):
         _optional_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_an_out_of_scope_request_after_a_first_exchange_is_asked_with_it_and_scored_per_turn(world, monkeypatch):
+    """A request with a "history" (a sum asked and answered first) is answered with that
+    conversation as its prompt; the no-math share is reported per turn and per language as well
+    as overall, and each item says its turn."""
+    import llm.evaluate as ev
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
+    history = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"}]
+    scope = [{"id": "first", "prompt": "Write a poem about the sea.", "answer": "I can do sums.", "lang": "en"},
+             {"id": "second", "prompt": "Write a poem about the sea.", "answer": "I can do sums.", "lang": "en",
+              "history": history},
+             {"id": "zh", "prompt": "写一首关于大海的诗。", "answer": "我会算数。", "lang": "zh", "history": history}]
+    canned = {tuple(render_prompt([{"role": "user", "content": scope[0]["prompt"]}], w["tok"])): "I can do sums.",
+              tuple(render_prompt([*history, {"role": "user", "content": scope[1]["prompt"]}], w["tok"])):
+                  "12 + 1 = 13\n#### 13",
+              tuple(render_prompt([*history, {"role": "user", "content": scope[2]["prompt"]}], w["tok"])): "我会算数。"}
+    real = ev.generate_replies
+
+    def fake(model, tok, prompts, **kw):
+        if all(tuple(p) in canned for p in prompts):
+            return [canned[tuple(p)] for p in prompts], [1] * len(prompts)
+        assert not any(tuple(p) in canned for p in prompts)
+        return real(model, tok, prompts, **kw)
+
+    monkeypatch.setattr(ev, "generate_replies", fake)
+    m, extras = evaluate_model(w["sft"], w["tok"], cfg, seed=0, problems=w["test"], scope=scope)
+    assert m["scope_n"] == 3 and m["scope_no_math_rate"] == pytest.approx(2 / 3)
+    assert m["scope_exact_match"] == pytest.approx(2 / 3)
+    assert m["scope_no_math_rate_first_turn"] == 1.0 and m["scope_n_first_turn"] == 1
+    assert m["scope_no_math_rate_second_turn"] == 0.5 and m["scope_n_second_turn"] == 2
+    assert m["scope_no_math_rate_en"] == 0.5 and m["scope_no_math_rate_zh"] == 1.0
+    items = [(i["id"], i["turn"], i["correct"]) for i in extras["items"] if i["set"] == "scope"]
+    assert items == [("first", 1, True), ("second", 2, False), ("zh", 2, True)]

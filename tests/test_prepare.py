@@ -265,3 +265,30 @@ def test_no_two_exchange_conversation_asks_an_evaluation_prompt_in_any_turn():
     turns = {m["content"] for r in on["sft"]["train"] if r["source"] == "generated/multiturn"
              for m in r["messages"] if m["role"] == "user"}
     assert len(turns) > 2000 and not evals & turns
+
+
+def test_out_of_scope_requests_asked_mid_conversation_open_with_no_evaluation_question():
+    """prepare.scope_second_turn asks that share of the out-of-scope requests after a first
+    exchange (a sum or a word problem, answered): the requests are those drawn without it, the
+    test records carry the opening as "history", and no opening asks a held-out question, a
+    held-out calculation or a user turn of the evaluation's conversations."""
+    from llm.data import build
+    counts = dict(multiturn_train=100, multiturn_test=40, scope_train=200, scope_test=60)
+    on, _ = build(_small_cfg(**counts, scope_second_turn=0.5), seed=7)
+    off, _ = build(_small_cfg(**counts, scope_second_turn=0.0), seed=7)
+    assert [r["prompt"] for r in on["scope"]["test"]] == [r["prompt"] for r in off["scope"]["test"]]
+    assert not any("history" in r for r in off["scope"]["test"])
+    opened = [r for r in on["scope"]["test"] if "history" in r]
+    assert 15 <= len(opened) <= 45
+    assert all([m["role"] for m in r["history"]] == ["user", "assistant"] for r in opened)
+    train = [r for r in on["sft"]["train"] if r["source"] == "generated/scope"]
+    assert [r["messages"][-2:] for r in train] == [r["messages"] for r in off["sft"]["train"]
+                                                   if r["source"] == "generated/scope"]
+    openings = [r["messages"][0]["content"] for r in train if len(r["messages"]) == 4]
+    assert 60 <= len(openings) <= 140
+    openings += [r["history"][0]["content"] for r in opened]
+    held_out = {r["question"] for s in ("val", "test") for r in on["rl"][s]} | {
+        r["question"] for r in on["arithmetic"]["test"]} | {
+        m["content"] for c in on["multiturn"]["test"] for m in c["messages"] if m["role"] == "user"}
+    assert not set(openings) & held_out
+    assert {r["lang"] for r in opened} == {"en", "zh"}
