@@ -170,6 +170,9 @@ class PrepareConfig:
     pretrain_sources: list[SourceConfig] = _f()
     sft_sources: list[SourceConfig] = _f()
     pref_sources: list[SourceConfig] = _f()
+    math_test_sources: list[SourceConfig] = _f([], added=True, doc="gsm8k sources (GSM8K's `test` split) whose"
+                                               " problems join the evaluation's math test after the generated ones"
+                                               " (rl/test, level 0); nothing trains on them")
     math_train: int = _f(lo=0, hi=MAX_COUNT)
     math_val: int = _f(lo=0, hi=MAX_COUNT)
     math_test: int = _f(lo=0, hi=MAX_COUNT)
@@ -215,6 +218,10 @@ class PrepareConfig:
         if self.task_weights and (len(self.task_weights) != len(TASK_KINDS) or not sum(self.task_weights) > 0):
             out.append(f"{key}.task_weights: expected {len(TASK_KINDS)} weights, one per task kind in the order"
                        f" {', '.join(TASK_KINDS)}, not all zero (or [] for even shares); got {self.task_weights}")
+        for i, src in enumerate(self.math_test_sources):
+            if src.schema != "gsm8k":
+                out.append(f"{key}.math_test_sources[{i}].schema: {src.schema!r}; the evaluation's math test takes"
+                           f" word problems with a final answer: schema gsm8k")
         return out
 
 
@@ -471,7 +478,8 @@ class RLConfig(LoopConfig):
     clip_epsilon: float = _f(lo=0.0, hi=1.0)
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
     temperature: float = _f(lo=1e-3, hi=100.0)
-    levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum")
+    levels: list[int] = _f(lo=0, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum;"
+                           " 0: problems from sources (GSM8K), which have no level")
     eval_problems: int = _f(lo=0, hi=MAX_COUNT)
     max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
     correct_reward: float = _f(lo=0.0, hi=MAX_COEF, doc="verifier reward for a correct final answer")
@@ -520,7 +528,7 @@ class GRPOConfig(RLConfig):
     beta: float = _f(lo=0.0, hi=MAX_COEF, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
-    curriculum_levels: list[int] = _f(lo=1, hi=4)
+    curriculum_levels: list[int] = _f(lo=0, hi=4)
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
     step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
                                                  " added to each token's advantage; 0 = outcome reward only")
@@ -993,7 +1001,26 @@ def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | No
         out[name] = _convert(hints[name], tree.value[name], name, {}, where, problems)
     if sections is not None:
         return out
-    return Params(**out) if not problems else None
+    if problems:
+        return None
+    params = Params(**out)
+    problems += _across_sections(params, where)
+    return params
+
+
+def _across_sections(p: Params, where: str) -> list[str]:
+    """Problems no one section shows: the evaluation asks for more math test problems than
+    prepare writes (found only at the end of a run, by the eval stage, otherwise)."""
+    held = p.prepare.math_test_sources
+    if any(s.limit == 0 for s in held):
+        return []  # a whole held-out source: its size is known only once read
+    made = p.prepare.math_test + sum(s.limit for s in held)
+    if p.eval.math_problems > made:
+        return [f"{where}: eval.math_problems={p.eval.math_problems} asks for more test problems than prepare writes"
+                f" ({made}: prepare.math_test={p.prepare.math_test}"
+                + (f" + prepare.math_test_sources' limits {sum(s.limit for s in held)}" if held else "")
+                + "); lower eval.math_problems or raise prepare.math_test"]
+    return []
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -345,31 +345,39 @@ def _prefs(cfg, rng: random.Random, data: dict, eval_questions: set[str]) -> Non
 
 
 def _external(cfg, seed: int, data: dict, eval_questions: set[str]) -> list[dict]:
-    """The sources listed in params, split by content hash; returns their read statistics."""
+    """The sources listed in params, split by content hash; returns their read statistics.
+    `math_test_sources` (GSM8K's test split) are read first: their problems go to rl/test after
+    the generated ones and join `eval_questions`, so that no other source trains on them."""
     sources_stats = []
-    for group in (cfg.pretrain_sources, cfg.sft_sources, cfg.pref_sources):
-        for src in group:
-            records, stats = read_source(src, cfg.on_bad_record, cfg.max_bad_fraction)
-            name = src.path or f"hub:{src.hub}"
-            stats["schema"] = src.schema
-            sources_stats.append(stats)
-            kind = KIND_OF_SCHEMA[src.schema]
-            for i, rec in enumerate(records):
-                key = rec.get("text") or str(rec.get("messages") or rec.get("prompt"))
-                if src.schema == "gsm8k" and rec["question"] in eval_questions:
-                    continue
-                split = _split_of(key, seed, cfg.val_fraction)
-                rid = f"{Path(name).stem}-{i}"
-                if kind == "pretrain":
-                    data["pretrain"][split].append({"text": rec["text"], "source": name})
-                elif kind == "sft":
-                    data["sft"][split].append({"id": rid, "messages": rec["messages"], "source": name})
-                    if src.schema == "gsm8k":
-                        data["rl"][split].append({"id": rid, "question": rec["question"], "answer": rec["answer"],
-                                                  "level": 0, "lang": "en", "source": name})
-                else:
-                    data["prefs"][split].append({"id": rid, "prompt": rec["prompt"], "chosen": rec["chosen"],
-                                                 "rejected": rec["rejected"], "kind": "external", "source": name})
+    sources = [(True, src) for src in cfg.math_test_sources] + [
+        (False, src) for group in (cfg.pretrain_sources, cfg.sft_sources, cfg.pref_sources) for src in group]
+    for is_test, src in sources:
+        records, stats = read_source(src, cfg.on_bad_record, cfg.max_bad_fraction)
+        name = src.path or f"hub:{src.hub}"
+        stats["schema"] = src.schema
+        sources_stats.append(stats)
+        kind = KIND_OF_SCHEMA[src.schema]
+        for i, rec in enumerate(records):
+            key = rec.get("text") or str(rec.get("messages") or rec.get("prompt"))
+            if src.schema == "gsm8k" and rec["question"] in eval_questions:
+                continue
+            rid = f"{Path(name).stem}-{i}"
+            if is_test:
+                eval_questions.add(rec["question"])
+                data["rl"]["test"].append({"id": f"{Path(name).stem}-test-{i}", "question": rec["question"], "answer": rec["answer"],
+                                           "level": 0, "lang": "en", "source": name})
+                continue
+            split = _split_of(key, seed, cfg.val_fraction)
+            if kind == "pretrain":
+                data["pretrain"][split].append({"text": rec["text"], "source": name})
+            elif kind == "sft":
+                data["sft"][split].append({"id": rid, "messages": rec["messages"], "source": name})
+                if src.schema == "gsm8k":
+                    data["rl"][split].append({"id": rid, "question": rec["question"], "answer": rec["answer"],
+                                              "level": 0, "lang": "en", "source": name})
+            else:
+                data["prefs"][split].append({"id": rid, "prompt": rec["prompt"], "chosen": rec["chosen"],
+                                             "rejected": rec["rejected"], "kind": "external", "source": name})
     return sources_stats
 
 

@@ -84,6 +84,7 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("math_exact_match_en", "English math", "pct"),
     ("math_exact_match_zh", "Chinese math", "pct"),
     *((f"math_exact_match_level{i}", f"math level {i}", "pct") for i in (1, 2, 3, 4)),
+    ("math_exact_match_level0", "math from sources (prepare.math_test_sources: GSM8K)", "pct"),
     ("math_format_rate", "answers ending in a #### N line", "pct"),
     ("math_sample_accuracy", "sampled math accuracy", "pct"),
     ("math_pass_at_k", "math pass@k", "pct"),

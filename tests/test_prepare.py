@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 
+import pytest
 import yaml
 
 from tests.conftest import ROOT, dvc_command
@@ -191,6 +192,7 @@ def _small_cfg(**overrides):
                               "pref_train": 40, "pref_val": 8, "arithmetic_train": 20, "arithmetic_test": 10,
                               "multiturn_train": 0, "multiturn_test": 0, "scope_train": 0, "scope_test": 0,
                               **overrides})
+    params["eval"]["math_problems"] = params["prepare"]["math_test"]
     return load_params_text(yaml.safe_dump(params, sort_keys=False)).prepare
 
 
@@ -292,3 +294,42 @@ def test_out_of_scope_requests_asked_mid_conversation_open_with_no_evaluation_qu
         m["content"] for c in on["multiturn"]["test"] for m in c["messages"] if m["role"] == "user"}
     assert not set(openings) & held_out
     assert {r["lang"] for r in opened} == {"en", "zh"}
+
+
+def test_a_math_test_source_joins_the_evaluation_and_nothing_trains_on_it():
+    """prepare.math_test_sources (GSM8K's test split): its problems follow the generated ones in
+    rl/test at level 0, and the same problems given as a training source are left out of SFT and
+    the RL splits."""
+    from llm.config import SourceConfig
+    from llm.data import build
+    gsm = str(ROOT / "tests" / "fixtures" / "gsm8k.jsonl")
+    src = dict(path=gsm, hub="", hub_config="", split="train", schema="gsm8k", field="text", limit=0)
+    train_only, _ = build(_small_cfg(sft_sources=[src]), seed=7)
+    both, _ = build(_small_cfg(sft_sources=[src], math_test_sources=[{**src, "split": "test"}]), seed=7)
+    questions = {r["question"] for r in train_only["rl"]["train"] + train_only["rl"]["val"]
+                 if r["source"] == gsm}
+    assert len(questions) == 2  # the fixture's two problems, trained on when not held out
+    generated = train_only["rl"]["test"]
+    assert both["rl"]["test"][:len(generated)] == generated
+    added = both["rl"]["test"][len(generated):]
+    assert {r["question"] for r in added} == questions and {r["level"] for r in added} == {0}
+    assert [r["id"] for r in added] == ["gsm8k-test-0", "gsm8k-test-1"]
+    trained = {m["content"] for s in ("train", "val") for r in both["sft"][s] for m in r["messages"]}
+    trained |= {r["question"] for s in ("train", "val") for r in both["rl"][s]}
+    assert not trained & questions
+    assert isinstance(SourceConfig(**src), SourceConfig)
+
+
+def test_params_refuse_more_evaluation_math_than_prepare_writes_and_a_test_source_of_another_schema():
+    from llm.config import ConfigError, params_from_dict
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    too_many = {**params, "eval": {**params["eval"], "math_problems": params["prepare"]["math_test"] + 1}}
+    with pytest.raises(ConfigError, match=r"eval\.math_problems=501 asks for more test problems than prepare writes"
+                                          r" \(500: prepare\.math_test=500\); lower eval\.math_problems"):
+        params_from_dict(too_many)
+    chat = dict(path="x.jsonl", hub="", hub_config="", split="test", schema="chat", field="messages", limit=0)
+    with pytest.raises(ConfigError, match=r"prepare\.math_test_sources\[0\]\.schema: 'chat'.*schema gsm8k"):
+        params_from_dict({**params, "prepare": {**params["prepare"], "math_test_sources": [chat]}})
+    limited = dict(chat, schema="gsm8k", limit=1)
+    ok = {**too_many, "prepare": {**params["prepare"], "math_test_sources": [limited]}}
+    assert params_from_dict(ok).eval.math_problems == 501

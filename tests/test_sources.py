@@ -230,7 +230,7 @@ def test_the_web_profiles_hub_sources_fail_fast_offline_naming_the_set(monkeypat
     from tests.conftest import ROOT
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     prep = render("gpu-77m-web", ROOT / "env" / "profiles")[0]["prepare"]
-    for src in prep["pretrain_sources"] + prep["sft_sources"]:
+    for src in prep["pretrain_sources"] + prep["sft_sources"] + prep["math_test_sources"]:
         t = time.time()
         with pytest.raises(DataError, match=f"hub data set '{src['hub']}'.*OFFLINE is set.*point `path:` at a local"):
             read_source(SourceConfig(**src))
