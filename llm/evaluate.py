@@ -546,19 +546,11 @@ def _conversation_sets(res: _Results, model, tokenizer, cfg: EvalConfig, multitu
                    c["answer"], a, k) for c, a, k in zip(multiturn, replies, ok)]
     if scope:
         with res.timed("scope"):
-            first = [i for i, c in enumerate(scope) if not c.get("history")]
-            later = [i for i, c in enumerate(scope) if c.get("history")]
-            replies = [""] * len(scope)
-            for i, a in zip(first, answer_questions(model, tokenizer, [scope[i]["prompt"] for i in first],
-                                                    max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                                    rt=rt)):
-                replies[i] = a
-            if later:
-                prompts = [render_prompt([*scope[i]["history"], {"role": "user", "content": scope[i]["prompt"]}],
-                                         tokenizer) for i in later]
-                for i, a in zip(later, generate_replies(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
-                                                        batch_size=cfg.batch_size, rt=rt)[0]):
-                    replies[i] = a
+            # a request asked after a first exchange carries it as "history": the whole conversation is the prompt
+            prompts = [render_prompt([*c.get("history", []), {"role": "user", "content": c["prompt"]}], tokenizer)
+                       for c in scope]
+            replies = generate_replies(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
+                                       batch_size=cfg.batch_size, rt=rt)[0]
         scored, ok = score_scope(scope, replies, cfg.confidence)
         res.metrics.update(scored)
         res.items += [{"set": "scope", "id": c.get("id", str(i)), "lang": c.get("lang", ""),
