@@ -12,7 +12,9 @@ is touched. It holds two short tables:
   byte of held-out Shakespeare (how well the model still reads plain text; lower is better);
 - several seeds read together (`metrics/seeds/summary.json`, written by `python -m llm.seeds`):
   greedy math per seed and its mean, and each RL model's change from SFT, pooled over all the
-  seeds' items and across seeds.
+  seeds' items and across seeds; then the targets that need several seeds (second turns,
+  out-of-scope requests, held-out text, the reward model on SFT's own answers, PPO on the
+  reward model), per seed with mean and worst.
 
 A missing file leaves its rows or its table out (a run may stop before the last stage); the
 table never fills in a number. tests/test_readme.py fails when the committed README and the
@@ -114,6 +116,66 @@ def seeds_table(summary: dict | None) -> list[str]:
     return lines
 
 
+def _vals(summary: dict, key: str) -> list[float] | None:
+    """A stage or eval metric's per-seed values from summary["metrics"] ("FILE:KEY"), or None."""
+    m = summary.get("metrics", {}).get(key)
+    return m["values"] if m and all(isinstance(v, (int, float)) for v in m["values"]) else None
+
+
+def targets_table(summary: dict | None) -> list[str]:
+    """The targets that need several seeds, one row each: per seed, mean, worst (the lower where
+    higher is better) and the target. A row whose metrics some seed lacks is left out."""
+    if not summary:
+        return []
+    runs, levels, paired = summary["runs"], summary.get("levels", {}), summary.get("paired", {})
+    rows: list[tuple[str, list[float] | None, str, bool, str]] = []  # label, values, kind, higher is better, target
+    first = levels.get("sft", {}).get("math", {}).get("values")
+    second = _vals(summary, "eval/sft.json:multiturn_exact_match")
+    rows.append(("SFT: second-turn math below first-turn, points",
+                 [100 * (a - b) for a, b in zip(first, second)] if first and second else None, "pts", False, "at most 5"))
+    rows.append(("SFT: out-of-scope requests answered without a worked sum",
+                 _vals(summary, "eval/sft.json:scope_no_math_rate"), "pct", True, "at least 95%"))
+    rows.append(("the same, asked after a sum or a word problem",
+                 _vals(summary, "eval/sft.json:scope_no_math_rate_second_turn"), "pct", True, "at least 95%"))
+    sft_bpb, base_bpb = _vals(summary, "eval/sft.json:val_bpb"), _vals(summary, "eval/base.json:val_bpb")
+    rows.append(("SFT's held-out text bits/byte over the base model's",
+                 [a / b for a, b in zip(sft_bpb, base_bpb)] if sft_bpb and base_bpb else None, "ratio", False,
+                 "at most 1.2"))
+    rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
+    rows.append(("RM: held-out comparisons of SFT's own answers ranked right", rm, "pct", True, "at least 95%"))
+    rows.append(("RM minus SFT's likelihood on the same pairs, points",
+                 [100 * (a - b) for a, b in zip(rm, lik)] if rm and lik else None, "pts", True, "at least +5"))
+    rows.append(("RM without its likelihood feature (the head alone)",
+                 _vals(summary, "reward.json:accuracy_without_likelihood"), "pct", True, "-"))
+    rows.append(("held-out wrong answers that are SFT's own greedy choice",
+                 _vals(summary, "samples.json:heldout_errors_sft_would_make"), "pct", False, "- (no reward read from"
+                 " SFT ranks these)"))
+    sep = summary.get("rm_separation", {}).get("sft")
+    rows.append(("RM AUC, SFT's right over wrong test answers", sep["values"] if sep else None, "num", True,
+                 "at least 0.85"))
+    lines = [_row(["target", f"seeds {' / '.join(runs)}", "mean", "worst", "target"]), _row(["---"] * 5)]
+    show = {"pct": lambda v: f"{100 * v:.1f}%", "pts": lambda v: f"{v:+.1f}", "ratio": lambda v: f"{v:.2f}",
+            "num": lambda v: f"{v:.2f}"}
+    for label, values, kind, higher, target in rows:
+        if not values or len(values) != len(runs):
+            continue
+        f = show[kind]
+        worst = min(values) if higher else max(values)
+        lines.append(_row([label, " / ".join(f(v) for v in values), f(sum(values) / len(values)), f(worst), target]))
+    for model, skill, label, target in (("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
+                                        ("ppo", "math", "PPO: math change vs SFT", "above 0"),
+                                        ("ppo", "rm_score", "PPO: RM score change vs SFT", "above 0")):
+        res = paired.get(model, {}).get(skill)
+        if res:
+            pooled = (f"{100 * res['mean']:+.1f}" if res.get("type") == "rate" else f"{res['mean']:+.4f}")
+            lo_hi = (f"[{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]" if res.get("type") == "rate"
+                     else f"[{res['lo']:+.4f}, {res['hi']:+.4f}]")
+            lines.append(_row([label + " (pooled over the seeds' items)", " / ".join(
+                (f"{100 * d:+.1f}" if res.get("type") == "rate" else f"{d:+.4f}") for d in res["deltas"]),
+                pooled, lo_hi + " (95%)", target + " (interval)"]))
+    return lines if len(lines) > 2 else []
+
+
 def block(metrics: str | Path = "metrics") -> str:
     """The text between the markers (markers excluded), ending in a newline."""
     metrics = Path(metrics)
@@ -126,6 +188,9 @@ def block(metrics: str | Path = "metrics") -> str:
         out += ["", f"{len(summary['runs'])} seeds read together (`metrics/seeds/summary.json`; where and when they"
                     " ran: `metrics/seeds/README.md`): each seed draws its own data and test items; pooled = all"
                     " seeds' items (McNemar's p), across seeds = the t interval of the per-seed changes.", "", *seeds]
+    if targets := targets_table(summary):
+        out += ["", "The targets that need several seeds, on the same three (worst: the seed furthest from the"
+                    " target; the last rows' fourth column is the pooled 95% interval):", "", *targets]
     return "\n".join(out) + "\n"
 
 

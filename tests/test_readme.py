@@ -84,3 +84,28 @@ def test_a_row_holds_the_model_value_and_its_paired_change():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1].startswith(f"{100 * e['math_exact_match']:.1f}%")
     assert cells[2] == f"{100 * p['delta']:+.1f} [{100 * p['lo']:+.1f}, {100 * p['hi']:+.1f}]"
+
+
+def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
+    """Worst is the lowest value where higher is better and the highest where lower is (second
+    turns' gap, text bits/byte ratio); a row some seed lacks is left out, never filled in."""
+    m = lambda *v: {"values": list(v)}  # noqa: E731
+    summary = {"runs": ["1", "2"], "levels": {"sft": {"math": {"values": [0.80, 0.90]}}},
+               "metrics": {"eval/sft.json:multiturn_exact_match": m(0.78, 0.82),
+                           "eval/sft.json:scope_no_math_rate": m(1.0, 0.96),
+                           "eval/sft.json:val_bpb": m(2.4, 2.6), "eval/base.json:val_bpb": m(2.4, 2.0),
+                           "reward.json:accuracy": m(0.8, 0.7), "reward.json:sft_likelihood_accuracy": m(0.75, 0.8)},
+               "rm_separation": {"sft": {"values": [0.7, 0.9]}},
+               "paired": {"ppo": {"math": {"type": "rate", "deltas": [0.01, -0.02], "mean": -0.005, "lo": -0.02,
+                                           "hi": 0.01}}}}
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in readme.targets_table(summary)}
+    assert rows["SFT: second-turn math below first-turn, points"].split(" | ")[1:4] == ["+2.0 / +8.0", "+5.0", "+8.0"]
+    assert rows["SFT: out-of-scope requests answered without a worked sum"].split(" | ")[3] == "96.0%"
+    assert rows["SFT's held-out text bits/byte over the base model's"].split(" | ")[1:4] == ["1.00 / 1.30", "1.15",
+                                                                                              "1.30"]
+    assert rows["RM minus SFT's likelihood on the same pairs, points"].split(" | ")[3] == "-10.0"
+    assert rows["RM AUC, SFT's right over wrong test answers"].split(" | ")[3] == "0.70"
+    assert "the same, asked after a sum or a word problem" not in rows  # no seed has it
+    assert rows["PPO: math change vs SFT (pooled over the seeds' items)"].split(" | ")[1:4] == [
+        "+1.0 / -2.0", "-0.5", "[-2.0, +1.0] (95%)"]
+    assert readme.targets_table(None) == []
