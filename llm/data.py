@@ -361,10 +361,10 @@ def _external(cfg, seed: int, data: dict, eval_questions: set[str]) -> list[dict
             key = rec.get("text") or str(rec.get("messages") or rec.get("prompt"))
             if src.schema == "gsm8k" and rec["question"] in eval_questions:
                 continue
-            rid = f"{Path(name).stem}-{i}"
+            rid = f"{Path(name).stem}-{'test-' if is_test else ''}{i}"
             if is_test:
                 eval_questions.add(rec["question"])
-                data["rl"]["test"].append({"id": f"{Path(name).stem}-test-{i}", "question": rec["question"], "answer": rec["answer"],
+                data["rl"]["test"].append({"id": rid, "question": rec["question"], "answer": rec["answer"],
                                            "level": 0, "lang": "en", "source": name})
                 continue
             split = _split_of(key, seed, cfg.val_fraction)

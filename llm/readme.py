@@ -167,12 +167,9 @@ def targets_table(summary: dict | None) -> list[str]:
                                         ("ppo", "rm_score", "PPO: RM score change vs SFT", "above 0")):
         res = paired.get(model, {}).get(skill)
         if res:
-            pooled = (f"{100 * res['mean']:+.1f}" if res.get("type") == "rate" else f"{res['mean']:+.4f}")
-            lo_hi = (f"[{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]" if res.get("type") == "rate"
-                     else f"[{res['lo']:+.4f}, {res['hi']:+.4f}]")
-            lines.append(_row([label + " (pooled over the seeds' items)", " / ".join(
-                (f"{100 * d:+.1f}" if res.get("type") == "rate" else f"{d:+.4f}") for d in res["deltas"]),
-                pooled, lo_hi + " (95%)", target + " (interval)"]))
+            f = (lambda v: f"{100 * v:+.1f}") if res.get("type") == "rate" else (lambda v: f"{v:+.4f}")
+            lines.append(_row([label + " (pooled over the seeds' items)", " / ".join(map(f, res["deltas"])),
+                               f(res["mean"]), f"[{f(res['lo'])}, {f(res['hi'])}] (95%)", target + " (interval)"]))
     return lines if len(lines) > 2 else []
 
 

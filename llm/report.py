@@ -602,15 +602,15 @@ def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.
 def overopt_line(curve: dict[str, Any]) -> str:
     """The over-optimisation curve in one sentence: where the gold stops rising."""
     span = f"over {curve['n']} steps up to sqrt(KL) {curve['sqrt_kl'][-1]:.3g}"
+    gold = (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
+            f" training prompts, so noisy from step to step; mean of {curve['window']} steps)")
     if curve["still_rising"]:
-        return (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
-                f" training prompts, so noisy from step to step; mean of {curve['window']} steps) is still rising at the end, {fmt_value(curve['peak_gold'], 'pct')} at"
+        return (f"{gold} is still rising at the end, {fmt_value(curve['peak_gold'], 'pct')} at"
                 f" the largest KL reached ({span}): no over-optimisation within this run.")
     proxy = curve["proxy_smooth"]
     moved = (f"; the RM score it is trained on (proxy) goes from {_num(proxy[curve['peak']])} there to"
              f" {_num(proxy[-1])} at the largest KL" if _isnum(proxy[curve["peak"]]) and _isnum(proxy[-1]) else "")
-    return (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
-            f" training prompts, so noisy from step to step; mean of {curve['window']} steps) stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
+    return (f"{gold} stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
             f" (KL {curve['peak_sqrt_kl'] ** 2:.3g} nats per response), at {fmt_value(curve['peak_gold'], 'pct')},"
             f" and ends at {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}).")
 

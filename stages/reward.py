@@ -167,15 +167,16 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
 
 
 def _load_own(samples: Path, tok, seq_len: int):
-    """The samples stage's comparisons (PairSplits), or None when either side is empty."""
+    """The samples stage's comparisons (PairSplits), or None when either side is empty (the stage
+    found no prompt whose samples disagree) or has no pair that fits seq_len. A missing file is
+    an error, named by load_pair_splits."""
     from llm.fileio import DataError
-    if any(not (Path(samples) / f).is_file() or (Path(samples) / f).stat().st_size == 0
-           for f in ("train.jsonl", "val.jsonl")):
+    if any((f := Path(samples) / name).is_file() and f.stat().st_size == 0 for name in ("train.jsonl", "val.jsonl")):
         return None
     try:
         return load_pair_splits(samples, tok, seq_len)
     except DataError as e:
-        if "no train" in str(e) or "no val" in str(e):
+        if "pair fits in seq_len" in str(e):  # load_pair_splits: no train or no val pair fits
             return None
         raise
 

@@ -422,3 +422,14 @@ def test_without_comparisons_of_sfts_own_answers_the_reward_model_learns_from_th
     assert "no comparisons of SFT's own answers" in run.stdout + run.stderr
     m = read_metrics(ws / "metrics/reward.json")
     assert m["held_out_on"] == "generated" and m["n_pairs"] == 16 and m["train_pairs_generated"] == 0
+
+
+@pytest.mark.slow
+def test_a_missing_comparison_file_is_an_error_naming_it_not_a_silent_fallback(tmp_path):
+    """Only an empty comparison file means "no comparisons"; a missing one is a broken samples
+    output, and the stage says which file instead of training on the generated pairs alone."""
+    ws = make_workspace(tmp_path)
+    (ws / "data/samples" / "val.jsonl").unlink(missing_ok=True)
+    run = run_stage(ws, "reward")
+    assert run.returncode != 0
+    assert "val.jsonl" in run.stderr and "Traceback" not in run.stderr
