@@ -102,9 +102,12 @@ def to_yaml(params: dict, name: str, desc: str) -> str:
               f"# re-run that command, or change single values with `dvc exp run -S section.key=value`.\n"
               f"# Floats are written with a dot and a signed exponent (3.0e-4), which YAML 1.1 (PyYAML)\n"
               f"# and 1.2 (DVC) both read as floats.\n")
-    # Block style for mappings (one key per line, easy to diff and to edit), flow style for
-    # lists of scalars, a blank line between sections. PyYAML writes 0.0003 as 0.0003 and 1e-05
-    # as 1.0e-05: both are read alike by YAML 1.1 and 1.2.
+    # Block style for mappings and lists, one value per line, as DVC writes them: `dvc exp run -S`
+    # rewrites the whole file through its own YAML writer (ruamel), which turns a flow list
+    # `[1, 2]` into block lines, so a file written any other way shows every list as changed in
+    # `git diff params.yaml` after an experiment (tests/test_profiles.py runs DVC's writer). Empty
+    # lists stay `[]`, as DVC writes them. A blank line between sections. PyYAML writes 0.0003
+    # as 0.0003 and 1e-05 as 1.0e-05: both are read alike by YAML 1.1 and 1.2.
     sections = [yaml.dump({k: v}, Dumper=_ParamsDumper, sort_keys=False, allow_unicode=True, width=100)
                 for k, v in params.items()]
     return header + "\n".join(sections)
@@ -112,8 +115,7 @@ def to_yaml(params: dict, name: str, desc: str) -> str:
 
 class _ParamsDumper(yaml.SafeDumper):
     def represent_list(self, data):
-        flow = all(not isinstance(x, (dict, list)) for x in data)
-        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=not data)
 
     def represent_dict(self, data):
         return self.represent_mapping("tag:yaml.org,2002:map", data, flow_style=False)

@@ -138,6 +138,16 @@ def test_a_param_change_reruns_only_its_stage_and_downstream(stub_repo, section,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("section,key,value,stages", [
+    ("grpo", "reward_control", "shuffled", {"grpo", "eval@grpo", "report"}),
+    ("ppo", "reward_source", "rm", {"ppo", "eval@ppo", "report"})])
+def test_a_key_that_a_variant_forces_reruns_only_the_stage_that_reads_it(stub_repo, section, key, value, stages):
+    """grpo_random forces grpo.reward_control and ppo_rm ppo.reward_source: a change to that key
+    cannot change their models, and DVC does not rerun them (the README's experiment)."""
+    assert _change_and_repro(stub_repo, section, key, value) == stages
+
+
+@pytest.mark.slow
 def test_tokenize_change_does_not_rerun_the_tokenizer_or_prepare(stub_repo):
     ran = _change_and_repro(stub_repo, "tokenize", "chunk_docs", 7)
     assert "tokenize" in ran and "pretrain" in ran

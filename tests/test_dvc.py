@@ -84,6 +84,62 @@ def test_stage_reads_only_its_declared_sections(name, stage):
     assert {"common", section} <= declared, f"stage {name} loads {section!r} but dvc.yaml lists {sorted(declared)}"
 
 
+
+def _variant_forces(stage: dict) -> tuple[str, set[str]]:
+    """(the section the stage's script reads, the keys of it that the stage's `--variant` forces:
+    none without one), from the script's `stage_main`/`rl_stage_main` call and its VARIANTS."""
+    script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
+    tree = ast.parse(script.read_text())
+    consts = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, (ast.Constant, ast.Dict))}
+    call = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("stage_main", "rl_stage_main"))
+    arg = next((k.value for k in call.keywords if k.arg == "section"), call.args[0])
+    section = arg.value if isinstance(arg, ast.Constant) else consts[arg.id]
+    variant = shlex.split(stage["cmd"])[shlex.split(stage["cmd"]).index("--variant") + 1] \
+        if "--variant" in stage["cmd"] else None
+    return section, set(consts.get("VARIANTS", {}).get(variant, {})) if variant else set()
+
+
+@pytest.mark.parametrize("name,stage", list(_stage_defs()))
+def test_a_stage_lists_exactly_the_params_it_reads(name, stage):
+    """A stage reads `common` and its section; a variant (`--variant`, the script's VARIANTS)
+    reads its section less the keys it forces, so dvc.yaml lists the others one by one: then
+    `dvc exp run -S grpo.reward_control=shuffled` reruns grpo and not grpo_random, whose model
+    that key cannot change, and a change to any other key reruns both."""
+    import dataclasses
+
+    from llm.config import Params, _hints
+    section, forced = _variant_forces(stage)
+    declared = {e if isinstance(e, str) else next(iter(e)) for e in stage.get("params", [])}
+    fields = [f.name for f in dataclasses.fields(_hints(Params)[section])]
+    assert forced <= set(fields), f"stage {name}: forces {sorted(forced - set(fields))}, not keys of {section}"
+    if not forced and section not in declared:
+        # a stage that reads some keys of another stage's section (samples: pairs' sampling keys)
+        # lists them; its script must read no key of the section beyond them
+        script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")
+        read = {n.attr for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "cfg" and n.attr in fields}
+        keys = {k.partition(".")[2] for k in declared if k.startswith(section + ".")}
+        assert read <= keys <= set(fields), (f"dvc.yaml stage {name}: lists {sorted(keys - set(fields))} that"
+                                             f" {section} lacks, or lacks {sorted(read - keys)} that it reads")
+        return
+    want = {"common"} | ({f"{section}.{k}" for k in fields if k not in forced} if forced else {section})
+    assert declared == want, (f"dvc.yaml stage {name}: params should be {sorted(want)}; it lacks"
+                              f" {sorted(want - declared)} and has {sorted(declared - want)} too")
+
+
+def test_every_profile_holds_the_keys_dvc_yaml_lists():
+    """DVC refuses to run a stage whose listed params key is missing from params.yaml."""
+    from llm.profile import available, render
+    listed = {e if isinstance(e, str) else next(iter(e)) for _, st in _stage_defs() for e in st.get("params", [])}
+    for profile in available():
+        params, _ = render(profile)
+        for key in listed:
+            section, _, leaf = key.partition(".")
+            assert section in params and (not leaf or leaf in params[section]), \
+                f"env/profiles/{profile}.yaml (rendered) lacks {key}, which dvc.yaml lists"
+
 def _path_args(cmd: str) -> tuple[dict[str, str], list[str]]:
     """(--option -> path, the other words) of a stage command."""
     words = shlex.split(cmd)

@@ -89,6 +89,22 @@ def test_rendered_yaml_round_trips_and_has_no_ambiguous_floats():
     load_params_text(text)  # would reject 3e-4-style scalars
 
 
+
+@pytest.mark.parametrize("name", available(PROFILES))
+def test_dvc_exp_run_set_param_changes_one_line_of_a_rendered_profile(name, tmp_path):
+    """`dvc exp run -S section.key=value` rewrites params.yaml through DVC's own writer: a file
+    written the way DVC writes lists shows only the changed key in `git diff params.yaml`."""
+    from dvc.utils.hydra import apply_overrides
+    params, desc = render(name, PROFILES)
+    f = tmp_path / "params.yaml"
+    f.write_text(to_yaml(params, name, desc), encoding="utf-8")
+    before = f.read_text(encoding="utf-8").splitlines()
+    apply_overrides(str(f), [f"common.seed={params['common']['seed'] + 1}"])
+    after = f.read_text(encoding="utf-8").splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and changed == [
+        (f"  seed: {params['common']['seed']}", f"  seed: {params['common']['seed'] + 1}")], changed[:5]
+
 def test_use_writes_params_atomically(tmp_path, monkeypatch):
     from llm import profile
     monkeypatch.chdir(ROOT)
