@@ -173,6 +173,11 @@ def test_returning_to_the_baseline_after_an_experiment_reruns_nothing(stub_repo)
     assert _ran(_run(dvc + ["exp", "run", "-S", "ppo.clip_epsilon=0.3"], work)) == _downstream("ppo")
     assert any((work / "runs" / "ppo").iterdir())  # the experiment wrote into the run directory
     assert models(work) != before  # it changed models/ppo
+    # the README's `dvc exp show` view, as DVC draws it: the changed param stays, other params and deps go
+    cols = next(ln.strip()[len("cols='"):-1] for ln in (ROOT / "README.md").read_text().splitlines()
+                if ln.strip().startswith("cols='"))
+    header = _run(dvc + ["exp", "show", "--no-pager", "--csv", "--only-changed", "--drop", cols], work).splitlines()[0]
+    assert "ppo.clip_epsilon" in header.split(","), header
     _run(["git", "checkout", "--", "."], work)
     _run(dvc + ["checkout"], work)
     assert before and models(work) == before

@@ -1,9 +1,12 @@
-"""llm/readme.py and the README: the results tables are the committed metrics, generated, and the
-README stays a front door (short, narrow tables, the two commands as CI runs them)."""
+"""llm/readme.py and the README: every number a run wrote (tables, findings, the experiment, which run
+and machine, how long it took) is generated from the committed metrics, a run of one's own replaces
+all of them, and the README stays a front door (short, narrow tables, the two commands as CI runs them)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import zlib
 
 import pytest
 
@@ -13,10 +16,82 @@ from tests.conftest import ROOT
 README = ROOT / "README.md"
 
 
-def test_the_readme_tables_are_the_committed_metrics():
+def test_the_readme_numbers_are_the_committed_metrics():
     text = README.read_text(encoding="utf-8")
-    assert readme.replace_block(text, readme.block(ROOT / "metrics")) == text, (
-        "README.md's results tables differ from metrics/: run `python -m llm.readme` and commit README.md")
+    assert all(readme.markers(name)[0] in text for name in readme.BLOCKS)
+    assert readme.render(text, ROOT / "metrics") == text, (
+        "README.md's generated blocks differ from metrics/: run `python -m llm.readme` and commit README.md")
+
+
+def _fake(value, path: str):
+    """Every measured number moved by 5 to 35 points, by an amount that depends on its place in the
+    file (so that differences and ratios of two numbers move too); counts, the confidence level
+    and the labels stay."""
+    if isinstance(value, dict):
+        return {k: v if k == "confidence" else _fake(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fake(v, path) for v in value]
+    return value + 0.05 + 0.3 * (zlib.crc32(path.encode()) % 1000) / 1000 if isinstance(value, float) else value
+
+
+def _fake_run(tmp_path):
+    """A copy of metrics/ as another run would leave it: every eval, paired and seeds number moved, the
+    seeds' first run this one (as after `python -m llm.seeds`), another report header."""
+    dst, src = tmp_path / "metrics", ROOT / "metrics"
+    (dst / "eval").mkdir(parents=True)
+    (dst / "seeds").mkdir()
+    read = lambda path: json.loads(path.read_text(encoding="utf-8"))  # noqa: E731
+    evals = {f.stem: _fake(read(f), f.name) for f in (src / "eval").glob("*[a-z].json") if "_samples" not in f.name}
+    summary = _fake(read(src / "seeds" / "summary.json"), "summary")
+    for model, levels in summary["levels"].items():
+        levels["math"]["values"][0] = evals[model]["math_exact_match"]
+    files = {f"eval/{m}.json": e for m, e in evals.items()} | {
+        "paired.json": _fake(read(src / "paired.json"), "paired"), "seeds/summary.json": summary}
+    for name, content in files.items():
+        (dst / name).write_text(json.dumps(content), encoding="utf-8")
+    (dst / "report.md").write_text("# Report card\n\n- **commit**: 0123456789ab\n- **date**: 2031-07-19 10:10 UTC\n"
+                                   "- **machine**: Intel Xeon, 64 logical cores\n- **wall time**: 13.7 min in all, as"
+                                   " the stages recorded it\n\n## Summary\n", encoding="utf-8")
+    return dst
+
+
+NUMBER = re.compile(r"[+-]?\d+\.\d+%?|\d+%")  # a measured figure; counts and labels are whole numbers
+FIXED = re.compile(r"at (?:most|least) \S+|95%")  # the targets' thresholds and the confidence level
+
+
+def _generated(text: str) -> list[list[str]]:
+    """Each generated block's measured figures, in order, with the commit and date."""
+    out = []
+    for name in readme.BLOCKS:
+        begin, end = readme.markers(name)
+        body = text.split(begin)[1].split(end)[0]
+        out.append(NUMBER.findall(FIXED.sub("", body)) + re.findall(r"\b[0-9a-f]{12}\b|\d{4}-\d\d-\d\d", body))
+    return out
+
+
+def test_after_a_run_of_ones_own_no_number_of_the_committed_run_remains(tmp_path):
+    page = tmp_path / "README.md"
+    shutil.copy(README, page)
+    assert readme.main([str(page), "--metrics", str(_fake_run(tmp_path))]) == 0
+    ours, theirs = _generated(README.read_text(encoding="utf-8")), _generated(page.read_text(encoding="utf-8"))
+    for name, a, b in zip(readme.BLOCKS, ours, theirs):
+        assert len(a) == len(b) and a, (name, a, b)
+        same = [x for x, y in zip(a, b) if x == y]
+        assert not same, f"README block {name!r} keeps the committed run's {same}"
+    assert "0123456789ab" in page.read_text() and "Intel Xeon, 64 logical cores" in page.read_text()
+
+
+def test_a_seeds_summary_without_this_run_is_left_out_and_says_how_to_add_it(tmp_path):
+    metrics = _fake_run(tmp_path)
+    shutil.copy(ROOT / "metrics" / "seeds" / "summary.json", metrics / "seeds" / "summary.json")  # the committed seeds
+    page = tmp_path / "README.md"
+    shutil.copy(README, page)
+    assert readme.main([str(page), "--metrics", str(metrics)]) == 0
+    text = page.read_text(encoding="utf-8")
+    assert "seeds read together" not in text and "| SFT: second-turn math" not in text
+    assert text.count(readme.SEEDS_COMMAND) == 2  # in the results and in the findings
+    runs = json.loads((ROOT / "metrics" / "seeds" / "summary.json").read_text())["runs"]
+    assert " / ".join(runs) not in text  # no table or finding of the committed seeds
 
 
 def test_the_readme_is_short_and_its_table_cells_are_narrow():
