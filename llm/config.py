@@ -204,6 +204,14 @@ class PrepareConfig:
     scope_second_turn: float = _f(0.0, lo=0.0, hi=1.0, added=True, doc="share of the out-of-scope requests, in"
                                   " training and in the evaluation, asked as the second turn after a sum or a"
                                   " word problem (a user who goes off-topic mid-conversation); 0: all first turns")
+    context_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="word problems and bare calculations added to"
+                            " SFT's training conversations asked the way chats ask them: after an out-of-scope"
+                            " request answered with the statement of what the model can do, after an instruction"
+                            " task, or under a system message (\"You are terse.\", \"You are a helpful"
+                            " assistant.\"...); 0: none")
+    context_system_share: float = _f(0.5, lo=0.0, hi=1.0, added=True, doc="share of the context_train"
+                                     " conversations that open with an exchange and also have a system message"
+                                     " (those with no exchange always have one)")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
