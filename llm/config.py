@@ -580,6 +580,10 @@ class EvalConfig:
                           " per-op overhead bound, where more threads can be slower (docs/log.md)")
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
+    context_items: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many held-out math problems and"
+                            " bare calculations asked again after an out-of-scope request, after an instruction"
+                            " task and under system messages, each scored against the same items asked alone"
+                            " (of the math, no more than the math_problems asked alone); 0: none")
 
 
 @dataclass(kw_only=True)

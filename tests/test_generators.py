@@ -214,3 +214,10 @@ def test_math_in_a_context_is_answered_as_if_asked_alone(lang):
     assert {o for o, _ in seen} == set(CONTEXT_OPENINGS)
     assert context_conversation(random.Random(9), lang) == context_conversation(random.Random(9), lang)
 
+
+def test_the_evaluation_asks_under_the_common_system_messages_and_one_no_training_conversation_has():
+    from llm.evaluate import CONTEXT_SYSTEM
+    trained = set(SYSTEM_MESSAGES["en"]) | set(SYSTEM_MESSAGES["zh"])
+    for key in ("system_short", "system_helpful"):
+        assert set(CONTEXT_SYSTEM[key].values()) <= trained
+    assert not set(CONTEXT_SYSTEM["system_unseen"].values()) & trained
