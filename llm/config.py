@@ -204,6 +204,14 @@ class PrepareConfig:
     scope_second_turn: float = _f(0.0, lo=0.0, hi=1.0, added=True, doc="share of the out-of-scope requests, in"
                                   " training and in the evaluation, asked as the second turn after a sum or a"
                                   " word problem (a user who goes off-topic mid-conversation); 0: all first turns")
+    context_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="word problems and bare calculations added to"
+                            " SFT's training conversations asked the way chats ask them: after an out-of-scope"
+                            " request answered with the statement of what the model can do, after an instruction"
+                            " task, or under a system message (\"You are terse.\", \"You are a helpful"
+                            " assistant.\"...); 0: none")
+    context_system_share: float = _f(0.5, lo=0.0, hi=1.0, added=True, doc="share of the context_train"
+                                     " conversations that open with an exchange and also have a system message"
+                                     " (those with no exchange always have one)")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -572,6 +580,10 @@ class EvalConfig:
                           " per-op overhead bound, where more threads can be slower (docs/log.md)")
     detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
+    context_items: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many held-out math problems and"
+                            " bare calculations asked again after an out-of-scope request, after an instruction"
+                            " task and under system messages, each scored against the same items asked alone"
+                            " (of the math, no more than the math_problems asked alone); 0: none")
 
 
 @dataclass(kw_only=True)

@@ -35,6 +35,16 @@ model's skills ("Write a poem about the sea."), `prepare.scope_test` held out an
 `prepare.scope_train` in sft/train, answered with a statement of what the model can do. No
 held-out conversation or request opens with, or asks as a new problem, a training prompt, and
 no training conversation asks a held-out math question or bare calculation.
+
+After them, also off by default, math asked in the contexts a chat brings
+(llm/generators.py `context_conversation`): `prepare.context_train` word problems and bare
+calculations in sft/train, each after an out-of-scope request answered with the statement,
+after an instruction task, or alone, under a system message for a
+`prepare.context_system_share` of them and for every one asked alone. None asks a held-out
+question or calculation or a user turn of the evaluation's conversations, and none opens with
+an evaluation prompt (an instruction task or out-of-scope request of the test files): the
+evaluation asks its own held-out questions after its own held-out requests and tasks
+(llm/evaluate.py `context_items`).
 """
 from __future__ import annotations
 
@@ -44,9 +54,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from llm.fileio import DataError
-from llm.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, opening_exchange,
-                            paraphrase_answer, preference_pair, scope_prompt_count, scope_request, task,
-                            task_preference_pair)
+from llm.generators import (TASK_KINDS, arithmetic_question, context_conversation, math_problem,
+                            multiturn_conversation, opening_exchange, paraphrase_answer, preference_pair,
+                            scope_prompt_count, scope_request, task, task_preference_pair)
 from llm.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 
 # Share of generated SFT samples re-emitted as exact duplicates / same-instruction
@@ -175,7 +185,28 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     opened = {m["content"] for c in data["multiturn"]["test"] for m in c["messages"] if m["role"] == "user"}
     data["scope"]["test"], train = _scope(cfg, seed, trained, asked | eval_questions | opened)
     data["sft"]["train"] += train
+    # Math after another request or under a system message, last and from its own generator.
+    requests = {r["prompt"] for r in data["scope"]["test"]} | {t["prompt"] for t in items["tasks"]}
+    data["sft"]["train"] += _context(cfg, seed, asked | eval_questions | opened | prompts, requests)
     return data, {"sources": sources_stats}
+
+
+def _context(cfg, seed: int, held_out: set[str], eval_requests: set[str]) -> list[dict]:
+    """cfg.context_train SFT conversations that ask a math question after another exchange or
+    under a system message (llm/generators.py `context_conversation`), distinct by their
+    system and user turns; none asks a question or calculation in `held_out` (the evaluation's
+    math, bare calculations and conversation turns) or opens with a request in `eval_requests`
+    (the evaluation's instruction tasks and out-of-scope requests)."""
+    rng = random.Random(f"{seed}:prepare:context_train")
+    n = cfg.context_train
+    convs = _distinct(n, lambda: context_conversation(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
+                                                      system_share=cfg.context_system_share,
+                                                      levels=tuple(cfg.math_levels)),
+                      lambda c: tuple(m["content"] for m in c.messages if m["role"] != "assistant"),
+                      lambda c: c.question in held_out or c.expression in held_out or c.opening_prompt in eval_requests,
+                      f"prepare: could not draw {n} distinct conversations for prepare.context_train; lower it")
+    return [{"id": f"context-train-{i}", "source": f"generated/context_{c.opening}", "messages": list(c.messages)}
+            for i, c in enumerate(convs)]
 
 
 def _multiturn(cfg, seed: int, trained: set[str], held_out: set[str], eval_prompts: set[str]

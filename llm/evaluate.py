@@ -18,6 +18,11 @@ win rate, KL to a reference, confidence intervals.
 - `score_scope(items, responses)`: requests outside the model's skills: the share of answers
   with no math template (`has_math_template`: no `####`, no `a op b = c`) and the share that
   is exactly the taught statement of what the model can do.
+- `context_items(questions, scope, tasks)` and `score_context(name, items, alone, outcomes)`:
+  the same held-out questions asked again in the contexts a chat brings (`CONTEXTS`: after an
+  out-of-scope request, after an instruction task, under system messages), each context's
+  exact match beside the questions' alone, per language, and the drop in points between them
+  with a paired bootstrap interval.
 - `rate(key, outcomes)`: a proportion and its Wilson interval under `key`, `key_lo`, `key_hi`.
 - `rm_scores(rm, tokenizer, questions, responses)`: the reward model's score of each answer,
   read at the closing <|end|> of the rendered conversation (as the RM is trained).
@@ -263,6 +268,80 @@ def score_scope(items: Sequence[dict], responses: Sequence[str], confidence: flo
     return out, no_math
 
 
+# The contexts `context_items` asks a held-out question in, beside asking it alone: after an
+# out-of-scope request answered with the taught statement of what the model can do, after an
+# instruction task answered, and under three system messages: a short one, the one most chat
+# clients send (in English whatever the user's language), and one that no training conversation
+# has (llm/generators.py SYSTEM_MESSAGES holds the first two and not the third), which says
+# whether what SFT learned holds for a message it never saw.
+CONTEXT_SYSTEM = {"system_short": {"en": "You are terse.", "zh": "请简洁回答。"},
+                  "system_helpful": {"en": "You are a helpful assistant.", "zh": "You are a helpful assistant."},
+                  "system_unseen": {"en": "You are a careful assistant who checks every step.",
+                                    "zh": "你是一个认真的助手，每一步都要检查。"}}
+CONTEXTS = ("after_scope", "after_task", *CONTEXT_SYSTEM)
+
+
+def context_items(questions: Sequence[dict], scope: Sequence[dict] = (), tasks: Sequence[dict] = ()) -> list[dict]:
+    """Every question ({"id", "question", "lang"}) asked in each context of `CONTEXTS` that has
+    what it needs, as [{"context", "index" (of the question), "lang", "messages"}] ready for
+    `render_prompt`, in context order. The openings are the evaluation's own held-out items,
+    answered as taught (the model reads the ideal answer, not its own), assigned by position so
+    that every model gets the same conversations: the i-th question in language L follows the
+    (i mod k)-th of the k requests of `scope` in L (of all of them when none is in L) and the
+    (i mod m)-th of the m `tasks`; without scope requests or tasks that context is left out."""
+    by_lang: dict[str, list[dict]] = defaultdict(list)
+    for r in scope:
+        by_lang[r.get("lang", "en")].append(r)
+    seen: dict[str, int] = defaultdict(int)  # questions so far in each language
+    out: list[dict] = []
+    for i, q in enumerate(questions):
+        lang = q.get("lang", "en")
+        user = {"role": "user", "content": q["question"]}
+        pool = by_lang.get(lang) or list(scope)
+        openings = {"after_scope": pool[seen[lang] % len(pool)] if pool else None,
+                    "after_task": tasks[i % len(tasks)] if tasks else None}
+        seen[lang] += 1
+        for ctx in CONTEXTS:
+            if ctx in CONTEXT_SYSTEM:
+                messages = [{"role": "system", "content": CONTEXT_SYSTEM[ctx][lang if lang == "zh" else "en"]}, user]
+            elif openings[ctx] is None:
+                continue
+            else:
+                o = openings[ctx]
+                messages = [{"role": "user", "content": o["prompt"]}, {"role": "assistant", "content": o["answer"]},
+                            user]
+            out.append({"context": ctx, "index": i, "lang": lang, "messages": messages})
+    out.sort(key=lambda c: CONTEXTS.index(c["context"]))  # stable: question order within a context
+    return out
+
+
+def score_context(name: str, questions: Sequence[dict], alone: Sequence[bool], items: Sequence[dict],
+                  outcomes: Sequence[bool], confidence: float = 0.95, seed: int = 0) -> dict:
+    """The metrics of `questions` (their "lang") asked alone (outcomes `alone`) and in the contexts
+    of `items` (`context_items`, outcomes `outcomes`), under `context_<name>_`: `_n`; `_alone`
+    and each context's exact match, overall and per language, with Wilson intervals; and
+    `_<context>_drop`, the exact match alone minus in that context (points lost to the context,
+    negative when it helps), with a percentile bootstrap interval of the paired differences."""
+    p = f"context_{name}"
+    out: dict = {f"{p}_n": len(questions)}
+
+    def rates(key: str, oks: Sequence[bool], langs: Sequence[str]) -> None:
+        out.update(rate(key, oks, confidence))
+        for lang, cs in _by([{"lang": lg} for lg in langs], oks, "lang").items():
+            out.update(rate(f"{key}_{lang}", cs, confidence))
+
+    rates(f"{p}_alone", alone, [q.get("lang", "en") for q in questions])
+    for ctx in CONTEXTS:
+        pick = [(c["index"], k) for c, k in zip(items, outcomes) if c["context"] == ctx]
+        if not pick:
+            continue
+        rates(f"{p}_{ctx}", [k for _, k in pick], [questions[i].get("lang", "en") for i, _ in pick])
+        diffs = [float(alone[i]) - float(k) for i, k in pick]
+        lo, hi = bootstrap_interval(diffs, confidence, seed=derive_seed(seed, name, ctx))
+        out.update({f"{p}_{ctx}_drop": _mean(diffs), f"{p}_{ctx}_drop_lo": lo, f"{p}_{ctx}_drop_hi": hi})
+    return out
+
+
 def math_eval(model, tokenizer, problems: Sequence[dict], *, max_new_tokens: int, batch_size: int,
               confidence: float = 0.95, n_samples_kept: int = 5, rt=None) -> dict:
     """Greedy exact match on problems ({"question", "answer", "level"}), with a Wilson interval."""
@@ -394,9 +473,11 @@ def _mean(xs: Sequence[float]) -> float:
 #   arithmetic    greedy answer to a bare calculation: correct, op, lang
 #   multiturn     greedy answer to the second turn of a two-exchange conversation: correct, kind, lang
 #   scope         greedy answer to a request outside the model's skills: correct (no math template), lang
+#   context       greedy answer to a held-out math problem or bare calculation asked in a context
+#                 (`CONTEXTS`): correct, of ("math" | "arithmetic"), context, lang; id "<of>:<context>:<id>"
 #   math_sampled  the share of cfg.pass_k samples at cfg.temperature that are right: score
 #   rm            the reward model's score of the greedy answer: score
-ITEM_SETS = ("math", "task", "arithmetic", "multiturn", "scope", "math_sampled", "rm")
+ITEM_SETS = ("math", "task", "arithmetic", "multiturn", "scope", "context", "math_sampled", "rm")
 
 
 def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:
@@ -462,6 +543,8 @@ def evaluate_model(model, tokenizer, cfg: EvalConfig, *, seed: int, problems: Se
             res.metrics.update(lm_eval(model, val_batches, bytes_per_token, rt=rt))
     answers = _greedy_sets(res, model, tokenizer, cfg, problems, tasks, arithmetic, n_samples_kept, rt)
     _conversation_sets(res, model, tokenizer, cfg, multiturn, scope, n_samples_kept, rt)
+    if cfg.context_items:
+        _context_sets(res, model, tokenizer, cfg, problems, arithmetic, scope, tasks, seed, n_samples_kept, rt)
     if cfg.pass_k_problems:
         _sampled_math(res, model, tokenizer, cfg, problems, derive_seed(seed, "eval", "pass_k"), rt)
     if rm is not None and cfg.rm_prompts:
@@ -560,6 +643,33 @@ def _conversation_sets(res: _Results, model, tokenizer, cfg: EvalConfig, multitu
                    c["answer"], a, k) for c, a, k in zip(scope, replies, ok)]
     if shown:
         res.extras["item_samples"] += _first_of_each_group(shown, n_samples_kept)
+
+
+def _context_sets(res: _Results, model, tokenizer, cfg: EvalConfig, problems, arithmetic, scope, tasks, seed: int,
+                  n_samples_kept: int, rt) -> None:
+    """The first cfg.context_items math problems (no more than cfg.math_problems) and bare
+    calculations asked again in every context (`context_items`), greedily, all in one batched
+    pass; each scored beside the same items' outcomes alone (the math and arithmetic sets,
+    already in `res.items`)."""
+    n = min(cfg.context_items, cfg.math_problems)  # of the math, those answered alone (math_problems)
+    sets = {"math": list(problems[:n]), "arithmetic": list(arithmetic[:cfg.context_items])}
+    asked = {name: context_items(qs, scope, tasks) for name, qs in sets.items() if qs}
+    flat = [(name, c) for name, cs in asked.items() for c in cs]
+    with res.timed("context"):
+        replies = generate_replies(model, tokenizer, [render_prompt(c["messages"], tokenizer) for _, c in flat],
+                                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)[0]
+    shown = []
+    for name, cs in asked.items():
+        qs = sets[name]
+        mine = [a for (n, _), a in zip(flat, replies) if n == name]
+        ok = [is_correct(a, qs[c["index"]]["answer"]) for c, a in zip(cs, mine)]
+        alone = [bool(r["correct"]) for r in res.items if r["set"] == name][:len(qs)]
+        res.metrics.update(score_context(name, qs, alone, cs, ok, cfg.confidence, derive_seed(seed, "eval", "context")))
+        res.items += [{"set": "context", "id": f"{name}:{c['context']}:{qs[c['index']].get('id', c['index'])}",
+                       "of": name, "context": c["context"], "lang": c["lang"], "correct": k} for c, k in zip(cs, ok)]
+        shown += [(name, c["context"], " / ".join(m["content"] for m in c["messages"] if m["role"] != "assistant"),
+                   qs[c["index"]]["answer"], a, k) for c, a, k in zip(cs, mine, ok)]
+    res.extras["context_samples"] = _first_of_each_group(shown, n_samples_kept)
 
 
 def _sampled_math(res: _Results, model, tokenizer, cfg: EvalConfig, problems, seed: int, rt) -> None:

@@ -395,6 +395,21 @@ def _metrics(metrics: dict[str, dict], stage: str | None) -> list[str]:
                     " those, not general ability. Every other number is in the metrics file.", ""]
 
 
+def _context_limitation(m: dict) -> list[str]:
+    """One line on how the answers to the same held-out questions change after another request or
+    under a system message (the eval's `context_*` rates), or none when the metrics have none."""
+    parts = []
+    for of, ctx, label, where in (("math", "after_scope", "held-out math", "after an out-of-scope request"),
+                                  ("arithmetic", "system_helpful", "bare arithmetic",
+                                   'under "You are a helpful assistant."')):
+        alone, there = m.get(f"context_{of}_alone"), m.get(f"context_{of}_{ctx}")
+        if isinstance(alone, (int, float)) and isinstance(there, (int, float)):
+            parts.append(f"{label} was right {there:.0%} of the time {where}, {alone:.0%} asked alone")
+    if not parts:
+        return []
+    return ["- What comes before a question changes the answer: " + "; ".join(parts) + "."]
+
+
 def _limitations(model: GPT, stage: str | None, license: str | None, metrics: dict | None = None) -> list[str]:
     m = metrics or {}
     scope = m.get("scope_no_math_rate")
@@ -410,6 +425,7 @@ def _limitations(model: GPT, stage: str | None, license: str | None, metrics: di
               f" {turns:.0%} of the time on held-out math); longer conversations are outside what it saw."
               if isinstance(turns, (int, float)) else
               "- One turn: it was trained on one user message and one answer; later turns are outside what it saw."),
+             *_context_limitation(m),
              f"- Prompt plus answer must fit in {model.config.seq_len} tokens (`max_length` in"
              " `generation_config.json`); positions beyond were never trained.",
              "- No safety training and no evaluation of bias or toxicity.",

@@ -25,6 +25,10 @@ records byte for byte:
 - `scope_request(rng, lang)`: a request outside these skills ("Write a poem about the sea."),
   answered by `SCOPE_ANSWER`, a statement of what the model can do; `opening_exchange(rng,
   lang)` is a first exchange (a sum or a word problem, answered) to ask such a request after.
+- `context_conversation(rng, lang)`: a word problem or bare calculation asked the way chats
+  ask it: after an out-of-scope request answered with `SCOPE_ANSWER`, after an instruction
+  task, or under a system message (`SYSTEM_MESSAGES`: "You are terse.", "You are a helpful
+  assistant."...), answered as if asked alone.
 - `preference_pair(rng, ...)`: the same prompt with a chosen answer (correct and well
   formatted) and a rejected one (a wrong result, or the right result in a broken
   format: no `####` line).
@@ -502,3 +506,65 @@ def scope_request(rng: random.Random, lang: str = "en") -> ScopeRequest:
         template, fills = rng.choice(_SCOPE_ZH)
         prompt = template.format(t=rng.choice(fills))
     return ScopeRequest(prompt, SCOPE_ANSWER[lang], lang)
+
+
+# ---------------------------------------------------------------------------
+# Math asked in the contexts a chat brings: after another request, under a system message
+
+# System messages a client sends: the short ones people type and what most chat clients send by
+# default. A Chinese question is asked under the English ones as often as under the Chinese ones
+# (a client's default is English whatever the user writes). The evaluation also asks under a
+# message that is not here, to see whether the answer holds for one never trained on.
+SYSTEM_MESSAGES = {
+    "en": ("You are terse.", "You are a helpful assistant.", "Be concise.", "You are a helpful assistant. Answer"
+           " briefly.", "You are a friendly math tutor.", "Answer the user's questions.", "You are an AI assistant.",
+           "Reply in plain text.", "You are a patient teacher.", "Keep your answers short."),
+    "zh": ("请简洁回答。", "你是一个乐于助人的助手。", "你是一位数学老师。", "回答要简短。", "你是一个AI助手。",
+           "请用中文回答。"),
+}
+CONTEXT_OPENINGS = ("scope", "task", "none")
+
+
+@dataclass(frozen=True)
+class ContextConversation:
+    opening: str                   # one of CONTEXT_OPENINGS: the exchange before the question
+    system: str                    # the system message, "" for none
+    lang: str                      # the question's language ("en" | "zh")
+    messages: tuple[dict, ...]     # [system,] [user, assistant,] user, assistant
+    question: str                  # the math question asked last
+    expression: str                # its bare calculation ("7 + 5"), "" for a word problem
+    opening_prompt: str            # the user turn of the opening exchange, "" for none
+
+
+def context_conversation(rng: random.Random, lang: str = "en", opening: str | None = None,
+                         system_share: float = 0.5, levels: tuple[int, ...] = (1, 2, 3, 4)) -> ContextConversation:
+    """A math question (a bare calculation half the time, else a word problem at one of
+    `levels`) answered as it is alone, asked after an opening exchange (a random one of
+    `CONTEXT_OPENINGS` unless given):
+
+    - scope: an out-of-scope request in the question's language, answered with `SCOPE_ANSWER`
+      (the model must not keep answering with the statement once a question is in its skills);
+    - task: an instruction task (English: the tasks are), answered;
+    - none: no exchange before the question.
+
+    Under a system message (`SYSTEM_MESSAGES`) with probability `system_share`, and always when
+    `opening` is none (without one that would be a plain question)."""
+    if opening is None:
+        opening = rng.choice(CONTEXT_OPENINGS)
+    elif opening not in CONTEXT_OPENINGS:
+        raise ValueError(f"context_conversation: unknown opening {opening!r}; expected one of"
+                         f" {', '.join(CONTEXT_OPENINGS)}")
+    system = ""
+    if opening == "none" or rng.random() < system_share:
+        system = rng.choice(SYSTEM_MESSAGES["zh" if lang == "zh" and rng.random() < 0.5 else "en"])
+    before: tuple[dict, ...] = ()
+    if opening == "scope":
+        r = scope_request(rng, lang)
+        before = ({"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer})
+    elif opening == "task":
+        t = task(rng)
+        before = ({"role": "user", "content": t.prompt}, {"role": "assistant", "content": t.answer})
+    q, a, _, expr = _first_turn(rng, lang, list(levels))
+    messages = (*([{"role": "system", "content": system}] if system else []), *before,
+                {"role": "user", "content": q}, {"role": "assistant", "content": a})
+    return ContextConversation(opening, system, lang, messages, q, expr, before[0]["content"] if before else "")

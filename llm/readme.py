@@ -152,6 +152,11 @@ def targets_table(summary: dict | None) -> list[str]:
                  _vals(summary, "eval/sft.json:scope_no_math_rate"), "pct", True, "at least 95%"))
     rows.append(("the same, asked after a sum or a word problem",
                  _vals(summary, "eval/sft.json:scope_no_math_rate_second_turn"), "pct", True, "at least 95%"))
+    for key, label in (("context_math_after_scope_drop", "SFT: math after an out-of-scope request below math alone"),
+                       ("context_arithmetic_system_helpful_drop",
+                        'SFT: bare arithmetic under "You are a helpful assistant." below none')):
+        drop = _vals(summary, f"eval/sft.json:{key}")
+        rows.append((label + ", points", [100 * v for v in drop] if drop else None, "pts", False, "at most 5"))
     sft_bpb, base_bpb = _vals(summary, "eval/sft.json:val_bpb"), _vals(summary, "eval/base.json:val_bpb")
     rows.append(("SFT's held-out text bits/byte over the base model's",
                  [a / b for a, b in zip(sft_bpb, base_bpb)] if sft_bpb and base_bpb else None, "ratio", False,

@@ -97,6 +97,14 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("scope_no_math_rate_second_turn", "the same, asked after a sum or a word problem", "pct"),
     ("scope_no_math_rate_zh", "the same, asked in Chinese", "pct"),
     ("scope_exact_match", "requests outside its skills answered with the taught statement", "pct"),
+    *((f"context_{of}_{ctx}", f"{label}{where}", "pct")
+      for of, label in (("math", "math"), ("arithmetic", "bare arithmetic"))
+      for ctx, where in (("alone", " asked alone (the items asked again below)"),
+                         ("after_scope", " after an out-of-scope request"),
+                         ("after_task", " after an instruction task"),
+                         ("system_short", ' under "You are terse."'),
+                         ("system_helpful", ' under "You are a helpful assistant."'),
+                         ("system_unseen", " under a system message no training conversation has"))),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),

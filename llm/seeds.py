@@ -62,6 +62,7 @@ STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                  "eval/ppo.json:kl", "eval/grpo.json:kl",
                  "eval/dpo.json:kl", "eval/sft.json:multiturn_exact_match", "eval/sft.json:scope_no_math_rate",
                  "eval/sft.json:scope_no_math_rate_second_turn", "eval/sft.json:scope_exact_match",
+                 "eval/sft.json:context_math_after_scope_drop", "eval/sft.json:context_arithmetic_system_helpful_drop",
                  "eval/sft.json:val_bpb", "eval/base.json:val_bpb")
 
 

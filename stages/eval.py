@@ -26,7 +26,12 @@ question; greedy exact match on the second turn of every two-exchange conversati
 kind and per language: `multiturn_exact_match*`) and, for every out-of-scope request, whether
 the answer has no math template (no `####`, no `a op b = c`: `scope_no_math_rate`) and whether
 it is the taught statement of what the model can do (`scope_exact_match`), these keys only when
-the files have items; pass@k and the sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
+the files have items; with `eval.context_items`, the first that many test problems and bare
+calculations asked again after an out-of-scope request, after an instruction task and under
+three system messages (short, "You are a helpful assistant.", one no training conversation
+has), scored beside the same items alone, per language, with the drop in points between them
+(`context_math_*`, `context_arithmetic_*`: llm/evaluate.py `score_context`); pass@k and the
+sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
 `eval.pass_k_problems` problems) with bootstrap intervals; the reward model's mean score of
 the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's greedy answers
 to the same prompts (ties count half); KL to SFT on `eval.kl_prompts` prompts (responses sampled
@@ -180,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = [f"math exact match {m['math_exact_match']:.1%} [{m['math_exact_match_lo']:.1%},"
                  f" {m['math_exact_match_hi']:.1%}]"]
         for key, label in (("task_exact_match", "tasks"), ("arithmetic_exact_match", "arithmetic"),
-                           ("multiturn_exact_match", "second turns"), ("scope_no_math_rate", "out-of-scope no math")):
+                           ("multiturn_exact_match", "second turns"), ("scope_no_math_rate", "out-of-scope no math"),
+                           ("context_math_after_scope", "math after an out-of-scope request"),
+                           ("context_arithmetic_system_helpful", "arithmetic under \"You are a helpful assistant.\"")):
             if key in m:
                 parts.append(f"{label} {m[key]:.1%}")
         if "val_bpb" in m:

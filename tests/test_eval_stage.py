@@ -403,3 +403,56 @@ def test_an_out_of_scope_request_after_a_first_exchange_is_asked_with_it_and_sco
     assert m["scope_no_math_rate_en"] == 0.5 and m["scope_no_math_rate_zh"] == 1.0
     items = [(i["id"], i["turn"], i["correct"]) for i in extras["items"] if i["set"] == "scope"]
     assert items == [("first", 1, True), ("second", 2, False), ("zh", 2, True)]
+
+
+def test_questions_asked_in_a_context_are_scored_beside_the_same_questions_alone(world, monkeypatch):
+    """eval.context_items asks the first problems and bare calculations again after an
+    out-of-scope request, after a task and under each system message, with the conversation as
+    the prompt; each context's rate sits beside the same items' alone and the drop is their
+    difference, and no key that existed before changes."""
+    import llm.evaluate as ev
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0, "context_items": 2})
+    scope = [{"id": f"s{i}", "prompt": p, "answer": "I can do sums.", "lang": "en"}
+             for i, p in enumerate(("Write a poem about the sea.", "Who was Napoleon?"))]
+    tasks = w["tasks"]
+    canned = {}
+    for qs in (w["test"][:2], w["arithmetic"][:2]):
+        for i, q in enumerate(qs):
+            user = {"role": "user", "content": q["question"]}
+            right, wrong = f"#### {q['answer']}", f"#### {int(q['answer']) + 1}"
+            for messages, answer in (
+                    ([user], right),
+                    ([{"role": "user", "content": scope[i]["prompt"]}, {"role": "assistant", "content": "I can do sums."},
+                      user], wrong),
+                    ([{"role": "user", "content": tasks[i]["prompt"]}, {"role": "assistant", "content": tasks[i]["answer"]},
+                      user], right),
+                    ([{"role": "system", "content": "You are terse."}, user], right),
+                    ([{"role": "system", "content": "You are a helpful assistant."}, user], wrong),
+                    ([{"role": "system", "content": ev.CONTEXT_SYSTEM["system_unseen"]["en"]}, user], right)):
+                canned[tuple(render_prompt(messages, w["tok"]))] = answer
+    real = ev.generate_replies
+
+    def fake(model, tok, prompts, **kw):  # canned answers where there is one, the model's for the rest
+        rest = [p for p in prompts if tuple(p) not in canned]
+        theirs = iter(real(model, tok, rest, **kw)[0] if rest else [])
+        return [canned[tuple(p)] if tuple(p) in canned else next(theirs) for p in prompts], [1] * len(prompts)
+
+    monkeypatch.setattr(ev, "generate_replies", fake)
+    kw = dict(seed=0, problems=w["test"], arithmetic=w["arithmetic"], scope=scope, tasks=tasks)
+    plain, _ = evaluate_model(w["sft"], w["tok"], EvalConfig(**{**cfg.__dict__, "context_items": 0}), **kw)
+    m, extras = evaluate_model(w["sft"], w["tok"], cfg, **kw)
+    assert {k: m[k] for k in plain} == plain and not any(k.startswith("context") for k in plain)
+    for name in ("math", "arithmetic"):
+        p = f"context_{name}"
+        assert m[f"{p}_n"] == 2 and m[f"{p}_alone"] == m[f"{p}_alone_en"] == 1.0
+        expected = {"after_scope": 0.0, "after_task": 1.0, "system_short": 1.0, "system_helpful": 0.0,
+                    "system_unseen": 1.0}
+        assert {c: m[f"{p}_{c}"] for c in expected} == expected
+        assert {c: m[f"{p}_{c}_drop"] for c in expected} == {c: 1.0 - v for c, v in expected.items()}
+        assert m[f"{p}_after_scope_drop_lo"] == m[f"{p}_after_scope_drop_hi"] == 1.0  # every pair lost it
+    items = [i for i in extras["items"] if i["set"] == "context"]
+    assert len(items) == 2 * 2 * 5 and len({i["id"] for i in items}) == 20
+    assert {i["id"] for i in items if not i["correct"]} == {
+        f"{n}:{c}:{q['id']}" for n, qs in (("math", w["test"]), ("arithmetic", w["arithmetic"])) for q in qs[:2]
+        for c in ("after_scope", "system_helpful")}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm.evaluate import (bootstrap_interval, has_math_template, pass_at_k, score_multiturn, score_scope,
-                          wilson_interval, z_score)
+from llm.evaluate import (CONTEXT_SYSTEM, CONTEXTS, bootstrap_interval, context_items, has_math_template, pass_at_k,
+                          score_context, score_multiturn, score_scope, wilson_interval, z_score)
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [
@@ -83,3 +83,46 @@ def test_out_of_scope_answers_count_as_math_when_they_have_a_math_template():
     assert m["scope_no_math_rate"] == 0.5 and m["scope_exact_match"] == 0.25 and m["scope_n"] == 4
     assert m["scope_no_math_rate_lo"] < 0.5 < m["scope_no_math_rate_hi"]
     assert has_math_template("#### 3") and has_math_template("7 × 6 = 42") and not has_math_template("in 2024 - 2025")
+
+
+def test_each_question_is_asked_in_every_context_after_an_opening_in_its_language():
+    questions = [{"id": "a", "question": "What is 7 + 5?", "lang": "en"},
+                 {"id": "b", "question": "7 + 5 等于多少？", "lang": "zh"},
+                 {"id": "c", "question": "What is 9 - 4?", "lang": "en"},
+                 {"id": "d", "question": "What is 3 * 3?", "lang": "en"}]
+    scope = [{"prompt": "Write a poem.", "answer": "I do sums.", "lang": "en"},
+             {"prompt": "写一首诗。", "answer": "我会算数。", "lang": "zh"},
+             {"prompt": "Who was Napoleon?", "answer": "I do sums.", "lang": "en"}]
+    tasks = [{"prompt": "Reverse the word: castle", "answer": "eltsac"}]
+    items = context_items(questions, scope, tasks)
+    assert [c["context"] for c in items] == [c for c in CONTEXTS for _ in questions]  # context by context
+    by = {(c["context"], c["index"]): c["messages"] for c in items}
+    assert [by["after_scope", i][0]["content"] for i in range(4)] == [
+        "Write a poem.", "写一首诗。", "Who was Napoleon?", "Write a poem."]  # the i-th request in the language
+    assert by["after_scope", 1][1] == {"role": "assistant", "content": "我会算数。"}
+    assert all(by["after_task", i][:2] == [{"role": "user", "content": "Reverse the word: castle"},
+                                           {"role": "assistant", "content": "eltsac"}] for i in range(4))
+    assert by["system_short", 1][0] == {"role": "system", "content": CONTEXT_SYSTEM["system_short"]["zh"]}
+    assert by["system_helpful", 1][0]["content"] == "You are a helpful assistant."  # what clients send, any language
+    assert all(by[k][-1] == {"role": "user", "content": questions[k[1]]["question"]} for k in by)
+    assert {c["context"] for c in context_items(questions)} == {c for c in CONTEXTS if c.startswith("system")}
+    only_en = context_items(questions[1:2], scope[:1])  # no request in Chinese: any language's
+    assert only_en[0]["messages"][0]["content"] == "Write a poem."
+
+
+def test_a_context_is_scored_beside_the_same_questions_alone_with_the_drop_in_points():
+    questions = [{"lang": "en"}, {"lang": "en"}, {"lang": "zh"}, {"lang": "zh"}]
+    alone = [True, True, False, True]
+    items = [{"context": "after_scope", "index": i} for i in range(4)] + [
+        {"context": "system_helpful", "index": i} for i in (0, 2)]
+    outcomes = [False, True, False, False, True, True]
+    m = score_context("math", questions, alone, items, outcomes, seed=1)
+    assert m["context_math_n"] == 4 and m["context_math_alone"] == 0.75
+    assert m["context_math_alone_en"] == 1.0 and m["context_math_alone_zh"] == 0.5
+    assert m["context_math_after_scope"] == 0.25 and m["context_math_after_scope_en"] == 0.5
+    assert m["context_math_after_scope_zh"] == 0.0
+    assert m["context_math_after_scope_drop"] == 0.5  # the same four items: 3 right alone, 1 after the request
+    assert m["context_math_after_scope_drop_lo"] <= 0.5 <= m["context_math_after_scope_drop_hi"]
+    assert m["context_math_system_helpful"] == 1.0
+    assert m["context_math_system_helpful_drop"] == -0.5  # items 0 and 2: one right alone, both with it
+    assert not any("after_task" in k for k in m)  # a context without items has no keys

@@ -271,6 +271,13 @@ def test_the_model_card_says_what_the_model_is(tmp_path, tok):
     card = card_of(tmp_path / "scoped")[1]
     assert "One turn" not in card and "Two exchanges at most" in card and "second answers right 84%" in card
     assert "a short statement of what it can do (100% of held-out such requests got no worked sum)" in card
+    assert "What comes before a question" not in card  # no context rates: no line
+    asked = {**scoped, "context_math_alone": 0.9, "context_math_after_scope": 0.3, "context_arithmetic_alone": 0.92,
+             "context_arithmetic_system_helpful": 0.42}
+    export_hf(m, tok, tmp_path / "asked", name="sft", meta=meta, metrics={"eval/sft.json": asked})
+    assert ("- What comes before a question changes the answer: held-out math was right 30% of the time after an"
+            " out-of-scope request, 90% asked alone; bare arithmetic was right 42% of the time under \"You are a"
+            " helpful assistant.\", 92% asked alone.") in card_of(tmp_path / "asked")[1]
 
 
 def test_the_card_header_is_hub_metadata_that_claims_no_license_the_repository_does_not_state(tmp_path, tok):

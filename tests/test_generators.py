@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from llm.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, MULTITURN_KINDS, SCOPE_ANSWER, TASK_KINDS, MathProblem,
-                            arithmetic_question, math_problem, multiturn_conversation, preference_pair,
-                            scope_prompt_count, scope_request, task, task_preference_pair, wrong_solution)
+from llm.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, CONTEXT_OPENINGS, MULTITURN_KINDS, SCOPE_ANSWER,
+                            SYSTEM_MESSAGES, TASK_KINDS, MathProblem, arithmetic_question, context_conversation,
+                            math_problem, multiturn_conversation, preference_pair, scope_prompt_count, scope_request,
+                            task, task_preference_pair, wrong_solution)
 
 _STEP = re.compile(r"^(-?\d+) ([-+*/]) (\d+) = (-?\d+)$")
 
@@ -179,3 +180,44 @@ def test_scope_prompt_count_is_what_the_generator_reaches():
         rng = random.Random(1)
         seen = {scope_request(rng, lang).prompt for _ in range(40 * scope_prompt_count(lang))}
         assert len(seen) == scope_prompt_count(lang)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_math_in_a_context_is_answered_as_if_asked_alone(lang):
+    """After an out-of-scope request (answered with the statement), after a task (answered) or
+    with nothing before it, under a system message where drawn and always when nothing comes
+    before: the last answer is the question's own worked solution, ending in its value."""
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(600):
+        c = context_conversation(rng, lang, system_share=0.5, levels=(1, 2, 3, 4))
+        roles = [m["role"] for m in c.messages]
+        seen.add((c.opening, bool(c.system)))
+        assert roles == ["system"] * bool(c.system) + ["user", "assistant"] * (1 + (c.opening != "none"))
+        assert c.system == (c.messages[0]["content"] if c.system else "")
+        assert not c.system or c.system in SYSTEM_MESSAGES["en"] + SYSTEM_MESSAGES["zh"]
+        if c.opening == "scope":
+            assert c.messages[-3]["content"] == SCOPE_ANSWER[lang] and c.opening_prompt == c.messages[-4]["content"]
+        assert c.messages[-2]["content"] == c.question
+        answer = c.messages[-1]["content"]
+        *steps, last = answer.split("\n")
+        prev = None
+        for line in steps:
+            a, op, b, value = _STEP.match(line).groups()
+            assert prev is None or int(a) == prev
+            prev = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b), "/": int(a) // int(b)}[op]
+            assert prev == int(value)
+        assert last == f"#### {prev}"
+        if c.expression:
+            assert steps == [f"{c.expression} = {prev}"] and c.expression in c.question
+    assert seen == {("scope", False), ("scope", True), ("task", False), ("task", True), ("none", True)}
+    assert {o for o, _ in seen} == set(CONTEXT_OPENINGS)
+    assert context_conversation(random.Random(9), lang) == context_conversation(random.Random(9), lang)
+
+
+def test_the_evaluation_asks_under_the_common_system_messages_and_one_no_training_conversation_has():
+    from llm.evaluate import CONTEXT_SYSTEM
+    trained = set(SYSTEM_MESSAGES["en"]) | set(SYSTEM_MESSAGES["zh"])
+    for key in ("system_short", "system_helpful"):
+        assert set(CONTEXT_SYSTEM[key].values()) <= trained
+    assert not set(CONTEXT_SYSTEM["system_unseen"].values()) & trained

@@ -17,7 +17,7 @@ def _run_prepare(tmp_path, **overrides):
                              task_val=20, pref_train=80, pref_val=20)
     # two-exchange conversations and out-of-scope requests off unless a test asks: they are drawn
     # last and skip what the evaluation asks, so they would blur what each test isolates
-    params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0)
+    params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0, context_train=0)
     params["prepare"].update(overrides)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -191,7 +191,7 @@ def _small_cfg(**overrides):
                               "math_pretrain_docs": 20, "task_train": 60, "task_val": 10, "task_test": 5,
                               "pref_train": 40, "pref_val": 8, "arithmetic_train": 20, "arithmetic_test": 10,
                               "multiturn_train": 0, "multiturn_test": 0, "scope_train": 0, "scope_test": 0,
-                              **overrides})
+                              "context_train": 0, **overrides})
     params["eval"]["math_problems"] = params["prepare"]["math_test"]
     return load_params_text(yaml.safe_dump(params, sort_keys=False)).prepare
 
@@ -199,14 +199,54 @@ def _small_cfg(**overrides):
 def test_build_keeps_the_evaluation_apart_from_what_a_policy_trains_on():
     """llm.data.build in-process: no held-out math question or evaluation prompt is a training prompt."""
     from llm.data import build
-    data, _ = build(_small_cfg(), seed=7)
+    counts = dict(multiturn_train=100, multiturn_test=20, scope_train=50, scope_test=20, context_train=300)
+    data, _ = build(_small_cfg(**counts), seed=7)
     trained = {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
     trained |= {r["question"] for r in data["rl"]["train"]}
     held_out = {r["question"] for s in ("val", "test") for r in data["rl"][s]}
     assert held_out and not held_out & trained
     assert not {r["prompt"] for r in data["tasks"]["test"]} & trained
     assert not {r["question"] for r in data["arithmetic"]["test"]} & trained
-    assert build(_small_cfg(), seed=7)[0] == data  # the same (cfg, seed), the same records
+    assert data["scope"]["test"] and not {r["prompt"] for r in data["scope"]["test"]} & trained
+    assert build(_small_cfg(**counts), seed=7)[0] == data  # the same (cfg, seed), the same records
+
+
+def test_math_in_a_context_is_appended_last_and_asks_and_opens_with_nothing_the_evaluation_asks():
+    """prepare.context_train appends its conversations after every other record, leaving them as
+    they are; none asks a held-out problem or calculation (in either language) or a user turn of
+    the evaluation's conversations, and none opens with an evaluation task or out-of-scope
+    request (the evaluation asks its held-out questions after those); the same seed gives the
+    same conversations."""
+    import re
+
+    from llm.data import build
+    counts = dict(multiturn_train=100, multiturn_test=40, scope_train=100, scope_test=60, scope_second_turn=0.5,
+                  task_test=40, arithmetic_test=60)
+    on, _ = build(_small_cfg(**counts, context_train=1500), seed=7)
+    off, _ = build(_small_cfg(**counts), seed=7)
+    assert {k: {s: v for s, v in on[k].items()} for k in on if k != "sft"} == {
+        k: {s: v for s, v in off[k].items()} for k in off if k != "sft"}
+    assert on["sft"]["val"] == off["sft"]["val"]
+    before = off["sft"]["train"]
+    assert on["sft"]["train"][:len(before)] == before
+    added = on["sft"]["train"][len(before):]
+    assert len(added) == 1500 and {r["source"] for r in added} == {
+        "generated/context_scope", "generated/context_task", "generated/context_none"}
+    asked = {m["content"] for r in added for m in r["messages"] if m["role"] == "user"}
+    questions = {r["messages"][-2]["content"] for r in added}
+    held_out = {r["question"] for s in ("val", "test") for r in on["rl"][s]} | {
+        r["question"] for r in on["arithmetic"]["test"]} | {
+        m["content"] for c in on["multiturn"]["test"] for m in c["messages"] if m["role"] == "user"}
+    requests = {r["prompt"] for r in on["scope"]["test"]} | {t["prompt"] for t in on["tasks"]["test"]}
+    # (a task after a sum in the evaluation's conversations may ask a training task: no opening is checked against it)
+    assert not questions & held_out and not asked & requests and not asked & (held_out - requests - {
+        c["messages"][2]["content"] for c in on["multiturn"]["test"] if c["kind"] == "task_after_sum"})
+    calc = re.compile(r"(\d+ [-+*/] \d+)")
+    evaluated = {calc.search(r["question"]).group(1) for r in on["arithmetic"]["test"]}
+    assert not evaluated & {m.group(1) for q in asked if (m := calc.search(q))}  # no calculation, either language
+    assert sum(r["messages"][0]["role"] == "system" for r in added) > 700
+    assert {r["messages"][-2]["content"] for r in added if r["source"] == "generated/context_none"} <= asked
+    assert build(_small_cfg(**counts, context_train=1500), seed=7)[0]["sft"]["train"] == on["sft"]["train"]
 
 
 def test_an_empty_required_split_names_the_kind_and_the_params():

@@ -169,7 +169,8 @@ def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
                "metrics": {"eval/sft.json:multiturn_exact_match": m(0.78, 0.82),
                            "eval/sft.json:scope_no_math_rate": m(1.0, 0.96),
                            "eval/sft.json:val_bpb": m(2.4, 2.6), "eval/base.json:val_bpb": m(2.4, 2.0),
-                           "reward.json:accuracy": m(0.8, 0.7), "reward.json:sft_likelihood_accuracy": m(0.75, 0.8)},
+                           "reward.json:accuracy": m(0.8, 0.7), "reward.json:sft_likelihood_accuracy": m(0.75, 0.8),
+                           "eval/sft.json:context_math_after_scope_drop": m(0.02, -0.01)},
                "rm_separation": {"sft": {"values": [0.7, 0.9]}},
                "paired": {"ppo": {"math": {"type": "rate", "deltas": [0.01, -0.02], "mean": -0.005, "lo": -0.02,
                                            "hi": 0.01}}}}
@@ -181,6 +182,9 @@ def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
     assert rows["RM minus SFT's likelihood on the same pairs, points"].split(" | ")[3] == "-10.0"
     assert rows["RM AUC, SFT's right over wrong test answers"].split(" | ")[3] == "0.70"
     assert "the same, asked after a sum or a word problem" not in rows  # no seed has it
+    assert rows["SFT: math after an out-of-scope request below math alone, points"].split(" | ")[1:5] == [
+        "+2.0 / -1.0", "+0.5", "+2.0", "at most 5 |"]
+    assert not any("You are a helpful assistant" in r for r in rows)  # no seed has it
     assert rows["PPO: math change vs SFT (pooled over the seeds' items)"].split(" | ")[1:4] == [
         "+1.0 / -2.0", "-0.5", "[-2.0, +1.0] (95%)"]
     assert readme.targets_table(None) == []

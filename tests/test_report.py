@@ -371,6 +371,15 @@ def test_a_stage_says_whether_the_rm_score_follows_correctness(metrics):
     assert auc and auc[0]["cells"]["grpo"] == "0.469 [0.372, 0.569]" and auc[0]["cells"]["sft"] == "n/a"
 
 
+def test_the_rates_of_questions_asked_in_a_context_are_rows_of_the_full_table():
+    ev = {"sft": {"context_math_alone": 0.9, "context_math_after_scope": 0.3, "context_math_after_scope_lo": 0.2,
+                  "context_math_after_scope_hi": 0.4}, "grpo": {"context_math_alone": 0.8}}
+    rows = {r["label"]: r["cells"] for r in all_metric_rows(ev)[1]}
+    assert rows["math after an out-of-scope request"] == {"sft": "30.0% [20.0, 40.0]", "grpo": "n/a"}
+    assert rows["math asked alone (the items asked again below)"]["grpo"] == "80.0%"
+    assert not any("under" in label for label in rows)  # rows no model has are dropped
+
+
 def test_stage_headlines_carry_their_intervals():
     rows = stage_headline_rows({"ppo": {"reward_start": 0.9, "reward_end": 0.91, "reward_trend": 0.0061,
                                         "reward_trend_lo": -0.0659, "reward_trend_hi": 0.0781,
