@@ -17,7 +17,8 @@ Conditions, rotated each round:
 Thread settings:
   auto   common.num_threads: auto as the training loop runs it (llm/threads.py auto_tuner): the
          starting count from the load rule, then ThreadTuner between steps among the stage's
-         allowed counts (one thread throughout for a stage that has only one)
+         candidate counts (one thread throughout for a stage that has only one); without the
+         loop's check of which counts train one thread's bits (the check at the end says that)
   1      one thread
   all    one thread per usable CPU (what torch does by default)
 Reported per condition: seconds per stage for each setting, and `auto_over_best_fixed`, auto's

@@ -96,8 +96,9 @@ class CommonConfig:
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f(doc="auto: bf16 on a bf16-capable GPU, fp32 on CPU")
     nproc: int = _f(lo=1, hi=MAX_WORKERS, doc="processes per node; > 1 runs the model stages under torchrun")
     num_threads: Literal["auto"] | int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads per process: auto = one,"
-                                            " and pretrain/SFT measure the fastest of 1, 2, 4, ... between"
-                                            " steps (llm/threads.py); 0 = torch's default")
+                                            " and pretrain measures the fastest of the counts 1, 2, 4, ... that"
+                                            " train one thread's bits on this CPU (llm/threads.py); 0 = torch's"
+                                            " default")
     cpu_kernels: bool = _f(doc="hand-written CPU backward passes (llm/kernels.py); false = the plain PyTorch path")
     cpu_capability: Literal["", "default", "avx2", "avx512"] = _f(
         "", doc="PyTorch's vectorized CPU kernels and MKL's code path on x86 (llm/runtime.py"

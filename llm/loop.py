@@ -34,6 +34,8 @@ stopping (a signal on any rank stops all of them at the same step).
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import math
 import signal
 import threading
@@ -52,7 +54,7 @@ from llm.errors import CheckpointError, NonFiniteError
 from llm.monitor import Monitor, Plots
 from llm.optim import build_optimizer, lr_for, set_lr
 from llm.runtime import Runtime, all_gather_object, all_reduce, barrier
-from llm.threads import auto_tuner
+from llm.threads import auto_tuner, check_counts, stage_candidates, usable_cpus
 
 
 class StopFlag:
@@ -215,6 +217,7 @@ class LoopResult:
     train_time_s: float = 0.0                              # in steps that counted
     eval_time_s: float = 0.0
     threads_steps: dict[str, int] = field(default_factory=dict)  # {"<torch threads>": steps run}, this session
+    threads_probe: dict | None = None  # under auto: the thread counts checked and kept (check_thread_counts)
 
 
 def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, stage: str, model: nn.Module,
@@ -281,10 +284,22 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         # experiments with other params never write into each other's events
         plots = replace(plots, tb_dir=Path(plots.tb_dir) / fingerprint[:12])
         say(f"{stage}: TensorBoard events in {plots.tb_dir}")
-    # common.num_threads: auto: pretrain's and SFT's steps move between the thread counts that give
-    # them the same bits, measuring which is fastest; evaluation and every other stage stay on one
-    # thread (llm/threads.py). A fixed count stays as set.
-    tuner = auto_tuner(stage, say) if rt.auto_threads and rt.device.type == "cpu" else None
+    # common.num_threads: auto: pretrain's steps move between the thread counts that give its step
+    # one thread's bits on this machine (checked here, before the first step), measuring which is
+    # fastest; evaluation and every other stage stay on one thread (llm/threads.py). A fixed count
+    # stays as set.
+    tuner, threads_probe = None, None
+    if rt.auto_threads and rt.device.type == "cpu":
+        candidates = stage_candidates(stage, usable_cpus())
+        if rt.distributed:  # every rank must run the same check steps, or their collectives hang
+            candidates = sorted(set.intersection(*map(set, all_gather_object(candidates, rt))))
+        if len(candidates) > 1 and step < cfg.max_steps:
+            threads_probe = check_thread_counts(candidates, body, updater, model, rt, step=step,
+                                                step_context=step_context)
+            candidates = threads_probe["kept"]
+            say(f"threads: {stage}: {threads_probe['kept']} of {threads_probe['checked']} threads train one thread's"
+                f" bits on this CPU ({threads_probe['cpu']}; one step each, {threads_probe['seconds']:.1f} s)")
+        tuner = auto_tuner(stage, say, candidates)
     threads_steps: dict[str, int] = {}
     mon = Monitor(stage, max_steps=cfg.max_steps, start_step=step, enabled=rt.is_main, plots=plots,
                   progress=progress, train_history=hist, val_history=val_hist)
@@ -361,7 +376,52 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
             tuner.release()
     return LoopResult(step=step, history=hist, val_history=val_hist, resumed_from=resumed_from,
                       nonfinite_skips=updater.skips, amp_overflows=updater.overflows, train_time_s=train_time,
-                      eval_time_s=eval_time, threads_steps=dict(sorted(threads_steps.items(), key=lambda kv: int(kv[0]))))
+                      eval_time_s=eval_time, threads_probe=threads_probe,
+                      threads_steps=dict(sorted(threads_steps.items(), key=lambda kv: int(kv[0]))))
+
+
+def check_thread_counts(candidates: list[int], body: StepBody, updater: Updater, model: nn.Module, rt: Runtime, *,
+                        step: int, step_context: Callable[[], Any] = contextlib.nullcontext) -> dict:
+    """Which of `candidates` give step `step` of `body` one thread's bits here (llm/threads.py
+    check_counts): the step runs once at each count from the same saved state (the model, the
+    optimizer, the updater, the body's state and the global RNG), which is restored after each,
+    so the run goes on exactly as if nothing had run. The bits compared are the model's state and
+    the optimizer's (Adam's moments hold the gradient's bits). Under torchrun every rank keeps
+    only the counts that every rank kept."""
+    optimizer = updater.optimizer
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                           "updater": updater.state_dict(), "body": body.state_dict()})
+    rng = torch.get_rng_state()
+
+    def step_state(n: int) -> bytes | None:
+        try:
+            updater.set_step(step)
+            with step_context():
+                row = body.step(step, updater)
+            trained = list(model.state_dict().values()) + [
+                t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            return None if row is None else state_digest(trained)
+        finally:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+            updater.load_state_dict(copy.deepcopy(saved["updater"]))
+            body.load_state_dict(copy.deepcopy(saved["body"]))
+            torch.set_rng_state(rng)
+
+    probe = check_counts(candidates, step_state)
+    if rt.distributed:
+        probe["kept"] = sorted(set.intersection(*map(set, all_gather_object(probe["kept"], rt))))
+    return probe
+
+
+def state_digest(tensors) -> bytes:
+    """sha256 of the raw bytes of `tensors`, in order: equal digests mean bit-identical tensors
+    (unlike ==, which calls 0.0 and -0.0 equal). A sharded tensor (FSDP2) counts by its local shard."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def seed_step(rt: Runtime, seed: int) -> None:

@@ -24,8 +24,9 @@ nested dict is split the same way, and each part keeps the path to its keys):
 - timings (the runs/ file): a key one of whose `_`-separated words is `s`, `seconds`, `time`
   or `mem` (`train_time_s`, `tokens_per_s`, `rollout_s_total`, `seconds`, `mem_peak_gb`), and
   `mfu`, `generation_fraction` (a share of the step time), `num_threads` and `threads_steps`
-  (`auto` follows the machine's load) and `resumed_from` (where a killed run picked up): they change with the
-  machine, its load and the run's history, not with what was learned;
+  (`auto` follows the machine's load), `threads_probe` (the thread counts `auto` found to give
+  one thread's bits on this CPU, and the CPU) and `resumed_from` (where a killed run picked up):
+  they change with the machine, its load and the run's history, not with what was learned;
 - the run file: provenance and what was in force: `device`, `dtype`, `world_size`, `workers`,
   `inputs`, `fingerprint`, `warning`, every `*_sha256`, the quality gates' thresholds echoed
   from params.yaml (`max_kl`, `min_accuracy`; `dvc exp show` lists params), and every value
@@ -46,7 +47,8 @@ from llm.fileio import DataError, atomic_write_json, read_text
 
 # The rules (module docstring). Key names, not values: a key is a timing whatever run it comes from.
 TIMING_WORDS = frozenset({"s", "seconds", "time", "mem"})
-TIMING_KEYS = frozenset({"mfu", "generation_fraction", "num_threads", "threads_steps", "resumed_from"})
+TIMING_KEYS = frozenset({"mfu", "generation_fraction", "num_threads", "threads_steps", "threads_probe",
+                         "resumed_from"})
 RUN_KEYS = frozenset({"device", "dtype", "world_size", "workers", "inputs", "fingerprint", "warning",
                       "max_kl", "min_accuracy"})
 

@@ -1,13 +1,15 @@
 """How many CPU threads torch uses: `common.num_threads`, and `auto`, which measures.
 
     n = apply_num_threads(common.num_threads)   # when a stage starts (llm/runtime.py setup_runtime)
-    tuner = auto_tuner(stage)                   # llm/loop.py under auto; None: the stage stays on 1
+    probe = check_counts(candidates, step_state)  # under auto, before the first step (llm/loop.py)
+    tuner = auto_tuner(stage, say, probe["kept"])  # None: the stage stays on 1
     n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
     tuner.release()                             # back to 1 for an evaluation, and after the loop
 
-Under `auto` (the default) every stage starts on one thread, and the stages whose training step
-gives the same bits with any of several counts (`stage_candidates`) measure which is fastest
-between steps. Their starting count comes from one rule:
+Under `auto` (the default) every stage starts on one thread, and a stage whose step keeps one
+shape (`stage_candidates`) checks which counts give its step one thread's bits on this machine
+(below), then measures which of those is fastest between steps. Its starting count comes from
+one rule:
 
     usable  = the CPUs this process may run on (os.sched_getaffinity), capped by a cgroup CPU quota
     busy    = how many of those CPUs other processes kept busy during a 0.3 s look at /proc/stat
@@ -32,18 +34,40 @@ recorded (`counts`; the training stages write them to their metrics as `threads_
 every step's row of the history has its `num_threads`).
 
 Reproducibility under `auto`: a different count can change floating-point results (how a
-reduction is split between threads), so `auto` only moves between counts that give the same
-bits for the stage's step. Measured on the reference 2-core machine (bench/threads.py
-`bitwise_same_as_1_thread`): the pretrain step trains bit-identical weights with 1, 2 and 4
-threads (3 does not), and SFT runs the same model and loss (masked); those two stages choose
-among the powers of two up to the usable CPUs. PPO and GRPO train different weights with 1 and
-2 threads, and the other stages (the reward model, DPO, evaluation, pairs, the data cleaning)
-have not been checked, so under `auto` they run on one thread whatever the load, everything
-before and after their loop included (the count the committed RL models were trained with, and
-the fastest next to a competing process; slower than two threads on an idle machine). So under
-`auto`: pretrain and SFT rerun bit for bit at any load on a machine where those counts give the
-same bits (bench/threads.py checks a machine; this one does), and the other stages at any load
-anywhere. Where the first has not been checked, set a fixed `common.num_threads`.
+reduction or a matrix product is split between threads), and which counts do depends on the CPU
+and the tensor shapes, so `auto` checks them on the machine it runs on. Before a stage's first
+step (between steps only) the loop (llm/loop.py) saves the model, the optimizer, the step
+body's state and the RNG, runs that same real step once at each allowed count, restores the
+saved state after each (the run's own steps are the ones it would have run without the check)
+and keeps only the counts whose parameters and Adam moments after the step are bit-identical
+to one thread's (`check_counts`; the moments hold the gradient's bits, which the parameters
+after one Adam step, about lr * sign(gradient), may not). Its cost is one step per allowed count
+and a copy of the model and optimizer state; its result (`checked`, `kept`, the `cpu` model
+from /proc/cpuinfo, `seconds`) goes into the stage's `threads_probe`, in
+runs/<stage>/run.json beside `threads_steps`. What one step can miss: a count that rounds
+differently only on shapes the checked step did not have, or only by chance on other values, or
+a library whose split depends on something other than the shape and the count (memory
+alignment). So the check is only used where every step has one shape: pretrain, whose batches
+are batch_size windows of seq_len tokens. SFT's batches are padded to their longest example
+(llm/batching.py BucketBatchSampler), so their shape changes from step to step, and one shape
+vouches for no other: measured on the 2-core AMD EPYC machine (one step of the tiny model from
+one state, padded lengths 8, 16, ..., 256), 4 threads gave one thread's bits at 28 of 32 lengths,
+the longest included, and other bits at 16, 40, 80 and 88 (3 threads: other bits at 21 of
+32; 2 threads: the same bits at all 32; alike with PyTorch's and MKL's own kernels and with
+`common.cpu_capability: avx2`). SFT therefore stays on one thread under `auto`, like
+PPO and GRPO (which train different weights with 1 and 2 threads) and the stages never checked
+(the reward model, DPO, evaluation, pairs, the data cleaning), everything before and after
+their loop included. What reproduces where under `auto`: every stage but pretrain runs on one
+thread at any load, so a rerun on the same machine gives the same bytes; pretrain moves only
+between the counts its own check kept on that machine, so it reproduces at any load too, within
+what one step's check can see (above). Measured with bench/threads.py (`--rounds 0
+--bitwise-steps 3`: three pretrain steps of the `cpu` profile's model at 1, 2, 3 and 4 threads
+from one state): on the 2-core AMD EPYC machine 2 and 4 threads give one thread's bits and 3 does
+not, with PyTorch's and MKL's own kernels and with `common.cpu_capability: avx2` alike, and the
+check in the loop keeps [1, 2] there; on a 2-core Intel Xeon machine none of 2, 3 and 4 does
+(PyTorch's and MKL's own kernels), so the check should keep [1] there and pretrain run on one
+thread (the check itself has not run on that machine yet: its `threads_probe` will say). Across
+machines nothing here promises the same bytes (docs/experiments.md).
 
 An integer >= 1 is used as given for the whole stage; 0 leaves torch's own default (one thread
 per core). Neither is revisited.
@@ -52,15 +76,16 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Callable
 
 SAMPLE_SECONDS = 0.3
-# Stages whose step gives the same bits with 1, 2 and 4 threads (bench/threads.py measures the
-# pretrain step; SFT trains that model with the same loss, masked); under `auto` the others stay
-# on one thread.
-COUNT_FREE_STAGES = ("pretrain", "sft")
+# Stages whose every step has one shape, so that checking one step at each count (check_counts)
+# says which counts train one thread's bits; under `auto` the others stay on one thread (module
+# docstring: SFT's padded lengths change the answer).
+COUNT_FREE_STAGES = ("pretrain",)
 TRIAL_EVERY = 20      # steps between the first revisits; doubles while the choice holds
 MAX_TRIAL_EVERY = 320
 TRIAL_STEPS = 2       # steps timed at each candidate count per revisit; the fastest of them counts
@@ -140,8 +165,8 @@ def choose_num_threads(usable: int, busy: float) -> int:
 
 
 def stage_candidates(stage: str, usable: int) -> list[int]:
-    """The counts `auto` may move between in `stage`: those that give its step the same bits
-    (module docstring): the powers of two up to `usable` for the supervised stages, [1] else."""
+    """The counts `auto` may check in `stage` (module docstring): the powers of two up to `usable`
+    for a stage whose steps keep one shape, [1] else."""
     if stage not in COUNT_FREE_STAGES:
         return [1]
     return [2 ** i for i in range(usable.bit_length()) if 2 ** i <= usable]
@@ -258,17 +283,59 @@ def _torch_set_num_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def auto_tuner(stage: str, say: Callable[[str], None] = lambda m: print(m, flush=True)) -> ThreadTuner | None:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("AMD EPYC", "Intel(R) Xeon(R) ..."); elsewhere
+    what the platform module says, or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def check_counts(candidates: list[int], step_state: Callable[[int], bytes | None],
+                 set_threads: Callable[[int], None] | None = None) -> dict:
+    """Which of `candidates` train one thread's bits on this machine (module docstring).
+
+    step_state(n): runs one training step from the saved state with n threads set, restores the
+    saved state and returns a digest of the trained state after the step (equal digests: the
+    same bits), or None when the step made no update (a skipped non-finite step: nothing to
+    compare, so only one thread is kept). Runs 1 first, then the others in order, and leaves one thread set.
+    Returns {"checked": the counts run, "kept": [1, those with one thread's digest], "cpu":
+    cpu_model(), "seconds": the check's wall time}."""
+    set_threads = set_threads if set_threads is not None else _torch_set_num_threads
+    counts = sorted(set(candidates) | {1})
+    t0 = time.perf_counter()
+    digests = {}
+    try:
+        for n in counts:
+            set_threads(n)
+            digests[n] = step_state(n)
+            if digests[n] is None:
+                break
+    finally:
+        set_threads(1)
+    ref = digests.get(1)
+    kept = [n for n in counts if ref is not None and digests.get(n) == ref]
+    return {"checked": list(digests), "kept": kept or [1], "cpu": cpu_model(), "seconds": time.perf_counter() - t0}
+
+
+def auto_tuner(stage: str, say: Callable[[str], None] = lambda m: print(m, flush=True),
+               candidates: list[int] | None = None) -> ThreadTuner | None:
     """Under `auto`: the ThreadTuner of `stage`, started from the rule in the module docstring,
-    or None where the stage stays on the one thread apply_num_threads set."""
+    or None where the stage stays on the one thread apply_num_threads set. candidates: the counts
+    to move between (check_counts' `kept`); default: stage_candidates, unchecked."""
     usable = usable_cpus()
-    candidates = stage_candidates(stage, usable)
+    candidates = candidates if candidates is not None else stage_candidates(stage, usable)
     if len(candidates) == 1:
         return None
     busy = busy_cpus()
     tuner = ThreadTuner(candidates, start=choose_num_threads(usable, busy), usable=usable)
     say(f"threads: {stage} starts on {tuner.current} (common.num_threads: auto; {usable} usable CPUs,"
-        f" {busy:.2f} busy with other processes) and measures {candidates} between steps")
+        f" {busy:.2f} busy with other processes) and measures {tuner.candidates} between steps")
     return tuner
 
 

@@ -330,7 +330,8 @@ def train(model: nn.Module, cfg: TrainConfig, rt: Runtime, *, stage: str, seed: 
                 if (flops_tok and peak and train_time) else None),
         "nonfinite_skips": res.nonfinite_skips, "amp_overflows": res.amp_overflows, "train_time_s": train_time,
         "world_size": rt.world_size, "device": str(rt.device), "dtype": str(rt.dtype).replace("torch.", ""),
-        "num_threads": torch.get_num_threads(), "threads_steps": res.threads_steps, **cuda_memory(rt.device),
+        "num_threads": torch.get_num_threads(), "threads_steps": res.threads_steps,
+        "threads_probe": res.threads_probe, **cuda_memory(rt.device),
     }
     return TrainResult(step=res.step, metrics=metrics, train_history=hist, val_history=val_hist,
                        resumed_from=res.resumed_from)

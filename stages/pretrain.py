@@ -118,7 +118,7 @@ def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path,
         "n_params": out_model.n_params(), "n_params_non_embedding": out_model.n_params(non_embedding=True),
         "flops_per_token": out_model.flops_per_token(), "steps": m["steps"], "train_time_s": m["train_time_s"],
         "world_size": m["world_size"], "device": m["device"], "dtype": m["dtype"], "num_threads": m["num_threads"],
-        "threads_steps": m["threads_steps"],
+        "threads_steps": m["threads_steps"], "threads_probe": m["threads_probe"],
         **{k: v for k, v in m.items() if k.startswith("mem_")},
     }
     return finish_stage(STAGE, run_dir=run_dir, model=model, weights=out_model, tokenizer=tok,

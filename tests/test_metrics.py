@@ -94,14 +94,16 @@ def test_write_metrics_writes_three_files_and_read_metrics_joins_them(tmp_path):
 
 
 def test_a_rerun_that_only_differs_in_its_timings_writes_the_same_dvc_outputs(tmp_path):
-    """What changes from run to run on one machine (times, rates, threads, where a killed run
-    resumed) goes to runs/<stage>/run.json alone, so DVC's outputs stay byte for byte."""
+    """What changes from run to run on one machine (times, rates, threads, the thread counts
+    checked on the machine's CPU, where a killed run resumed) goes to runs/<stage>/run.json alone, so DVC's outputs stay byte for byte."""
     path = tmp_path / "metrics" / "ppo.json"
     first = {"reward_end": 0.5, "train_time_s": 10.0, "tokens_per_s": 900.0, "num_threads": 2, "resumed_from": None,
              "threads_steps": {"2": 30},
+             "threads_probe": {"checked": [1, 2], "kept": [1, 2], "cpu": "AMD EPYC", "seconds": 0.4},
              "mem_peak_gb": 1.0, "generation_fraction": 0.4, "mfu": None, "math_samples": [{"q": "1+1"}]}
     again = {**first, "train_time_s": 12.5, "tokens_per_s": 750.0, "num_threads": 1, "resumed_from": 4,
              "threads_steps": {"1": 12, "2": 18},
+             "threads_probe": {"checked": [1, 2], "kept": [1], "cpu": "Intel(R) Xeon(R)", "seconds": 0.5},
              "mem_peak_gb": 1.1, "generation_fraction": 0.5}
     write_metrics(path, first)
     outputs = path.read_bytes(), run_info_path(path).read_bytes()
@@ -113,7 +115,7 @@ def test_a_rerun_that_only_differs_in_its_timings_writes_the_same_dvc_outputs(tm
 
 
 @pytest.mark.parametrize("key,timing", [("train_time_s", True), ("tokens_per_s", True), ("num_threads", True),
-                                        ("threads_steps", True),
+                                        ("threads_steps", True), ("threads_probe", True),
                                         ("resumed_from", True), ("mem_peak_gb", True), ("device", False),
                                         ("max_kl", False), ("val_loss", False), ("kl_seq", False)])
 def test_timing_keys(key, timing):

@@ -172,11 +172,13 @@ def test_the_count_never_changes_inside_a_step():
 
 
 @pytest.mark.parametrize("stage,usable,want", [
-    ("pretrain", 2, [1, 2]), ("sft", 6, [1, 2, 4]), ("sft", 1, [1]),
+    ("pretrain", 2, [1, 2]), ("pretrain", 6, [1, 2, 4]), ("pretrain", 1, [1]),
+    ("sft", 6, [1]),  # padded lengths change from step to step: one step's check vouches for no other
+
     ("grpo", 2, [1]), ("ppo", 8, [1]),  # RL steps round differently with 1 and 2 threads: one count
     ("dpo", 4, [1]), ("reward", 2, [1]),  # not checked: one count
 ])
-def test_auto_moves_only_between_counts_that_give_a_stage_the_same_bits(stage, usable, want):
+def test_auto_checks_counts_only_in_a_stage_whose_steps_keep_one_shape(stage, usable, want):
     assert threads.stage_candidates(stage, usable) == want
 
 
@@ -219,10 +221,12 @@ def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_pa
                         model=model, run_dir=tmp_path, fingerprint="fp", progress=False,
                         evaluate=lambda step: evals.append(torch.get_num_threads()) or {})
     assert evals == [1, 1]  # before the first step and after the last: on one thread
-    assert [r["num_threads"] for r in res.history] == body.seen
+    checked, seen = body.seen[:2], body.seen[2:]
+    assert checked == [1, 2] and res.threads_probe["kept"] == [1, 2]  # the check's step at each count
+    assert [r["num_threads"] for r in res.history] == seen
     assert torch.get_num_threads() == 1  # after the loop, one thread again
-    assert set(body.seen) == {1, 2}  # the trial at step 3 ran one step on the other count
-    assert res.threads_steps == {"1": body.seen.count(1), "2": body.seen.count(2)}
+    assert set(seen) == {1, 2}  # the trial at step 3 ran one step on the other count
+    assert res.threads_steps == {"1": seen.count(1), "2": seen.count(2)}
 
 
 def test_a_load_change_that_the_rule_would_not_act_on_costs_no_trial():
@@ -253,3 +257,117 @@ def test_one_slow_trial_step_does_not_decide():
         used.append(n)
         t.after_step(next(slow_once, 1.0) if n == 1 else 2.0)
     assert used == [2, 2, 2, 1, 1, 1, 1, 1]  # the faster of its two trial steps (1.0 s) beats 2.0 s
+
+
+def test_the_check_keeps_the_counts_with_one_threads_digest_and_leaves_one_thread():
+    digests, set_to = {1: b"a", 2: b"b", 4: b"a"}, []
+    probe = threads.check_counts([2, 4], digests.get, set_threads=set_to.append)
+    assert probe["checked"] == [1, 2, 4] and probe["kept"] == [1, 4] and set_to == [1, 2, 4, 1]
+    assert probe["cpu"] == threads.cpu_model() and probe["seconds"] >= 0
+    skipped = threads.check_counts([1, 2], {1: None, 2: b"a"}.get, set_threads=set_to.append)
+    assert skipped["kept"] == [1] and skipped["checked"] == [1]  # no update to compare: one thread
+
+
+class CountRounding:
+    """A step body whose trained bits depend on torch's thread count, as those of an op that splits
+    a reduction between threads can: its gradient is scaled by 1 + (threads - 1) 2^-20, a
+    difference in the last bits of every element from the first step on (a real split rounds
+    differently only on some values; this one always does, so the test below never passes by chance)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.x = torch.randn(256, generator=torch.Generator().manual_seed(0))
+
+    def step(self, step, updater):
+        loss = (self.model.weight.reshape(-1) * self.x).sum() * (1 + (torch.get_num_threads() - 1) * 2 ** -20)
+        updater.backward(loss)
+        outcome, (value,), _ = updater.apply(loss.detach().reshape(1))
+        return {"loss": value} if outcome == "applied" else None
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def loop_bytes(tmp_path, monkeypatch, *, auto: bool, busy: float = 0.0, fixed: int = 1):
+    """The parameter bytes after 6 steps of CountRounding under `auto` on 2 usable CPUs with `busy` of
+    them taken by other processes (0: the load rule starts on 2), or on `fixed` threads."""
+    import functools
+
+    from llm import loop
+    from llm.config import LoopConfig
+    from llm.runtime import Runtime
+
+    monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(loop, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: busy)
+    cfg = LoopConfig(max_steps=6, lr=1e-2, min_lr=1e-2, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95,
+                     grad_clip=0.0, eval_every=100, checkpoint_every=100, keep_checkpoints=2,
+                     nonfinite_policy="raise", nonfinite_budget=0)
+    model = torch.nn.Linear(256, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(1, 256, generator=torch.Generator().manual_seed(1)) * 1e-2)
+    torch.set_num_threads(1 if auto else fixed)
+    run_dir = tmp_path / f"{auto}-{busy}-{fixed}"
+    res = loop.run_loop(CountRounding(model), loop.Updater(model, cfg, Runtime(torch.device("cpu"), auto_threads=auto),
+                                                      stage="pretrain"),
+                        cfg, Runtime(torch.device("cpu"), auto_threads=auto), stage="pretrain", model=model,
+                        run_dir=run_dir, fingerprint="fp", progress=False)
+    return model.weight.detach().numpy().tobytes(), res
+
+
+def test_a_stages_bytes_do_not_change_with_the_load_under_auto(tmp_path, monkeypatch, restore_threads):
+    """Under the default `auto`, a step whose bits change with the thread count trains the same
+    bytes whatever the load: the check before the first step drops 2 threads, and its own steps
+    (one at 1 and one at 2 threads from the starting state) leave no trace in the run."""
+    one, _ = loop_bytes(tmp_path, monkeypatch, auto=False, fixed=1)
+    two, _ = loop_bytes(tmp_path, monkeypatch, auto=False, fixed=2)
+    assert two != one  # this step's bits do depend on the count, so the test can fail
+    idle, res = loop_bytes(tmp_path, monkeypatch, auto=True, busy=0.0)  # the load rule would run 2
+    loaded, _ = loop_bytes(tmp_path, monkeypatch, auto=True, busy=1.0)  # ... and here 1
+    assert idle == loaded == one
+    assert res.threads_probe["checked"] == [1, 2] and res.threads_probe["kept"] == [1]
+    assert res.threads_steps == {"1": 6}
+
+
+def test_pretrains_step_under_auto_trains_one_threads_bytes_at_any_load(tmp_path, monkeypatch, restore_threads):
+    """The real step (the GPT, lm_loss, AdamW through llm/trainer.py) under `auto` with the load
+    rule starting on 2 threads gives the bytes of a run on one thread, on this machine whatever
+    its CPU: where 2 threads round differently, the check keeps 1 alone."""
+    import functools
+
+    import numpy as np
+
+    from llm import loop
+    from llm.batching import WindowSampler
+    from llm.config import ModelConfig, TrainConfig
+    from llm.model import GPT
+    from llm.runtime import Runtime
+    from llm.trainer import train
+
+    monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(loop, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cpus", lambda *a: 0.0)
+    tokens = np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16)
+    cfg = TrainConfig(max_steps=6, batch_size=8, grad_accum=1, lr=3e-3, min_lr=3e-4, warmup_steps=2,
+                      weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=1,
+                      log_every=1, checkpoint_every=100, keep_checkpoints=2, nonfinite_policy="raise",
+                      nonfinite_budget=0, activation_checkpointing=False, compile=False)
+
+    def trained(auto: bool):
+        model = GPT(ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64), seed=0)
+        torch.set_num_threads(1)
+        res = train(model, cfg, Runtime(torch.device("cpu"), auto_threads=auto), stage="pretrain", seed=3,
+                    batches=WindowSampler(tokens, seq_len=64, batch_size=8, seed=1), run_dir=tmp_path / str(auto),
+                    fingerprint="fp", progress=False)
+        return b"".join(t.numpy().tobytes() for t in model.state_dict().values()), res.metrics
+
+    one, _ = trained(auto=False)
+    auto, m = trained(auto=True)
+    assert auto == one
+    assert m["threads_probe"]["checked"] == [1, 2]
+    assert set(m["threads_steps"]) == {str(n) for n in m["threads_probe"]["kept"]}  # ran every count kept, no other
