@@ -89,7 +89,7 @@ import torch
 
 from llm.chat import BOS, STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
 from llm.generate import generate, sampling_problem
-from llm.serve_guard import LOCAL_HOSTS, Guard, guarded_protocol, quiet_logs
+from llm.serve_guard import LOCAL_HOSTS, MAX_HEAD_BYTES, AnswerLimit, Guard, guarded_protocol, quiet_logs
 
 log = logging.getLogger("llm.serve")
 
@@ -585,8 +585,8 @@ async def sse(job: Job, head: dict, usage: Callable[[int], dict], include_usage:
 
 
 def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None, max_queue: int = 16,
-             max_request_bytes: int = 1 << 20, seed: int = 0, hosts: tuple[str, ...] = LOCAL_HOSTS,
-             origins: tuple[str, ...] = (), api_key: str | None = None):
+             max_request_bytes: int = 1 << 20, max_answer_bytes: int = 8 << 20, seed: int = 0,
+             hosts: tuple[str, ...] = LOCAL_HOSTS, origins: tuple[str, ...] = (), api_key: str | None = None):
     """The Starlette application serving `model`; its engine starts and stops with the app.
 
     hosts, origins, api_key: what llm.serve_guard.Guard lets in (the Host names answered, other
@@ -737,7 +737,8 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         engine.stop()
 
     guard = Middleware(Guard, hosts=hosts, origins=origins, api_key=api_key, open_paths=("/", "/health"))
-    app = Starlette(routes=routes, middleware=[guard], lifespan=lifespan,
+    app = Starlette(routes=routes, middleware=[guard, Middleware(AnswerLimit, max_bytes=max_answer_bytes)],
+                    lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.engine = engine
     return app
@@ -798,14 +799,15 @@ def chat_page_route(model_id: str, seq_len: int):
     return Route("/", chat_page, methods=["GET"])
 
 
-def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, keep_alive: float = 5.0,
-                  log_level: str = "info"):
+def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, send_timeout: float = 10.0,
+                  keep_alive: float = 5.0, log_level: str = "info"):
     """uvicorn's settings for `app` with llm.serve_guard's connection limits, and its log quieted."""
     import uvicorn
 
-    config = uvicorn.Config(app, http=guarded_protocol(max_connections, request_timeout), log_level=log_level,
+    config = uvicorn.Config(app, http=guarded_protocol(max_connections, request_timeout, send_timeout),
+                            log_level=log_level,
                             timeout_keep_alive=keep_alive, timeout_graceful_shutdown=2, ws="none",
-                            h11_max_incomplete_event_size=16 * 1024)
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     quiet_logs()
     return config
 
@@ -843,13 +845,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="requests that may wait while one is generated; more get 503 (default: %(default)s)")
     ap.add_argument("--max-request-bytes", type=positive_int_arg, default=1 << 20, metavar="N",
                     help="largest request body accepted, counted as it arrives; larger gets 413 (default: %(default)s)")
+    ap.add_argument("--max-answer-bytes", type=positive_int_arg, default=8 << 20, metavar="N",
+                    help="longest answer sent; a request whose answer would be longer gets 400 saying so"
+                    " (default: %(default)s)")
     ap.add_argument("--max-connections", type=positive_int_arg, default=64, metavar="N",
-                    help="open connections at once; one more is answered 503 and closed (default: %(default)s)")
+                    help="open connections at once; one more closes the connection idle longest, or is answered"
+                    " 503 if every one is answering a request (default: %(default)s)")
     ap.add_argument("--request-timeout", type=checked_arg(lambda t: None if 0 < t <= 3600 else
                                                           f"seconds in (0, 3600], got {t}", float),
                     default=10.0, metavar="SECONDS", help="a connection must send a whole request (headers and"
                     " body) within this long of opening or of its previous answer, or it is closed; this is what"
                     " drops clients that send nothing or trickle their headers (default: %(default)s)")
+    ap.add_argument("--send-timeout", type=checked_arg(lambda t: None if 0 < t <= 3600 else
+                                                       f"seconds in (0, 3600], got {t}", float),
+                    default=10.0, metavar="SECONDS", help="a connection whose client reads none of its waiting"
+                    " answer for this long is dropped, and the answer with it (default: %(default)s)")
     ap.add_argument("--keep-alive", type=checked_arg(lambda t: None if 0 < t <= 3600 else
                                                      f"seconds in (0, 3600], got {t}", float),
                     default=5.0, metavar="SECONDS",
@@ -896,7 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     _allow_open_files(args.max_connections)
     app = make_app(model, tok, model_id=name, fingerprint=meta.get("fingerprint"), max_queue=args.max_queue,
-                   max_request_bytes=args.max_request_bytes, seed=args.seed,
+                   max_request_bytes=args.max_request_bytes, max_answer_bytes=args.max_answer_bytes, seed=args.seed,
                    hosts=(*LOCAL_HOSTS, args.host, *args.allow_host), origins=tuple(args.allow_origin),
                    api_key=args.api_key)
     print(f"serving {name} ({model.summary()}) at {url}/v1", flush=True)
@@ -905,7 +915,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: requests must name this machine as localhost or {args.host}; to serve it by another name"
               f" or address, add --allow-host NAME", flush=True)
     server = uvicorn.Server(server_config(app, max_connections=args.max_connections,
-                                          request_timeout=args.request_timeout, keep_alive=args.keep_alive))
+                                          request_timeout=args.request_timeout, send_timeout=args.send_timeout,
+                                          keep_alive=args.keep_alive))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller
