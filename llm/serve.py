@@ -611,7 +611,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     # long), so longer text is refused before the tokenizer spends time and memory on it.
     max_text_bytes = seq_len * max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
     encoding = threading.Lock()  # one text at a time through the tokenizer: its peak memory, not eight
-
+    # (/tokenize has a tokenizer and a lock of its own: tokenizer_routes)
 
     def encode(text: str, allowed_special: str = "none") -> list[int]:
         with encoding:
@@ -716,7 +716,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         Route("/v1/models/{name:path}", one_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        *tokenizer_routes(tokenizer, seq_len, encode, max_request_bytes),
+        *tokenizer_routes(tokenizer, seq_len, max_request_bytes, max_queue),
     ]
     served = ", ".join(f"{sorted(r.methods - {'HEAD'})[0]} {r.path.replace('{name:path}', '{model}')}"
                        for r in routes)
@@ -744,23 +744,43 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     return app
 
 
-def tokenizer_routes(tokenizer, seq_len: int, encode: Callable[[str, str], list[int]], max_request_bytes: int) -> list:
+def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue: int) -> list:
     """vLLM's /tokenizer_info, /tokenize and /detokenize, which evaluation harnesses use to count a
     prompt's tokens the server's way (lm-evaluation-harness: tokenizer_backend=remote). Special-token
-    text becomes the special token, as in a string prompt of /v1/completions."""
+    text becomes the special token, as in a string prompt of /v1/completions.
+
+    /tokenize counts text of any length up to --max-request-bytes (a document longer than the
+    context is counted whole, as rolling log-likelihoods need), so it runs apart from chat: on a
+    tokenizer of its own (its own cache; the tokenizer is not safe to share between threads), one
+    text at a time, with at most max_queue more waiting (503 beyond). A chat request never waits
+    for it, and the waiting requests wait on the event loop, not in the thread pool that chat
+    prompts are rendered in."""
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    counter = type(tokenizer)(tokenizer.merges, list(tokenizer.special), tokenizer.pattern)
+    counting = asyncio.Lock()
+    waiting = 0
+
     async def tokenize(request: Any):
+        nonlocal waiting
         try:
             body = await read_json(request, max_request_bytes)
             if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
                 raise ApiError(400, 'the body must be {"prompt": "some text"}', param="prompt")
             text = _text(body["prompt"], "prompt")
+            if waiting > max_queue:  # one counting, max_queue waiting
+                raise ApiError(503, f"the server is busy: {max_queue} /tokenize requests are already waiting"
+                                    " (--max-queue); retry later", type="server_error", code="overloaded")
         except ApiError as e:
             return error_response(e)
-        ids = await run_in_threadpool(encode, text, "all")
+        waiting += 1
+        try:
+            async with counting:
+                ids = await run_in_threadpool(counter.encode, text, allowed_special="all")
+        finally:
+            waiting -= 1
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
 
     async def detokenize(request: Any):

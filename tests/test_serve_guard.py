@@ -179,6 +179,41 @@ def test_the_tokenizer_cache_keeps_no_long_chunk(tok):
     assert fresh._cache and max(map(len, fresh._cache)) < 1000  # the runs of blanks were not kept
 
 
+def test_tokenize_never_holds_up_chat_and_its_queue_is_bounded(tok, monkeypatch):
+    """/tokenize counts long texts (here made to take 1 s each) on a path of its own: a chat
+    request behind four of them is answered at once; more than --max-queue waiting get 503."""
+    def slow_encode(self, text, *a, _encode=type(tok).encode, **kw):
+        if len(text) > 10_000:
+            time.sleep(1.0)
+        return _encode(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(tok), "encode", slow_encode)
+    server = Server(make_app(babbler(tok), tok, model_id="sft", max_queue=3))
+    try:
+        long = json.dumps({"prompt": "x " * 20_000}).encode()
+        results = []
+        counters = [threading.Thread(target=lambda: results.append(raw(server.url + "/tokenize", long)))
+                    for _ in range(5)]
+        for t in counters:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert chat(server.url)[0] == 200
+        waited = time.monotonic() - t0
+        for t in counters:
+            t.join()
+        assert waited < 0.8, f"a chat request waited {waited:.1f} s behind /tokenize"
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 4 + [503], statuses  # one counting, 3 waiting, one refused
+        assert [body["count"] for status, body in results if status == 200] == [40_000] * 4
+        s = connect(server.url)  # bounded by --max-request-bytes, as every endpoint
+        s.sendall(post_head(2 << 20).replace(b"/v1/chat/completions", b"/tokenize") + b" " * 1000)
+        assert recv_all(s).startswith(b"HTTP/1.1 413")
+        s.close()
+    finally:
+        server.close()
+
+
 # ---------------------------------------------------------------------------
 # clients that leave, stall or crowd
 
