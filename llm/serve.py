@@ -890,9 +890,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                     help="let web pages from ORIGIN, e.g. http://localhost:3000, call the API (repeatable; '*' = any)."
                     " By default only the server's own chat page may; other pages' requests get 403")
-    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY") or None, metavar="KEY",
+    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"), metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on /v1/... and the tokenizer endpoints (default: the"
-                    " environment variable LLM_API_KEY; unset = no key needed)")
+                    " environment variable LLM_API_KEY; unset = no key needed; an empty key is refused)")
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the seeds given to requests that bring none (default: %(default)s)")
     ap.add_argument("--name", default=None, help="the model's id in the API (default: the directory's name)")
@@ -913,6 +913,10 @@ def _allow_open_files(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        ap.error("the API key (--api-key, or the environment variable LLM_API_KEY) is set but empty, which would"
+                 " look like a key and check none: to serve without a key, unset it (`unset LLM_API_KEY`, or leave"
+                 " out --api-key); to require one, set a non-empty key")
     model, tok, meta = load_for_cli(ap, args.model_dir, args.device, heads=("lm",))
     import uvicorn
 

@@ -243,6 +243,9 @@ class Guard:
 
     def __init__(self, app, *, hosts: Iterable[str], origins: Iterable[str] = (), api_key: str | None = None,
                  open_paths: Iterable[str] = ()):
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key is empty, which would look like a key and check none: pass None to serve"
+                             " without a key, or a non-empty key")
         self.app, self.api_key = app, api_key
         self.hosts = {_host_name(h) for h in hosts}
         self.origins = {o.rstrip("/").lower() for o in origins}

@@ -19,7 +19,7 @@ import pytest
 
 from llm.model import GPT
 from llm.serve import make_app
-from llm.serve_guard import QuietLog
+from llm.serve_guard import LOCAL_HOSTS, Guard, QuietLog
 from tests.conftest import ROOT
 from tests.test_serve import HI, Server, babbler, expected, raw, tok  # noqa: F401 (tok is a fixture)
 
@@ -129,6 +129,19 @@ def test_the_api_key_comes_from_the_environment(monkeypatch):
     assert _parser().parse_args(["m", "--api-key", "k"]).api_key == "k"
     monkeypatch.delenv("LLM_API_KEY")
     assert _parser().parse_args(["m"]).api_key is None
+
+
+def test_an_empty_api_key_is_refused_at_start_up(monkeypatch, capsys):
+    from llm.serve import main
+    for env, argv in (("", ["m"]), ("k", ["m", "--api-key", " "])):
+        monkeypatch.setenv("LLM_API_KEY", env)
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "LLM_API_KEY" in err and "empty" in err and "unset" in err
+    with pytest.raises(ValueError, match="empty"):
+        Guard(None, hosts=LOCAL_HOSTS, api_key="")
 
 
 # ---------------------------------------------------------------------------
