@@ -90,12 +90,14 @@ import torch
 from llm.chat import BOS, STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
 from llm.generate import generate, sampling_problem
 from llm.serve_guard import LOCAL_HOSTS, MAX_HEAD_BYTES, AnswerLimit, Guard, guarded_protocol, quiet_logs
+from llm.tokenizer import text_windows
 
 log = logging.getLogger("llm.serve")
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS, MAX_STOP_CHARS = 4, 200
 MAX_PROMPTS, MAX_LOGPROBS = 256, 20  # prompts in one /v1/completions request; listed likeliest tokens
+COUNT_PIECE_CHARS = 1 << 14  # /tokenize counts a long text this many characters at a time
 UNSUPPORTED = {  # field -> the value that means "not used"; anything else is refused
     "tools": None, "functions": None, "tool_choice": None, "function_call": None,
     "logprobs": False, "top_logprobs": None, "audio": None, "prediction": None,
@@ -716,7 +718,8 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         Route("/v1/models/{name:path}", one_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        *tokenizer_routes(tokenizer, seq_len, max_request_bytes, max_queue),
+        *tokenizer_routes(tokenizer, seq_len, max_request_bytes, max_queue,
+                          busy=lambda: bool(engine.running or engine.jobs.qsize())),
     ]
     served = ", ".join(f"{sorted(r.methods - {'HEAD'})[0]} {r.path.replace('{name:path}', '{model}')}"
                        for r in routes)
@@ -744,7 +747,8 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     return app
 
 
-def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue: int) -> list:
+def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue: int,
+                     busy: Callable[[], bool] = lambda: False) -> list:
     """vLLM's /tokenizer_info, /tokenize and /detokenize, which evaluation harnesses use to count a
     prompt's tokens the server's way (lm-evaluation-harness: tokenizer_backend=remote). Special-token
     text becomes the special token, as in a string prompt of /v1/completions.
@@ -754,7 +758,10 @@ def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue:
     tokenizer of its own (its own cache; the tokenizer is not safe to share between threads), one
     text at a time, with at most max_queue more waiting (503 beyond). A chat request never waits
     for it, and the waiting requests wait on the event loop, not in the thread pool that chat
-    prompts are rendered in."""
+    prompts are rendered in. Counting holds Python's interpreter lock, which the generating thread
+    needs at every step, so a long text is counted in short pieces, and between two pieces it
+    waits while `busy()` (a generation runs or waits): a chat request is slowed by at most one
+    piece."""
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -778,7 +785,11 @@ def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue:
         waiting += 1
         try:
             async with counting:
-                ids = await run_in_threadpool(counter.encode, text, allowed_special="all")
+                ids = []
+                for piece in text_windows(text, COUNT_PIECE_CHARS):
+                    while busy():
+                        await asyncio.sleep(0.005)
+                    ids += await run_in_threadpool(counter.encode, piece, allowed_special="all")
         finally:
             waiting -= 1
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
