@@ -42,27 +42,37 @@ the same requests in the same order get the same answers. A client that hangs up
 or not, stops its generation at the next decoding step.
 
 What bounds memory and keeps it serving (llm/serve_guard.py has the network side): a body is
-counted as it arrives and cut off at --max-request-bytes (413); text longer in bytes than
-the context could hold (context x the longest token's bytes) is refused before it is
-tokenized, and one text at a time goes through the tokenizer, whose cache keeps no long
-chunk; the queue is bounded; at most --max-connections connections are open (one more is
-answered 503 and closed); a connection must send a whole request within --request-timeout
-seconds and an idle one is closed after --keep-alive; expected client errors are logged as
-one line, each message at most once per 10 s.
+counted as it arrives and cut off at --max-request-bytes (413); a request's line and headers
+are at most 16 KiB (431); text longer in bytes than the context could hold (context x the
+longest token's bytes) is refused before it is tokenized, and one text at a time goes through
+the tokenizer, whose cache keeps no long chunk; /tokenize, which counts whole documents up to
+--max-request-bytes, runs on a tokenizer of its own, one text at a time with at most
+--max-queue waiting (503 beyond), in short pieces that give way to any generation, so it never
+holds up a chat request; the queue is bounded; no answer is longer than --max-answer-bytes (one
+that would be is refused with 400, a stream ends there), and a client that reads none of its
+waiting answer for --send-timeout seconds is dropped with it, so unread answers cannot pile up
+in memory; at most --max-connections connections are open: one more closes the connection idle
+longest (a new client always gets in) or, when every one is answering a request, is answered
+503; a connection must send a whole request within --request-timeout seconds and an idle one is
+closed after --keep-alive; a client that shuts down its sending side after its request still
+gets its answer (a client that hangs up entirely stops its generation); expected client errors
+are logged as one line, each message at most once per 10 s.
 
 Who may call it: only requests whose Host is localhost, 127.0.0.1, ::1, --host or an
 --allow-host name (a DNS-rebinding page's Host is refused), whose Origin, if any, is the
 server's own or an --allow-origin one (another site's page is refused), whose POST body is
 declared application/json (415 otherwise: the one kind of body a page cannot send to another
 site without the browser asking first), and, with --api-key or LLM_API_KEY set, that carry
-`Authorization: Bearer <key>` (the chat page and /health need none).
+`Authorization: Bearer <key>` (the chat page and /health need none; a key set but empty is
+refused at start-up rather than taken as no key).
 
-Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-400 for a malformed request (including a prompt longer than the context, with its length),
-401 without the API key, 403 for a refused Host or Origin, 404 for an unknown model or
-path (naming every endpoint served), 405, 413 for a body over --max-request-bytes, 415,
-503 when the queue or the connections are full, 500 for a bug (logged with its traceback;
-the server keeps serving).
+Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for
+a malformed request (including a prompt longer than the context, with its length, and an answer
+over --max-answer-bytes), 401 without the API key, 403 for a refused Host or Origin, 404 for an
+unknown model or path (naming every endpoint served), 405, 413 for a body over
+--max-request-bytes, 415, 431 for headers over 16 KiB, 503 when a queue is full or every
+connection is answering a request, 500 for a bug (logged with its traceback; the server keeps
+serving).
 """
 from __future__ import annotations
 
