@@ -42,27 +42,37 @@ the same requests in the same order get the same answers. A client that hangs up
 or not, stops its generation at the next decoding step.
 
 What bounds memory and keeps it serving (llm/serve_guard.py has the network side): a body is
-counted as it arrives and cut off at --max-request-bytes (413); text longer in bytes than
-the context could hold (context x the longest token's bytes) is refused before it is
-tokenized, and one text at a time goes through the tokenizer, whose cache keeps no long
-chunk; the queue is bounded; at most --max-connections connections are open (one more is
-answered 503 and closed); a connection must send a whole request within --request-timeout
-seconds and an idle one is closed after --keep-alive; expected client errors are logged as
-one line, each message at most once per 10 s.
+counted as it arrives and cut off at --max-request-bytes (413); a request's line and headers
+are at most 16 KiB (431); text longer in bytes than the context could hold (context x the
+longest token's bytes) is refused before it is tokenized, and one text at a time goes through
+the tokenizer, whose cache keeps no long chunk; /tokenize, which counts whole documents up to
+--max-request-bytes, runs on a tokenizer of its own, one text at a time with at most
+--max-queue waiting (503 beyond), in short pieces that give way to any generation, so it never
+holds up a chat request; the queue is bounded; no answer is longer than --max-answer-bytes (one
+that would be is refused with 400, a stream ends there), and a client that reads none of its
+waiting answer for --send-timeout seconds is dropped with it, so unread answers cannot pile up
+in memory; at most --max-connections connections are open: one more closes the connection idle
+longest (a new client always gets in) or, when every one is answering a request, is answered
+503; a connection must send a whole request within --request-timeout seconds and an idle one is
+closed after --keep-alive; a client that shuts down its sending side after its request still
+gets its answer (a client that hangs up entirely stops its generation); expected client errors
+are logged as one line, each message at most once per 10 s.
 
 Who may call it: only requests whose Host is localhost, 127.0.0.1, ::1, --host or an
 --allow-host name (a DNS-rebinding page's Host is refused), whose Origin, if any, is the
 server's own or an --allow-origin one (another site's page is refused), whose POST body is
 declared application/json (415 otherwise: the one kind of body a page cannot send to another
 site without the browser asking first), and, with --api-key or LLM_API_KEY set, that carry
-`Authorization: Bearer <key>` (the chat page and /health need none).
+`Authorization: Bearer <key>` (the chat page and /health need none; a key set but empty is
+refused at start-up rather than taken as no key).
 
-Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-400 for a malformed request (including a prompt longer than the context, with its length),
-401 without the API key, 403 for a refused Host or Origin, 404 for an unknown model or
-path (naming every endpoint served), 405, 413 for a body over --max-request-bytes, 415,
-503 when the queue or the connections are full, 500 for a bug (logged with its traceback;
-the server keeps serving).
+Every error is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for
+a malformed request (including a prompt longer than the context, with its length, and an answer
+over --max-answer-bytes), 401 without the API key, 403 for a refused Host or Origin, 404 for an
+unknown model or path (naming every endpoint served), 405, 413 for a body over
+--max-request-bytes, 415, 431 for headers over 16 KiB, 503 when a queue is full or every
+connection is answering a request, 500 for a bug (logged with its traceback; the server keeps
+serving).
 """
 from __future__ import annotations
 
@@ -89,13 +99,15 @@ import torch
 
 from llm.chat import BOS, STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
 from llm.generate import generate, sampling_problem
-from llm.serve_guard import LOCAL_HOSTS, Guard, guarded_protocol, quiet_logs
+from llm.serve_guard import LOCAL_HOSTS, MAX_HEAD_BYTES, AnswerLimit, Guard, guarded_protocol, quiet_logs
+from llm.tokenizer import text_windows
 
 log = logging.getLogger("llm.serve")
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS, MAX_STOP_CHARS = 4, 200
 MAX_PROMPTS, MAX_LOGPROBS = 256, 20  # prompts in one /v1/completions request; listed likeliest tokens
+COUNT_PIECE_CHARS = 1 << 14  # /tokenize counts a long text this many characters at a time
 UNSUPPORTED = {  # field -> the value that means "not used"; anything else is refused
     "tools": None, "functions": None, "tool_choice": None, "function_call": None,
     "logprobs": False, "top_logprobs": None, "audio": None, "prediction": None,
@@ -585,8 +597,8 @@ async def sse(job: Job, head: dict, usage: Callable[[int], dict], include_usage:
 
 
 def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None, max_queue: int = 16,
-             max_request_bytes: int = 1 << 20, seed: int = 0, hosts: tuple[str, ...] = LOCAL_HOSTS,
-             origins: tuple[str, ...] = (), api_key: str | None = None):
+             max_request_bytes: int = 1 << 20, max_answer_bytes: int = 8 << 20, seed: int = 0,
+             hosts: tuple[str, ...] = LOCAL_HOSTS, origins: tuple[str, ...] = (), api_key: str | None = None):
     """The Starlette application serving `model`; its engine starts and stops with the app.
 
     hosts, origins, api_key: what llm.serve_guard.Guard lets in (the Host names answered, other
@@ -611,7 +623,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     # long), so longer text is refused before the tokenizer spends time and memory on it.
     max_text_bytes = seq_len * max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size))
     encoding = threading.Lock()  # one text at a time through the tokenizer: its peak memory, not eight
-
+    # (/tokenize has a tokenizer and a lock of its own: tokenizer_routes)
 
     def encode(text: str, allowed_special: str = "none") -> list[int]:
         with encoding:
@@ -716,7 +728,8 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         Route("/v1/models/{name:path}", one_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        *tokenizer_routes(tokenizer, seq_len, encode, max_request_bytes),
+        *tokenizer_routes(tokenizer, seq_len, max_request_bytes, max_queue,
+                          busy=lambda: bool(engine.running or engine.jobs.qsize())),
     ]
     served = ", ".join(f"{sorted(r.methods - {'HEAD'})[0]} {r.path.replace('{name:path}', '{model}')}"
                        for r in routes)
@@ -737,29 +750,58 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         engine.stop()
 
     guard = Middleware(Guard, hosts=hosts, origins=origins, api_key=api_key, open_paths=("/", "/health"))
-    app = Starlette(routes=routes, middleware=[guard], lifespan=lifespan,
+    app = Starlette(routes=routes, middleware=[guard, Middleware(AnswerLimit, max_bytes=max_answer_bytes)],
+                    lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.engine = engine
     return app
 
 
-def tokenizer_routes(tokenizer, seq_len: int, encode: Callable[[str, str], list[int]], max_request_bytes: int) -> list:
+def tokenizer_routes(tokenizer, seq_len: int, max_request_bytes: int, max_queue: int,
+                     busy: Callable[[], bool] = lambda: False) -> list:
     """vLLM's /tokenizer_info, /tokenize and /detokenize, which evaluation harnesses use to count a
     prompt's tokens the server's way (lm-evaluation-harness: tokenizer_backend=remote). Special-token
-    text becomes the special token, as in a string prompt of /v1/completions."""
+    text becomes the special token, as in a string prompt of /v1/completions.
+
+    /tokenize counts text of any length up to --max-request-bytes (a document longer than the
+    context is counted whole, as rolling log-likelihoods need), so it runs apart from chat: on a
+    tokenizer of its own (its own cache; the tokenizer is not safe to share between threads), one
+    text at a time, with at most max_queue more waiting (503 beyond). A chat request never waits
+    for it, and the waiting requests wait on the event loop, not in the thread pool that chat
+    prompts are rendered in. Counting holds Python's interpreter lock, which the generating thread
+    needs at every step, so a long text is counted in short pieces, and between two pieces it
+    waits while `busy()` (a generation runs or waits): a chat request is slowed by at most one
+    piece."""
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    counter = type(tokenizer)(tokenizer.merges, list(tokenizer.special), tokenizer.pattern)
+    counting = asyncio.Lock()
+    waiting = 0
+
     async def tokenize(request: Any):
+        nonlocal waiting
         try:
             body = await read_json(request, max_request_bytes)
             if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
                 raise ApiError(400, 'the body must be {"prompt": "some text"}', param="prompt")
             text = _text(body["prompt"], "prompt")
+            if waiting > max_queue:  # one counting, max_queue waiting
+                raise ApiError(503, f"the server is busy: {max_queue} /tokenize requests are already waiting"
+                                    " (--max-queue); retry later", type="server_error", code="overloaded")
         except ApiError as e:
             return error_response(e)
-        ids = await run_in_threadpool(encode, text, "all")
+        waiting += 1
+        try:
+            async with counting:
+                ids = []
+                for piece in text_windows(text, COUNT_PIECE_CHARS):
+                    while busy():
+                        await asyncio.sleep(0.005)
+                    ids += await run_in_threadpool(counter.encode, piece, allowed_special="all")
+        finally:
+            waiting -= 1
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": seq_len})
 
     async def detokenize(request: Any):
@@ -798,14 +840,15 @@ def chat_page_route(model_id: str, seq_len: int):
     return Route("/", chat_page, methods=["GET"])
 
 
-def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, keep_alive: float = 5.0,
-                  log_level: str = "info"):
+def server_config(app, *, max_connections: int = 64, request_timeout: float = 10.0, send_timeout: float = 10.0,
+                  keep_alive: float = 5.0, log_level: str = "info"):
     """uvicorn's settings for `app` with llm.serve_guard's connection limits, and its log quieted."""
     import uvicorn
 
-    config = uvicorn.Config(app, http=guarded_protocol(max_connections, request_timeout), log_level=log_level,
+    config = uvicorn.Config(app, http=guarded_protocol(max_connections, request_timeout, send_timeout),
+                            log_level=log_level,
                             timeout_keep_alive=keep_alive, timeout_graceful_shutdown=2, ws="none",
-                            h11_max_incomplete_event_size=16 * 1024)
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     quiet_logs()
     return config
 
@@ -843,13 +886,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="requests that may wait while one is generated; more get 503 (default: %(default)s)")
     ap.add_argument("--max-request-bytes", type=positive_int_arg, default=1 << 20, metavar="N",
                     help="largest request body accepted, counted as it arrives; larger gets 413 (default: %(default)s)")
+    ap.add_argument("--max-answer-bytes", type=positive_int_arg, default=8 << 20, metavar="N",
+                    help="longest answer sent; a request whose answer would be longer gets 400 saying so"
+                    " (default: %(default)s)")
     ap.add_argument("--max-connections", type=positive_int_arg, default=64, metavar="N",
-                    help="open connections at once; one more is answered 503 and closed (default: %(default)s)")
+                    help="open connections at once; one more closes the connection idle longest, or is answered"
+                    " 503 if every one is answering a request (default: %(default)s)")
     ap.add_argument("--request-timeout", type=checked_arg(lambda t: None if 0 < t <= 3600 else
                                                           f"seconds in (0, 3600], got {t}", float),
                     default=10.0, metavar="SECONDS", help="a connection must send a whole request (headers and"
                     " body) within this long of opening or of its previous answer, or it is closed; this is what"
                     " drops clients that send nothing or trickle their headers (default: %(default)s)")
+    ap.add_argument("--send-timeout", type=checked_arg(lambda t: None if 0 < t <= 3600 else
+                                                       f"seconds in (0, 3600], got {t}", float),
+                    default=10.0, metavar="SECONDS", help="a connection whose client reads none of its waiting"
+                    " answer for this long is dropped, and the answer with it (default: %(default)s)")
     ap.add_argument("--keep-alive", type=checked_arg(lambda t: None if 0 < t <= 3600 else
                                                      f"seconds in (0, 3600], got {t}", float),
                     default=5.0, metavar="SECONDS",
@@ -860,9 +911,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                     help="let web pages from ORIGIN, e.g. http://localhost:3000, call the API (repeatable; '*' = any)."
                     " By default only the server's own chat page may; other pages' requests get 403")
-    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY") or None, metavar="KEY",
+    ap.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"), metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on /v1/... and the tokenizer endpoints (default: the"
-                    " environment variable LLM_API_KEY; unset = no key needed)")
+                    " environment variable LLM_API_KEY; unset = no key needed; an empty key is refused)")
     ap.add_argument("--seed", type=int, default=0, metavar="N",
                     help="seed of the seeds given to requests that bring none (default: %(default)s)")
     ap.add_argument("--name", default=None, help="the model's id in the API (default: the directory's name)")
@@ -883,6 +934,10 @@ def _allow_open_files(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        ap.error("the API key (--api-key, or the environment variable LLM_API_KEY) is set but empty, which would"
+                 " look like a key and check none: to serve without a key, unset it (`unset LLM_API_KEY`, or leave"
+                 " out --api-key); to require one, set a non-empty key")
     model, tok, meta = load_for_cli(ap, args.model_dir, args.device, heads=("lm",))
     import uvicorn
 
@@ -896,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     _allow_open_files(args.max_connections)
     app = make_app(model, tok, model_id=name, fingerprint=meta.get("fingerprint"), max_queue=args.max_queue,
-                   max_request_bytes=args.max_request_bytes, seed=args.seed,
+                   max_request_bytes=args.max_request_bytes, max_answer_bytes=args.max_answer_bytes, seed=args.seed,
                    hosts=(*LOCAL_HOSTS, args.host, *args.allow_host), origins=tuple(args.allow_origin),
                    api_key=args.api_key)
     print(f"serving {name} ({model.summary()}) at {url}/v1", flush=True)
@@ -905,7 +960,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: requests must name this machine as localhost or {args.host}; to serve it by another name"
               f" or address, add --allow-host NAME", flush=True)
     server = uvicorn.Server(server_config(app, max_connections=args.max_connections,
-                                          request_timeout=args.request_timeout, keep_alive=args.keep_alive))
+                                          request_timeout=args.request_timeout, send_timeout=args.send_timeout,
+                                          keep_alive=args.keep_alive))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again for the caller

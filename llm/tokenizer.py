@@ -200,15 +200,30 @@ def _pre_split_windows(pat: regex.Pattern, text: str, window: int = 1 << 20) -> 
     newline, or before " letter" that follows a non-space. (Every alternative of the
     pattern stops at a newline or a space, and its only lookahead, "not followed by a
     non-space", comes after whitespace. Tests check windows == findall.)"""
-    start, n = 0, len(text)
     twin = _ASCII_TWINS.get(pat.pattern)
+    for start, end in _window_spans(text, window):
+        yield _findall(pat, twin, text, start, end)
+
+
+def _window_spans(text: str, window: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of the pieces of _pre_split_windows."""
+    start, n = 0, len(text)
     while n - start > window:
         m = _CUT.search(text, start + window)
         if m is None:
             break
-        yield _findall(pat, twin, text, start, m.start())
+        yield start, m.start()
         start = m.start()
-    yield _findall(pat, twin, text, start, n)
+    yield start, n
+
+
+def text_windows(text: str, window: int) -> Iterator[str]:
+    """`text` in pieces of about `window` characters, cut where the pre-split has a chunk
+    boundary (see _pre_split_windows): encoding the pieces one by one gives encode(text), special
+    tokens allowed or not, as long as no special token's text holds a letter after a newline or a
+    space (the <|...|> names here hold none). For counting a long text in short steps."""
+    for start, end in _window_spans(text, window):
+        yield text[start:end]
 
 
 def _findall(pat: regex.Pattern, twin: re.Pattern | None, text: str, start: int = 0,

@@ -6,6 +6,7 @@ library would not misbehave enough.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -18,7 +19,7 @@ import pytest
 
 from llm.model import GPT
 from llm.serve import make_app
-from llm.serve_guard import QuietLog
+from llm.serve_guard import LOCAL_HOSTS, Guard, QuietLog
 from tests.conftest import ROOT
 from tests.test_serve import HI, Server, babbler, expected, raw, tok  # noqa: F401 (tok is a fixture)
 
@@ -130,6 +131,19 @@ def test_the_api_key_comes_from_the_environment(monkeypatch):
     assert _parser().parse_args(["m"]).api_key is None
 
 
+def test_an_empty_api_key_is_refused_at_start_up(monkeypatch, capsys):
+    from llm.serve import main
+    for env, argv in (("", ["m"]), ("k", ["m", "--api-key", " "])):
+        monkeypatch.setenv("LLM_API_KEY", env)
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "LLM_API_KEY" in err and "empty" in err and "unset" in err
+    with pytest.raises(ValueError, match="empty"):
+        Guard(None, hosts=LOCAL_HOSTS, api_key="")
+
+
 # ---------------------------------------------------------------------------
 # memory: bodies and prompts
 
@@ -178,12 +192,55 @@ def test_the_tokenizer_cache_keeps_no_long_chunk(tok):
     assert fresh._cache and max(map(len, fresh._cache)) < 1000  # the runs of blanks were not kept
 
 
+def test_tokenize_never_holds_up_chat_and_its_queue_is_bounded(tok, monkeypatch):
+    """/tokenize counts long texts (here made to take 0.2 s a piece) on a path of its own: a chat
+    request behind four of them is answered at once; more than --max-queue waiting get 503."""
+    lengths = []
+
+    def slow_encode(self, text, *a, _encode=type(tok).encode, **kw):
+        lengths.append(len(text))
+        if len(text) > 1000:
+            time.sleep(0.2)
+        return _encode(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(tok), "encode", slow_encode)
+    server = Server(make_app(babbler(tok), tok, model_id="sft", max_queue=3))
+    try:
+        long = json.dumps({"prompt": "x " * 20_000}).encode()
+        results = []
+        counters = [threading.Thread(target=lambda: results.append(raw(server.url + "/tokenize", long)))
+                    for _ in range(5)]
+        for t in counters:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert chat(server.url)[0] == 200
+        waited = time.monotonic() - t0
+        for t in counters:
+            t.join()
+        assert waited < 0.8, f"a chat request waited {waited:.1f} s behind /tokenize"
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200] * 4 + [503], statuses  # one counting, 3 waiting, one refused
+        assert [body["count"] for status, body in results if status == 200] == [40_000] * 4
+        assert max(lengths) < 20_000  # counted in pieces, never the whole 40,000 characters at once
+        s = connect(server.url)  # bounded by --max-request-bytes, as every endpoint
+        s.sendall(post_head(2 << 20).replace(b"/v1/chat/completions", b"/tokenize") + b" " * 1000)
+        assert recv_all(s).startswith(b"HTTP/1.1 413")
+        s.close()
+    finally:
+        server.close()
+
+
 # ---------------------------------------------------------------------------
 # clients that leave, stall or crowd
 
 
 class Slow(GPT):
-    """0.05 s per decoding step."""
+    """0.05 s per decoding step. It has biases, so generation takes the plain path through
+    hidden_states (llm.generate's fast CPU decoder, which skips it, takes no model with biases)."""
+
+    def __init__(self, config, **kw):
+        super().__init__(dataclasses.replace(config, bias=True), **kw)
 
     def hidden_states(self, *a, **kw):
         time.sleep(0.05)
@@ -238,18 +295,156 @@ def test_a_silent_or_trickling_client_is_dropped_after_the_request_timeout(tok):
         server.close()
 
 
-def test_connections_over_the_cap_get_503_at_once(tok):
+def test_over_the_connection_cap_the_oldest_idle_connection_is_closed_first(tok):
     server = Server(make_app(babbler(tok), tok, model_id="sft"), max_connections=3)
     try:
-        held = [connect(server.url) for _ in range(3)]
+        held = []
+        for _ in range(3):
+            held.append(connect(server.url))
+            time.sleep(0.05)  # so that each is idle longer than the next
+        newcomer = connect(server.url)
+        newcomer.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert recv_all(newcomer).startswith(b"HTTP/1.1 200")
+        assert recv_all(held[0], timeout=2) == b""  # the oldest: closed to let the newcomer in
+        held[1].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert recv_all(held[1]).startswith(b"HTTP/1.1 200")  # the others still served
+        for s in held + [newcomer]:
+            s.close()
+    finally:
+        server.close()
+
+
+def test_health_answers_while_70_idle_connections_are_open(tok):
+    server = Server(make_app(babbler(tok), tok, model_id="sft"))  # the default cap, 64
+    try:
+        idle = [connect(server.url) for _ in range(70)]
         time.sleep(0.2)
+        assert [raw(server.url + "/health")[0] for _ in range(15)] == [200] * 15
+        for s in idle:
+            s.close()
+    finally:
+        server.close()
+
+
+def test_connections_over_the_cap_get_503_only_while_every_one_is_answering(tok):
+    model = Slow(babbler(tok).config, seed=0).eval()
+    server = Server(make_app(model, tok, model_id="sft"), max_connections=2)
+    try:
+        body = json.dumps({"messages": HI, "max_tokens": 20}).encode()  # 1 s each
+        busy = [connect(server.url) for _ in range(2)]
+        for s in busy:
+            s.sendall(post_head(len(body)) + body)
+        time.sleep(0.3)
         extra = connect(server.url)
         answer = recv_all(extra, timeout=5)
         assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
-        for s in held + [extra]:
+        assert all(recv_all(s, timeout=10).startswith(b"HTTP/1.1 200") for s in busy)
+        for s in busy + [extra]:
             s.close()
-        time.sleep(0.2)
         assert raw(server.url + "/health")[0] == 200
+    finally:
+        server.close()
+
+
+def test_headers_over_16_kib_get_431_and_under_are_served(served):
+    def health(pad: int, pieces: int) -> bytes:
+        request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * pad + b"\r\nConnection: close\r\n\r\n"
+        s = connect(served.url)
+        step = -(-len(request) // pieces)
+        for i in range(0, len(request), step):
+            s.sendall(request[i:i + step])
+            time.sleep(0.02)
+        answer = recv_all(s)
+        s.close()
+        return answer
+
+    for pieces in (1, 3):  # in one read, which h11's own limit let through up to 64 KiB, and across reads
+        assert health(15_000, pieces).startswith(b"HTTP/1.1 200")
+        too_big = health(17_000, pieces)
+        assert too_big.startswith(b"HTTP/1.1 431") and b"headers_too_large" in too_big
+    assert health(60_000, 1).startswith(b"HTTP/1.1 431")
+
+
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"])
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(served, version):
+    body = json.dumps({"messages": HI, "max_tokens": 3}).encode()
+    s = connect(served.url)
+    s.sendall(post_head(len(body)).replace(b"HTTP/1.1", b"HTTP/" + version) + body)
+    s.shutdown(socket.SHUT_WR)  # "I have sent everything", as `nc -N` or a shell's here-document does
+    answer = recv_all(s)
+    s.close()
+    final = answer.split(b"HTTP/1.1 ")[-1]  # after the interim 100 Continue, if any
+    assert final.startswith(b"200")
+    assert json.loads(final.split(b"\r\n\r\n", 1)[1])["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------
+# answers: their size, and clients that never read them
+
+
+def echo_logprobs(n_prompts: int) -> bytes:
+    """A /v1/completions request of ~250 bytes a prompt whose answer is ~40 KB a prompt."""
+    ids = list(range(3, 3 + 63))
+    return json.dumps({"model": "sft", "prompt": [ids] * n_prompts, "max_tokens": 0, "echo": True,
+                       "logprobs": 20}).encode()
+
+
+def test_an_answer_over_the_limit_is_refused_and_a_stream_is_cut_there(tok):
+    server = Server(make_app(babbler(tok), tok, model_id="sft", max_answer_bytes=100_000))
+    try:
+        assert raw(server.url + "/v1/completions", echo_logprobs(1))[0] == 200
+        status, body = raw(server.url + "/v1/completions", echo_logprobs(10))
+        assert status == 400 and body["error"]["code"] == "answer_too_large"
+        assert "--max-answer-bytes" in body["error"]["message"]
+    finally:
+        server.close()
+    server = Server(make_app(babbler(tok), tok, model_id="sft", max_answer_bytes=2000))
+    try:
+        status, text = raw(server.url + "/v1/chat/completions", json.dumps(
+            {"messages": HI, "max_tokens": 40, "stream": True}).encode())
+        assert status == 200 and 1000 < len(text.encode()) <= 2000 and "[DONE]" not in text
+    finally:
+        server.close()
+
+
+def test_answers_their_clients_never_read_are_dropped_after_the_send_timeout(tok):
+    """Clients that ask for a 4 MB answer each and never read it: after --send-timeout the server
+    holds none of it, and its memory is back near where it started."""
+    import gc
+
+    import psutil
+
+    server = Server(make_app(babbler(tok), tok, model_id="sft"), send_timeout=2.0)
+    state = server.server.server_state
+    try:
+        request = post_head(0).replace(b"/v1/chat/completions", b"/v1/completions")
+        body = echo_logprobs(100)
+        request = request.replace(b"Content-Length: 0", b"Content-Length: %d" % len(body)) + body
+        assert raw(server.url + "/v1/completions", body)[0] == 200  # warm: the first answer's allocations
+        gc.collect()
+        start = psutil.Process().memory_info().rss / 2**20
+        readers = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # so that the kernel holds little of it
+            s.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+            s.sendall(request)
+            readers.append(s)
+        held, end = 0, time.monotonic() + 30
+        while not state.connections and time.monotonic() < end:
+            time.sleep(0.05)
+        while state.connections:
+            held = max(held, sum(c.transport.get_write_buffer_size() for c in list(state.connections)))
+            assert time.monotonic() < end, f"{len(state.connections)} connections still hold unread answers"
+            time.sleep(0.05)
+        assert held > 1 << 20, f"the test meant answers to wait unread, but at most {held} bytes did"
+        gc.collect()
+        after = psutil.Process().memory_info().rss / 2**20
+        print(f"\nRSS {start:.0f} MB at start, {after:.0f} MB after; {held / 2**20:.1f} MB of answers held at most")
+        assert after < start + 20
+        assert raw(server.url + "/health")[0] == 200
+        for s in readers:
+            s.close()
     finally:
         server.close()
 

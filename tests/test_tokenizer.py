@@ -16,7 +16,7 @@ import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
 from llm.tokenizer import (CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
-                           is_clean_token)
+                           is_clean_token, text_windows)
 
 PAT = regex.compile(SPLIT_PATTERN)
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -443,6 +443,16 @@ def test_merge_loops_agree(tok, s):
                 max_size=80).map("".join), st.integers(1, 12))
 def test_windowed_pre_split_equals_findall(s, window):
     assert [c for part in _pre_split_windows(PAT, s, window) for c in part] == PAT.findall(s)
+
+
+@HYP
+@given(st.lists(st.sampled_from(["a", "b", " ", "\n", "s", "7", "!", "中", "<|end|>", "<|endoftext|>"]),
+                max_size=80).map("".join), st.integers(1, 12))
+def test_text_windows_encode_to_the_whole_texts_ids(tok, s, window):
+    pieces = list(text_windows(s, window))
+    assert "".join(pieces) == s
+    for special in ("none", "all"):
+        assert [i for p in pieces for i in tok.encode(p, special)] == tok.encode(s, special)
 
 
 # -- save / load -----------------------------------------------------------------------
