@@ -566,7 +566,9 @@ def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence
 
     Returns {"sqrt_kl", "gold", "proxy", "gold_smooth", "proxy_smooth" (lists in sqrt-KL order),
     "window", "peak" (its index), "peak_sqrt_kl", "peak_gold" (smoothed), "still_rising" (the peak is the last point:
-    the gold had not stopped rising at the largest KL reached), "n"}."""
+    the gold had not stopped rising at the largest KL reached), "never_rose" (the peak is at the
+    smallest KL reached: the gold did not rise above where it started, so there is no rise that
+    stops), "n"}."""
     proxy = proxy if proxy is not None else [math.nan] * len(kl)
     pts = sorted((math.sqrt(max(k, 0.0)), g, p) for k, g, p in zip(kl, gold, proxy)
                  if _isnum(k) and _isnum(g))
@@ -586,7 +588,7 @@ def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence
     peak = max(range(len(gs)), key=lambda i: (gs[i], -i))   # the first of equal maxima
     return {"sqrt_kl": x, "gold": g, "proxy": p, "gold_smooth": gs, "proxy_smooth": centred(p), "window": w,
             "peak": peak, "peak_sqrt_kl": x[peak], "peak_gold": gs[peak], "still_rising": peak == len(x) - 1,
-            "n": len(x)}
+            "never_rose": x[peak] == x[0], "n": len(x)}
 
 
 def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.tsv") -> dict[str, Any] | None:
@@ -600,7 +602,8 @@ def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.
 
 
 def overopt_line(curve: dict[str, Any]) -> str:
-    """The over-optimisation curve in one sentence: where the gold stops rising."""
+    """The over-optimisation curve in one sentence: where the gold stops rising, or that it did not
+    rise (highest at the smallest KL reached), or that it had not stopped by the end."""
     span = f"over {curve['n']} steps up to sqrt(KL) {curve['sqrt_kl'][-1]:.3g}"
     gold = (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
             f" training prompts, so noisy from step to step; mean of {curve['window']} steps)")
@@ -610,6 +613,11 @@ def overopt_line(curve: dict[str, Any]) -> str:
     proxy = curve["proxy_smooth"]
     moved = (f"; the RM score it is trained on (proxy) goes from {_num(proxy[curve['peak']])} there to"
              f" {_num(proxy[-1])} at the largest KL" if _isnum(proxy[curve["peak"]]) and _isnum(proxy[-1]) else "")
+    if curve.get("never_rose"):
+        return (f"{gold} never rises above where it starts: it is highest at the smallest KL reached"
+                f" (sqrt(KL) {curve['peak_sqrt_kl']:.3g}), at {fmt_value(curve['peak_gold'], 'pct')}, and ends at"
+                f" {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}): optimising the reward model"
+                " did not raise the gold at any KL in this run.")
     return (f"{gold} stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
             f" (KL {curve['peak_sqrt_kl'] ** 2:.3g} nats per response), at {fmt_value(curve['peak_gold'], 'pct')},"
             f" and ends at {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}).")

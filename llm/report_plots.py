@@ -236,6 +236,7 @@ def overopt_png(curve: dict | None) -> bytes | None:
         if key == "gold":
             ax.axvline(curve["peak_sqrt_kl"], color="k", lw=0.8, ls="--",
                        label="still rising at the end" if curve["still_rising"] else
+                       "highest at the start: never rose" if curve.get("never_rose") else
                        f"peak at sqrt(KL) {curve['peak_sqrt_kl']:.3g}")
         ax.set_title(f"ppo_rm: {label}", fontsize=10)
         ax.set_xlabel("sqrt(KL to SFT), KL in nats per response", fontsize=8)

@@ -418,6 +418,18 @@ def test_overoptimisation_of_a_gold_that_never_falls_is_still_rising():
     assert "still rising at the end" in overopt_line(c)
 
 
+def test_a_gold_that_only_falls_never_rose_and_the_sentence_names_no_point_where_it_stops_rising():
+    from llm.report import overopt_line, overoptimisation
+    kl = [-0.02, -0.01, 0.0] + [(i / 10) ** 2 for i in range(1, 30)]  # the estimate starts below 0: sqrt(KL) 0
+    c = overoptimisation(kl, [0.9 - 0.01 * i for i in range(32)], [0.1 * i for i in range(32)])
+    assert c["never_rose"] and not c["still_rising"] and c["peak_sqrt_kl"] == 0.0
+    line = overopt_line(c)
+    assert "stops rising" not in line and "never rises above where it starts" in line
+    assert "highest at the smallest KL reached (sqrt(KL) 0)" in line
+    kl, gold, proxy = _hump()
+    assert not overoptimisation(kl, gold, proxy)["never_rose"]
+
+
 def test_overoptimisation_reads_a_negative_kl_as_zero_and_needs_three_steps():
     from llm.report import overoptimisation
     c = overoptimisation([-0.01, 0.04, 0.09, float("nan")], [0.1, 0.2, 0.3, 0.4])
