@@ -516,24 +516,45 @@ GROUP_TITLES = {("math", "en"): "English math", ("math", "zh"): "Chinese math", 
                 ("arithmetic", ""): "bare arithmetic"}
 
 
+def sample_mark(x: dict) -> bool | None:
+    """A kept sample's mark: True right, False wrong, None neither. A request outside the model's
+    skills counts as right only when answered with the taught statement (its "answer"); with no
+    worked sum but other text (the base model's continuation, a near miss) it is neither, and with
+    a worked sum wrong (the eval's "correct" there means only "no worked sum")."""
+    if x.get("set") == "scope":
+        if x.get("response", "").strip() == str(x.get("answer", "")).strip():
+            return True
+        return None if x.get("correct") else False
+    return bool(x.get("correct"))
+
+
+def _disagreement(rec: dict) -> tuple[int, int]:
+    """How much the models' answers to one item differ: distinct marks, then distinct responses."""
+    answers = [rec["by_model"][m] for m in MODELS if m != "base" and m in rec["by_model"]]
+    return len({mark for _, mark in answers}), len({resp for resp, _ in answers})
+
+
 def item_sample_groups(samples: dict[str, dict], max_samples: int) -> list[tuple[str, list[dict]]]:
-    """[(group title, [{"prompt", "answer", "by_model": {model: (response, correct)}}])]: the first
-    `max_samples` items of each math language and of arithmetic, one item per task kind."""
+    """[(group title, [{"prompt", "answer", "by_model": {model: (response, sample_mark)}}])]:
+    `max_samples` items of each group (math language, arithmetic, conversations, requests outside
+    the model's skills), one item per task kind; of the items the evaluations kept, those whose
+    answers differ most between the trained models (base aside: it differs from all) come first,
+    so the table shows where the models part, and in their own order when they agree."""
     groups: dict[tuple[str, str], dict[str, dict]] = {}
     for m in MODELS:
         for x in (samples.get(m) or {}).get("item_samples", []):
             g = groups.setdefault((x["set"], x.get("group", "")), {})
             rec = g.setdefault(x["prompt"], {"prompt": x["prompt"], "answer": x["answer"], "by_model": {}})
-            rec["by_model"][m] = (x.get("response", ""), bool(x.get("correct")))
+            rec["by_model"][m] = (x.get("response", ""), sample_mark(x))
     out = []
     task_rows = []
     for (item_set, group), recs in groups.items():
+        ranked = sorted(recs.values(), key=lambda r: tuple(-d for d in _disagreement(r)))  # stable
         if item_set == "task":
-            first = next(iter(recs.values()))
+            first = ranked[0]
             task_rows.append({**first, "prompt": f"[{group.replace('_', ' ')}] {first['prompt']}"})
         else:
-            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()),
-                        list(recs.values())[:max_samples]))
+            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()), ranked[:max_samples]))
     if task_rows:
         out.append(("instruction tasks (one per kind)", task_rows))
     return out

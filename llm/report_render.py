@@ -24,6 +24,11 @@ _URL = re.compile(r"(?i)\b(http)(s?)://")
 
 
 MAX_SAMPLE_CHARS = 400
+# a sample's mark (llm.report.sample_mark) -> its symbol and CSS class
+SAMPLE_MARKS = {True: ("✓", "ok"), False: ("✗", "bad"), None: ("–", "mid")}
+SAMPLE_NOTE = ("greedy answers; ✓ right, ✗ wrong, – neither (a request outside the model's skills answered with no"
+               " worked sum but not with the taught statement); in each group the items where the trained models"
+               " differ most come first")
 
 
 def _clip(text: str) -> str:
@@ -135,13 +140,13 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out += ["_No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)._", ""]
     out += ["## Training curves", ""]
     out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
-    out += ["", "## Samples (✓ right, ✗ wrong; greedy)", ""]
+    out += ["", f"## Samples ({SAMPLE_NOTE})", ""]
     groups = item_sample_groups(data["samples"], data["max_samples"])
     models = [m for m in MODELS if m in data["samples"]]
     for title, recs in groups:
         out += [f"### {title}", "", "| prompt (answer) | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
         for r in recs:
-            cells = [("✓ " if r["by_model"][m][1] else "✗ ") + _md(r["by_model"][m][0]) if m in r["by_model"]
+            cells = [SAMPLE_MARKS[r["by_model"][m][1]][0] + " " + _md(r["by_model"][m][0]) if m in r["by_model"]
                      else "" for m in models]
             out.append(f"| {_md(r['prompt'])}<br>(answer: {_md(r['answer'])}) | " + " | ".join(cells) + " |")
         out.append("")
@@ -197,6 +202,7 @@ pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; max-width: 26em;
       font-family: ui-monospace, Menlo, Consolas, "DejaVu Sans Mono", "Noto Sans Mono CJK SC", "Microsoft YaHei",
       monospace; }
 .ok { color: #1a7f37; font-weight: 700; } .bad { color: #cf222e; font-weight: 700; }
+.mid { color: #59636e; font-weight: 700; }
 img { max-width: 100%; }
 .note { color: #59636e; font-size: 0.9em; }
 """
@@ -296,7 +302,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h.append('<p class="note">No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv).</p>')
     h.append("<h2>Training curves</h2>")
     h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
-    h.append("<h2>Samples</h2><p class=\"note\">Greedy answers; ✓ right, ✗ wrong.</p>")
+    h.append(f"<h2>Samples</h2><p class=\"note\">{_e(SAMPLE_NOTE[0].upper() + SAMPLE_NOTE[1:])}.</p>")
     models = [m for m in MODELS if m in data["samples"]]
     for title, recs in item_sample_groups(data["samples"], data["max_samples"]):
         h.append(f'<h3>{_e(title)}</h3><table class="samples"><tr><th>prompt</th>'
@@ -308,7 +314,8 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
                     tds.append("<td></td>")
                     continue
                 resp, ok = r["by_model"][m]
-                mark = '<span class="ok">✓</span>' if ok else '<span class="bad">✗</span>'
+                symbol, css = SAMPLE_MARKS[ok]
+                mark = f'<span class="{css}">{symbol}</span>'
                 tds.append(f"<td>{mark}<pre>{_response(resp)}</pre></td>")
             h.append(f"<tr><td><pre>{_e(r['prompt'])}</pre><span class=\"note\">answer: {_e(r['answer'])}</span></td>"
                      + "".join(tds) + "</tr>")

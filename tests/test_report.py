@@ -64,7 +64,9 @@ def metrics(tmp_path):
             "item_samples": [{"set": "math", "group": "en", "prompt": "1 + 1?", "answer": "2",
                               "response": "#### 2" if name != "base" else "#### 3", "correct": name != "base"},
                              {"set": "task", "group": "reverse", "prompt": "Reverse the word: castle",
-                              "answer": "eltsac", "response": "niw", "correct": False}]})
+                              "answer": "eltsac", "response": "niw", "correct": False},
+                             {"set": "scope", "group": "en", "prompt": "Write a poem.", "answer": "I can add.",
+                              "response": "I can add." if name != "base" else "To be, or", "correct": True}]})
     _write(m / "pretrain.json", {"val_loss": 3.2, "val_bpb": 1.9, "train_time_s": 100.0, "device": "cpu",
                                  "dtype": "float32", "world_size": 1, "link": URLS,
                                  "tokenizer_sha256": "be50142a6a51f667f7dc1589456db729e9d8f64f06bb6b4"})
@@ -200,6 +202,36 @@ def test_recorded_seconds(metrics_keys, expected):
     assert recorded_seconds(metrics_keys) == expected
 
 
+def test_a_request_outside_the_skills_is_right_only_with_the_taught_statement():
+    """The eval's "correct" for such a request means only "no worked sum": the base model's text
+    continuation has none, and must not get the tick the taught statement gets."""
+    from llm.report import item_sample_groups
+    statement = "I can solve arithmetic word problems."
+    said = {"base": ("and I'll be\nTo have been a man", True), "sft": (statement, True),
+            "ppo": ("12 + 7 = 19\n#### 19", False), "grpo": ("I can solve word problems.", True)}
+    samples = {m: {"item_samples": [{"set": "scope", "group": "en", "prompt": "Write a poem.", "answer": statement,
+                                     "response": r, "correct": ok}]} for m, (r, ok) in said.items()}
+    [(title, [rec])] = item_sample_groups(samples, 3)
+    assert {m: mark for m, (_, mark) in rec["by_model"].items()} == {"base": None, "sft": True, "ppo": False,
+                                                                     "grpo": None}
+
+
+def test_the_samples_shown_are_those_where_the_trained_models_differ_first():
+    from llm.report import item_sample_groups
+    same = [("1 + 1?", "2", "#### 2"), ("2 + 2?", "4", "#### 4")]
+    samples = {}
+    for m in ("base", "sft", "grpo", "dpo"):
+        items = [{"set": "arithmetic", "prompt": p, "answer": a, "response": r, "correct": True} for p, a, r in same]
+        # the third item: sft and dpo right, grpo wrong; the fourth: all right, in different words
+        items.append({"set": "arithmetic", "prompt": "3 + 4?", "answer": "7", "response": "#### 8" if m == "grpo"
+                      else "#### 7", "correct": m != "grpo"})
+        items.append({"set": "arithmetic", "prompt": "5 + 5?", "answer": "10", "response": f"{m}: #### 10",
+                      "correct": True})
+        samples[m] = {"item_samples": items}
+    [(_, recs)] = item_sample_groups(samples, 3)
+    assert [r["prompt"] for r in recs] == ["3 + 4?", "5 + 5?", "1 + 1?"]
+
+
 def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     _run(metrics)
     page = (metrics / "report.html").read_text()
@@ -208,6 +240,10 @@ def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     assert row.count('class="ok">✓') == 2 and row.count('class="bad">✗') == 1  # sft, grpo right; base wrong
     assert "| 1 + 1?<br>(answer: 2) | ✗ #### 3 | ✓ #### 2 | ✓ #### 2 |" in md
     assert "[reverse] Reverse the word: castle" in md
+    # the base model's continuation has no worked sum, but it is not the taught statement: no tick
+    assert "| Write a poem.<br>(answer: I can add.) | – To be, or | ✓ I can add. | ✓ I can add. |" in md
+    row = re.search(r"<tr><td><pre>Write a poem\.</pre>.*?</tr>", page).group(0)
+    assert row.count('class="ok">✓') == 2 and row.count('class="mid">–') == 1
     assert page.count('<pre><span class="note">(empty)</span></pre>') == 1  # grpo's blank answer is shown as one
     assert "be50142a" not in page and "be50142a" not in md  # hashes stay in the metrics files
     assert "val_loss 3.2" not in md
