@@ -437,6 +437,33 @@ def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]
     return sentence, lines
 
 
+# What each model of the report is, one line each, in the order of MODELS (the reward model, which
+# the report does not evaluate as a chat model, after SFT, which it starts from)
+MODEL_LINES = (
+    ("base", "pretrained from random initialisation on plain text (Shakespeare, word problems): it continues"
+             " text and was never taught the chat format"),
+    ("sft", "supervised fine-tuning: the base model trained on example conversations, the loss on the answers"
+            " only, so that it answers inside the chat template"),
+    ("reward model", "SFT's network with a one-number head, trained on preference pairs so that the preferred"
+                     " answer scores higher; PPO's reward uses it (`ppo.reward_source`)"),
+    ("ppo", "reinforcement learning from SFT: it samples answers, scores them (`ppo.reward_source`), and takes"
+            " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT"),
+    ("ppo_rm", "PPO on the reward model's score alone, no verifier: where optimising a learnt reward stops"
+               " helping (Over-optimisation)"),
+    ("grpo", "reinforcement learning from SFT on math problems without a value model: several answers per"
+             " problem, each one's advantage its reward minus the group's mean, with a KL penalty to SFT"),
+    ("grpo_random", "GRPO's control: the same rewards shuffled across each step's samples, so any gain it shows"
+                    " is not from the reward"),
+    ("dpo", "direct preference optimisation: SFT trained on preference pairs to raise the preferred answer's"
+            " likelihood against the other's, relative to SFT, with no reward model and no sampling"),
+)
+# Under the training curves: what the KL columns are, so an estimate below 0 is not a surprise
+CURVES_NOTE = ("KL to SFT during RL is each run's own training estimate per token: PPO's is its penalty's"
+               " (`ppo.kl_estimator`: k1, the mean of log pi - log ref over the sampled tokens, is unbiased but"
+               " can fall below 0 in a batch while the policy is close to SFT; k3 cannot), GRPO's is k3. The KL"
+               " in the tables is exact, from held-out samples.")
+
+
 _NEG_KL = (" (an estimate below zero: the sampled estimator's noise around a KL of about zero; KL itself"
            " is never negative)")
 

@@ -16,7 +16,7 @@ import html
 import re
 from typing import Any, Sequence
 
-from llm.report import (MARK, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL, _join, all_metric_rows,
+from llm.report import (CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL, _join, all_metric_rows,
                         control_line, fixed_prompt_rows, item_sample_groups, overopt_curve, overopt_line, paired_rows,
                         stage_headline_rows, stage_summary, stage_times, summary_rows, verdict)
 
@@ -96,6 +96,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
     if any(t != "–" for _, t in times):
         out += ["", "| " + " | ".join(s for s, _ in times) + " |", "|" + "---|" * len(times),
                 "| " + " | ".join(t for _, t in times) + " |"]
+    out += ["", "## The models", "", *(f"- **{name}**: {line}." for name, line in MODEL_LINES)]
     out += ["", "## Summary", ""]
     cols, rows = summary_rows(data["evals"], paired)
     if rows:
@@ -140,6 +141,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out += ["_No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)._", ""]
     out += ["## Training curves", ""]
     out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
+    out += ["", CURVES_NOTE]
     out += ["", f"## Samples ({SAMPLE_NOTE})", ""]
     groups = item_sample_groups(data["samples"], data["max_samples"])
     models = [m for m in MODELS if m in data["samples"]]
@@ -246,6 +248,8 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
     if any(t != "–" for _, t in times):
         h.append('<table id="times"><tr>' + "".join(f"<th>{_e(s)}</th>" for s, _ in times) + "</tr><tr>"
                  + "".join(f'<td class="num">{_e(t)}</td>' for _, t in times) + "</tr></table>")
+    h.append("<h2>The models</h2><ul>" + "".join(f"<li><b>{_e(name)}</b>: {_e(line)}.</li>" for name, line in MODEL_LINES)
+             + "</ul>")
     h.append("<h2>Summary</h2>")
     cols, rows = summary_rows(data["evals"], paired)
     if rows:
@@ -302,6 +306,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h.append('<p class="note">No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv).</p>')
     h.append("<h2>Training curves</h2>")
     h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
+    h.append(f'<p class="note">{_e(CURVES_NOTE)}</p>')
     h.append(f"<h2>Samples</h2><p class=\"note\">{_e(SAMPLE_NOTE[0].upper() + SAMPLE_NOTE[1:])}.</p>")
     models = [m for m in MODELS if m in data["samples"]]
     for title, recs in item_sample_groups(data["samples"], data["max_samples"]):

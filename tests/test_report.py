@@ -202,6 +202,16 @@ def test_recorded_seconds(metrics_keys, expected):
     assert recorded_seconds(metrics_keys) == expected
 
 
+def test_the_report_says_in_a_line_what_each_model_is_and_what_the_kl_curves_estimate(metrics):
+    from llm.report import CURVES_NOTE, MODEL_LINES
+    _run(metrics)
+    page, md = (metrics / "report.html").read_text(), (metrics / "report.md").read_text()
+    assert [n for n, _ in MODEL_LINES] == ["base", "sft", "reward model", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo"]
+    for name, line in MODEL_LINES:
+        assert f"- **{name}**: {line}." in md and f"<li><b>{name}</b>: " in page
+    assert CURVES_NOTE in md and "k1" in CURVES_NOTE and "k3" in CURVES_NOTE
+
+
 def test_a_request_outside_the_skills_is_right_only_with_the_taught_statement():
     """The eval's "correct" for such a request means only "no worked sum": the base model's text
     continuation has none, and must not get the tick the taught statement gets."""
@@ -283,6 +293,22 @@ def test_a_curve_that_never_moved_says_its_value():
     labels = [line.get_label() for line in fig.axes[0].lines]
     _plt().close(fig)
     assert labels == ["PPO: 0.85 throughout", "GRPO"]
+
+
+def test_a_held_out_rate_logged_with_its_interval_is_drawn_with_it_and_a_negative_kl_beside_zero():
+    curves = {"grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85, 0.86, 0.87],
+                               "math_exact_match_lo": [0.80, 0.81, 0.82], "math_exact_match_hi": [0.89, 0.9, 0.91]},
+              "ppo.tsv": {"step": [1.0, 2.0, 3.0], "kl": [0.001, -0.002, 0.003]}}
+    fig, titles = curves_figure(curves)
+    acc, kl = fig.axes[0], fig.axes[1]
+    [band] = acc.collections
+    (x0, y0), (x1, y1) = band.get_paths()[0].vertices.min(axis=0), band.get_paths()[0].vertices.max(axis=0)
+    labels = [line.get_label() for line in kl.lines]
+    _plt().close(fig)
+    assert titles == ["held-out math accuracy during RL", "KL to SFT during RL"]
+    assert (x0, x1) == (0.0, 6.0) and y0 == pytest.approx(0.80) and y1 == pytest.approx(0.91)
+    assert "(shaded: interval)" in [line.get_label() for line in acc.lines][0]
+    assert labels[-1].startswith("0 (KL is never below; a k1 estimate can be)")
 
 
 def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
