@@ -461,7 +461,9 @@ MODEL_LINES = (
 CURVES_NOTE = ("KL to SFT during RL is each run's own training estimate per token: PPO's is its penalty's"
                " (`ppo.kl_estimator`: k1, the mean of log pi - log ref over the sampled tokens, is unbiased but"
                " can fall below 0 in a batch while the policy is close to SFT; k3 cannot), GRPO's is k3. The KL"
-               " in the tables is exact, from held-out samples.")
+               " in the tables is exact, from held-out samples. DPO's preference accuracy counts a pair only when"
+               " the preferred answer's implicit reward is strictly higher, as TRL's rewards/accuracies does: at"
+               " step 0 the policy is SFT itself, every reward is 0, so it starts at 0.")
 
 
 _NEG_KL = (" (an estimate below zero: the sampled estimator's noise around a KL of about zero; KL itself"
