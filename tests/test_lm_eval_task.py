@@ -28,7 +28,8 @@ def test_the_task_data_is_what_make_writes_with_answers_that_are_right():
     rows = [json.loads(line) for line in make.DATA.read_text(encoding="utf-8").splitlines()]
     assert rows == make.rows()  # rerun `python -m bench.lm_eval_tasks.make` after changing the generators
     assert len({r["question"] for r in rows}) == len(rows) == 24
-    assert {r["lang"] for r in rows} == {"en", "zh"} and {r["kind"] for r in rows} == {"word problem", "bare arithmetic"}
+    assert {r["lang"] for r in rows} == {"en", "zh"}
+    assert {r["kind"] for r in rows} == {"word problem", "bare arithmetic"}
     for r in rows:  # a bare calculation's answer is its value (a word problem's is its generator's)
         if r["kind"] == "bare arithmetic":
             a, op, b = re.fullmatch(r"(?:What is )?(\d+) ([-+*/]) (\d+)(?:\?| 等于多少？)", r["question"]).groups()

@@ -252,6 +252,9 @@ def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     assert "[reverse] Reverse the word: castle" in md
     # the base model's continuation has no worked sum, but it is not the taught statement: no tick
     assert "| Write a poem.<br>(answer: I can add.) | – To be, or | ✓ I can add. | ✓ I can add. |" in md
+    # wide tables scroll inside their box rather than run off the page
+    assert page.count('<div class="wide"><table class="samples">') == page.count('<table class="samples">') == 4
+    assert '<div class="wide"><table id="all">' in page
     row = re.search(r"<tr><td><pre>Write a poem\.</pre>.*?</tr>", page).group(0)
     assert row.count('class="ok">✓') == 2 and row.count('class="mid">–') == 1
     assert page.count('<pre><span class="note">(empty)</span></pre>') == 1  # grpo's blank answer is shown as one
