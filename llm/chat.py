@@ -140,6 +140,29 @@ class ContextError(ValueError):
     """The newest message alone does not leave room for an answer in the model's context."""
 
 
+def fit_context(messages: Sequence[dict], count: Callable[[str], int], seq_len: int, answer: int
+                ) -> tuple[list[dict], int]:
+    """(the conversation without its earliest messages, how many were dropped): as few as needed
+    for render_prompt's ids to leave `answer` tokens of the `seq_len` context for the reply.
+
+    A leading system message stays and so does the newest message; whole exchanges go, so what
+    is kept never starts with an answer. `count(text)` is the number of tokens of a message's
+    text (the template adds its role token and <|end|>, and the prompt <|endoftext|> and
+    <|assistant|>). Raises ContextError when even the newest message leaves no room for one token.
+    """
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    sizes = [count(m["content"]) + 2 for m in messages]  # role token, text, <|end|>
+    length, k = 2 + sum(sizes), first  # <|endoftext|> ... <|assistant|>; k: the oldest message kept
+    while length + answer > seq_len and len(messages) - k > 1:
+        length, k = length - sizes[k], k + 1
+        if messages[k]["role"] == "assistant" and len(messages) - k > 1:
+            length, k = length - sizes[k], k + 1
+    if length >= seq_len:
+        raise ContextError(f"this message makes a prompt of {length} tokens and the model's context"
+                           f" is {seq_len} tokens: write a shorter one")
+    return [*messages[:first], *messages[k:]], k - first
+
+
 @dataclass
 class Reply:
     text: str
@@ -175,31 +198,20 @@ class Chat:
 
     def _fit(self) -> tuple[list[int], int]:
         """The prompt after dropping the earliest messages until the answer has max_new_tokens of room."""
-        seq_len, first = self.model.config.seq_len, 1 if self.system else 0
-        forgotten = 0
-        prompt = render_prompt(self.history, self.tok)
-        while len(prompt) + self.max_new_tokens > seq_len and len(self.history) - first > 1:
-            del self.history[first]
-            forgotten += 1
-            if self.history[first]["role"] == "assistant" and len(self.history) - first > 1:
-                del self.history[first]  # forget whole exchanges: never start with an answer
-                forgotten += 1
-            prompt = render_prompt(self.history, self.tok)
-        if len(prompt) >= seq_len:
-            raise ContextError(f"this message makes a prompt of {len(prompt)} tokens and the model's context"
-                               f" is {seq_len} tokens: write a shorter one")
-        return prompt, forgotten
+        kept, forgotten = fit_context(self.history, lambda text: len(self.tok.encode(text, allowed_special="none")),
+                                      self.model.config.seq_len, self.max_new_tokens)
+        self.history = kept
+        return render_prompt(kept, self.tok), forgotten
 
     def reply(self, text: str, on_text: Callable[[str], None] | None = None) -> Reply:
         """Add the user's `text`, generate the answer (streamed to on_text) and add it."""
         from llm.generate import generate  # torch-heavy: imported when chatting, not at import of llm.chat
 
-        before = list(self.history)
         self.history.append({"role": "user", "content": text})
         try:
             prompt, forgotten = self._fit()
         except ContextError:
-            self.history = before  # _fit may have dropped earlier turns on the way: nothing is lost
+            self.history.pop()  # the message that does not fit; the conversation is as it was
             raise
         stream, sink = TextStream(self.tok), on_text or (lambda piece: None)
         finish = "interrupted"

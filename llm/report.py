@@ -445,6 +445,35 @@ def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]
     return sentence, lines
 
 
+# What each model of the report is, one line each, in the order of MODELS (the reward model, which
+# the report does not evaluate as a chat model, after SFT, which it starts from)
+MODEL_LINES = (
+    ("base", "pretrained from random initialisation on plain text (Shakespeare, word problems): it continues"
+             " text and was never taught the chat format"),
+    ("sft", "supervised fine-tuning: the base model trained on example conversations, the loss on the answers"
+            " only, so that it answers inside the chat template"),
+    ("reward model", "SFT's network with a one-number head, trained on preference pairs so that the preferred"
+                     " answer scores higher; PPO's reward uses it (`ppo.reward_source`)"),
+    ("ppo", "reinforcement learning from SFT: it samples answers, scores them (`ppo.reward_source`), and takes"
+            " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT"),
+    ("ppo_rm", "PPO on the reward model's score alone, no verifier: where optimising a learnt reward stops"
+               " helping (Over-optimisation)"),
+    ("grpo", "reinforcement learning from SFT on math problems without a value model: several answers per"
+             " problem, each one's advantage its reward minus the group's mean, with a KL penalty to SFT"),
+    ("grpo_random", "GRPO's control: the same rewards shuffled across each step's samples, so any gain it shows"
+                    " is not from the reward"),
+    ("dpo", "direct preference optimisation: SFT trained on preference pairs to raise the preferred answer's"
+            " likelihood against the other's, relative to SFT, with no reward model and no sampling"),
+)
+# Under the training curves: what the KL columns are, so an estimate below 0 is not a surprise
+CURVES_NOTE = ("KL to SFT during RL is each run's own training estimate per token: PPO's is its penalty's"
+               " (`ppo.kl_estimator`: k1, the mean of log pi - log ref over the sampled tokens, is unbiased but"
+               " can fall below 0 in a batch while the policy is close to SFT; k3 cannot), GRPO's is k3. The KL"
+               " in the tables is exact, from held-out samples. DPO's preference accuracy counts a pair only when"
+               " the preferred answer's implicit reward is strictly higher, as TRL's rewards/accuracies does: at"
+               " step 0 the policy is SFT itself, every reward is 0, so it starts at 0.")
+
+
 _NEG_KL = (" (an estimate below zero: the sampled estimator's noise around a KL of about zero; KL itself"
            " is never negative)")
 
@@ -524,24 +553,45 @@ GROUP_TITLES = {("math", "en"): "English math", ("math", "zh"): "Chinese math", 
                 ("arithmetic", ""): "bare arithmetic"}
 
 
+def sample_mark(x: dict) -> bool | None:
+    """A kept sample's mark: True right, False wrong, None neither. A request outside the model's
+    skills counts as right only when answered with the taught statement (its "answer"); with no
+    worked sum but other text (the base model's continuation, a near miss) it is neither, and with
+    a worked sum wrong (the eval's "correct" there means only "no worked sum")."""
+    if x.get("set") == "scope":
+        if x.get("response", "").strip() == str(x.get("answer", "")).strip():
+            return True
+        return None if x.get("correct") else False
+    return bool(x.get("correct"))
+
+
+def _disagreement(rec: dict) -> tuple[int, int]:
+    """How much the models' answers to one item differ: distinct marks, then distinct responses."""
+    answers = [rec["by_model"][m] for m in MODELS if m != "base" and m in rec["by_model"]]
+    return len({mark for _, mark in answers}), len({resp for resp, _ in answers})
+
+
 def item_sample_groups(samples: dict[str, dict], max_samples: int) -> list[tuple[str, list[dict]]]:
-    """[(group title, [{"prompt", "answer", "by_model": {model: (response, correct)}}])]: the first
-    `max_samples` items of each math language and of arithmetic, one item per task kind."""
+    """[(group title, [{"prompt", "answer", "by_model": {model: (response, sample_mark)}}])]:
+    `max_samples` items of each group (math language, arithmetic, conversations, requests outside
+    the model's skills), one item per task kind; of the items the evaluations kept, those whose
+    answers differ most between the trained models (base aside: it differs from all) come first,
+    so the table shows where the models part, and in their own order when they agree."""
     groups: dict[tuple[str, str], dict[str, dict]] = {}
     for m in MODELS:
         for x in (samples.get(m) or {}).get("item_samples", []):
             g = groups.setdefault((x["set"], x.get("group", "")), {})
             rec = g.setdefault(x["prompt"], {"prompt": x["prompt"], "answer": x["answer"], "by_model": {}})
-            rec["by_model"][m] = (x.get("response", ""), bool(x.get("correct")))
+            rec["by_model"][m] = (x.get("response", ""), sample_mark(x))
     out = []
     task_rows = []
     for (item_set, group), recs in groups.items():
+        ranked = sorted(recs.values(), key=lambda r: tuple(-d for d in _disagreement(r)))  # stable
         if item_set == "task":
-            first = next(iter(recs.values()))
+            first = ranked[0]
             task_rows.append({**first, "prompt": f"[{group.replace('_', ' ')}] {first['prompt']}"})
         else:
-            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()),
-                        list(recs.values())[:max_samples]))
+            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()), ranked[:max_samples]))
     if task_rows:
         out.append(("instruction tasks (one per kind)", task_rows))
     return out
@@ -574,7 +624,9 @@ def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence
 
     Returns {"sqrt_kl", "gold", "proxy", "gold_smooth", "proxy_smooth" (lists in sqrt-KL order),
     "window", "peak" (its index), "peak_sqrt_kl", "peak_gold" (smoothed), "still_rising" (the peak is the last point:
-    the gold had not stopped rising at the largest KL reached), "n"}."""
+    the gold had not stopped rising at the largest KL reached), "never_rose" (the peak is at the
+    smallest KL reached: the gold did not rise above where it started, so there is no rise that
+    stops), "n"}."""
     proxy = proxy if proxy is not None else [math.nan] * len(kl)
     pts = sorted((math.sqrt(max(k, 0.0)), g, p) for k, g, p in zip(kl, gold, proxy)
                  if _isnum(k) and _isnum(g))
@@ -594,7 +646,7 @@ def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence
     peak = max(range(len(gs)), key=lambda i: (gs[i], -i))   # the first of equal maxima
     return {"sqrt_kl": x, "gold": g, "proxy": p, "gold_smooth": gs, "proxy_smooth": centred(p), "window": w,
             "peak": peak, "peak_sqrt_kl": x[peak], "peak_gold": gs[peak], "still_rising": peak == len(x) - 1,
-            "n": len(x)}
+            "never_rose": x[peak] == x[0], "n": len(x)}
 
 
 def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.tsv") -> dict[str, Any] | None:
@@ -608,7 +660,8 @@ def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.
 
 
 def overopt_line(curve: dict[str, Any]) -> str:
-    """The over-optimisation curve in one sentence: where the gold stops rising."""
+    """The over-optimisation curve in one sentence: where the gold stops rising, or that it did not
+    rise (highest at the smallest KL reached), or that it had not stopped by the end."""
     span = f"over {curve['n']} steps up to sqrt(KL) {curve['sqrt_kl'][-1]:.3g}"
     gold = (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
             f" training prompts, so noisy from step to step; mean of {curve['window']} steps)")
@@ -618,6 +671,11 @@ def overopt_line(curve: dict[str, Any]) -> str:
     proxy = curve["proxy_smooth"]
     moved = (f"; the RM score it is trained on (proxy) goes from {_num(proxy[curve['peak']])} there to"
              f" {_num(proxy[-1])} at the largest KL" if _isnum(proxy[curve["peak"]]) and _isnum(proxy[-1]) else "")
+    if curve.get("never_rose"):
+        return (f"{gold} never rises above where it starts: it is highest at the smallest KL reached"
+                f" (sqrt(KL) {curve['peak_sqrt_kl']:.3g}), at {fmt_value(curve['peak_gold'], 'pct')}, and ends at"
+                f" {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}): optimising the reward model"
+                " did not raise the gold at any KL in this run.")
     return (f"{gold} stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
             f" (KL {curve['peak_sqrt_kl'] ** 2:.3g} nats per response), at {fmt_value(curve['peak_gold'], 'pct')},"
             f" and ends at {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}).")

@@ -89,7 +89,9 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
         for f, col, legend in series:
             cols = curves.get(f) or {}
             if col in cols and "step" in cols:
-                pts = [(s, y) for s, y in zip(cols["step"], cols[col]) if math.isfinite(y)]
+                # a held-out rate is logged with its interval (col_lo, col_hi): drawn as a band
+                lo, hi = (cols.get(f"{col}_{end}") or [math.nan] * len(cols[col]) for end in ("lo", "hi"))
+                pts = [(s, y, a, b) for s, y, a, b in zip(cols["step"], cols[col], lo, hi) if math.isfinite(y)]
                 if pts:
                     lines.append((pts, legend))
         if lines:
@@ -106,8 +108,12 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
         ax.set_visible(False)
     for ax, (title, ylabel, lines) in zip(axes.flat, panels):
         for i, (pts, legend) in enumerate(lines):
-            xs, ys = zip(*pts)
+            xs, ys, los, his = zip(*pts)
             color = f"C{i}"
+            band = all(math.isfinite(v) for v in los + his)
+            if band:
+                ax.fill_between(xs, los, his, color=color, alpha=0.15, lw=0)
+                legend += " (shaded: interval)"
             if len(xs) >= SMOOTH_MIN_POINTS:
                 window = max(2, len(xs) // 50)
                 ax.plot(xs, ys, "-", lw=0.7, color=color, alpha=0.25)
@@ -117,6 +123,8 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
                 same = len(set(ys)) == 1
                 ax.plot(xs, ys, "o-", lw=1.2, ms=3.5, color=color, label=f"{legend}: {ys[0]:.3g} throughout" if same
                         else legend)
+        if any(y < 0 for pts, _ in lines for _, y, _, _ in pts):  # an estimate below 0 (k1): KL itself is not
+            ax.axhline(0.0, color="k", lw=0.8, ls=":", label="0 (KL is never below; a k1 estimate can be)")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -236,6 +244,7 @@ def overopt_png(curve: dict | None) -> bytes | None:
         if key == "gold":
             ax.axvline(curve["peak_sqrt_kl"], color="k", lw=0.8, ls="--",
                        label="still rising at the end" if curve["still_rising"] else
+                       "highest at the start: never rose" if curve.get("never_rose") else
                        f"peak at sqrt(KL) {curve['peak_sqrt_kl']:.3g}")
         ax.set_title(f"ppo_rm: {label}", fontsize=10)
         ax.set_xlabel("sqrt(KL to SFT), KL in nats per response", fontsize=8)

@@ -16,14 +16,19 @@ import html
 import re
 from typing import Any, Sequence
 
-from llm.report import (MARK, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL, _join, all_metric_rows,
-                        control_line, fixed_prompt_rows, item_sample_groups, overopt_curve, overopt_line, paired_rows,
+from llm.report import (CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL,
+                        _join, all_metric_rows, control_line, fixed_prompt_rows, item_sample_groups, overopt_curve, overopt_line, paired_rows,
                         stage_headline_rows, stage_summary, stage_times, summary_rows, verdict)
 
 _URL = re.compile(r"(?i)\b(http)(s?)://")
 
 
 MAX_SAMPLE_CHARS = 400
+# a sample's mark (llm.report.sample_mark) -> its symbol and CSS class
+SAMPLE_MARKS = {True: ("✓", "ok"), False: ("✗", "bad"), None: ("–", "mid")}
+SAMPLE_NOTE = ("greedy answers; ✓ right, ✗ wrong, – neither (a request outside the model's skills answered with no"
+               " worked sum but not with the taught statement); in each group the items where the trained models"
+               " differ most come first")
 
 
 def _clip(text: str) -> str:
@@ -91,6 +96,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
     if any(t != "–" for _, t in times):
         out += ["", "| " + " | ".join(s for s, _ in times) + " |", "|" + "---|" * len(times),
                 "| " + " | ".join(t for _, t in times) + " |"]
+    out += ["", "## The models", "", *(f"- **{name}**: {line}." for name, line in MODEL_LINES)]
     out += ["", "## Summary", ""]
     cols, rows = summary_rows(data["evals"], paired)
     if rows:
@@ -135,13 +141,14 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out += ["_No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)._", ""]
     out += ["## Training curves", ""]
     out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
-    out += ["", "## Samples (✓ right, ✗ wrong; greedy)", ""]
+    out += ["", CURVES_NOTE]
+    out += ["", f"## Samples ({SAMPLE_NOTE})", ""]
     groups = item_sample_groups(data["samples"], data["max_samples"])
     models = [m for m in MODELS if m in data["samples"]]
     for title, recs in groups:
         out += [f"### {title}", "", "| prompt (answer) | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
         for r in recs:
-            cells = [("✓ " if r["by_model"][m][1] else "✗ ") + _md(r["by_model"][m][0]) if m in r["by_model"]
+            cells = [SAMPLE_MARKS[r["by_model"][m][1]][0] + " " + _md(r["by_model"][m][0]) if m in r["by_model"]
                      else "" for m in models]
             out.append(f"| {_md(r['prompt'])}<br>(answer: {_md(r['answer'])}) | " + " | ".join(cells) + " |")
         out.append("")
@@ -185,7 +192,8 @@ th { background: #f6f8fa; }
 td.num { white-space: nowrap; }
 .iv { color: #59636e; font-size: 0.85em; }
 .v { font-weight: 600; }
-div.wide { overflow-x: auto; }
+div.wide { overflow-x: auto; }  /* a table wider than the window scrolls inside it, not off the page */
+table.samples pre { max-width: 20em; }
 #summary { font-size: 0.82em; } #summary th { white-space: nowrap; } #summary td, #summary th { padding: 3px 6px; }
 .chg { font-size: 0.85em; color: #59636e; }
 .up { color: #1a7f37; font-weight: 600; } .down { color: #cf222e; font-weight: 600; } .borderline { color: #9a6700; }
@@ -197,6 +205,7 @@ pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; max-width: 26em;
       font-family: ui-monospace, Menlo, Consolas, "DejaVu Sans Mono", "Noto Sans Mono CJK SC", "Microsoft YaHei",
       monospace; }
 .ok { color: #1a7f37; font-weight: 700; } .bad { color: #cf222e; font-weight: 700; }
+.mid { color: #59636e; font-weight: 700; }
 img { max-width: 100%; }
 .note { color: #59636e; font-size: 0.9em; }
 """
@@ -240,6 +249,8 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
     if any(t != "–" for _, t in times):
         h.append('<table id="times"><tr>' + "".join(f"<th>{_e(s)}</th>" for s, _ in times) + "</tr><tr>"
                  + "".join(f'<td class="num">{_e(t)}</td>' for _, t in times) + "</tr></table>")
+    h.append("<h2>The models</h2><ul>"
+             + "".join(f"<li><b>{_e(name)}</b>: {_e(line)}.</li>" for name, line in MODEL_LINES) + "</ul>")
     h.append("<h2>Summary</h2>")
     cols, rows = summary_rows(data["evals"], paired)
     if rows:
@@ -296,10 +307,11 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h.append('<p class="note">No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv).</p>')
     h.append("<h2>Training curves</h2>")
     h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
-    h.append("<h2>Samples</h2><p class=\"note\">Greedy answers; ✓ right, ✗ wrong.</p>")
+    h.append(f'<p class="note">{_e(CURVES_NOTE)}</p>')
+    h.append(f"<h2>Samples</h2><p class=\"note\">{_e(SAMPLE_NOTE[0].upper() + SAMPLE_NOTE[1:])}.</p>")
     models = [m for m in MODELS if m in data["samples"]]
     for title, recs in item_sample_groups(data["samples"], data["max_samples"]):
-        h.append(f'<h3>{_e(title)}</h3><table class="samples"><tr><th>prompt</th>'
+        h.append(f'<h3>{_e(title)}</h3><div class="wide"><table class="samples"><tr><th>prompt</th>'
                  + "".join(f"<th>{_e(m)}</th>" for m in models) + "</tr>")
         for r in recs:
             tds = []
@@ -308,27 +320,30 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
                     tds.append("<td></td>")
                     continue
                 resp, ok = r["by_model"][m]
-                mark = '<span class="ok">✓</span>' if ok else '<span class="bad">✗</span>'
+                symbol, css = SAMPLE_MARKS[ok]
+                mark = f'<span class="{css}">{symbol}</span>'
                 tds.append(f"<td>{mark}<pre>{_response(resp)}</pre></td>")
             h.append(f"<tr><td><pre>{_e(r['prompt'])}</pre><span class=\"note\">answer: {_e(r['answer'])}</span></td>"
                      + "".join(tds) + "</tr>")
-        h.append("</table>")
+        h.append("</table></div>")
     fixed = fixed_prompt_rows(data["samples"], data["max_samples"])
     if fixed:
-        h.append('<h3>Fixed prompts (no reference answer)</h3><table class="samples"><tr><th>prompt</th>'
+        h.append('<h3>Fixed prompts (no reference answer)</h3>'
+                 '<div class="wide"><table class="samples"><tr><th>prompt</th>'
                  + "".join(f"<th>{_e(m)}</th>" for m in models) + "</tr>")
         for p, by in fixed:
             h.append(f"<tr><td><pre>{_e(p)}</pre></td>"
                      + "".join(f"<td><pre>{_response(by[m])}</pre></td>" if m in by else "<td></td>" for m in models)
                      + "</tr>")
-        h.append("</table>")
+        h.append("</table></div>")
     models, rows = all_metric_rows(data["evals"])
     if rows:
-        h.append("<h2>Every eval metric</h2><p class=\"note\">Value [95% interval].</p><table id=\"all\"><tr>"
+        h.append("<h2>Every eval metric</h2><p class=\"note\">Value [95% interval].</p>"
+                 "<div class=\"wide\"><table id=\"all\"><tr>"
                  "<th>metric</th>" + "".join(f"<th>{_e(m)}</th>" for m in models) + "</tr>")
         h += [f"<tr><th>{_e(r['label'])}</th>" + "".join(f'<td class="num">{_e(r["cells"][m])}</td>' for m in models)
               + "</tr>" for r in rows]
-        h.append("</table>")
+        h.append("</table></div>")
     h.append("<h2>Training stages</h2>")
     hl = stage_headline_rows(data["stages"])
     if hl:

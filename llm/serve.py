@@ -21,7 +21,12 @@ Chat request fields honoured: messages (roles system, developer (= system), user
 content a string or a list of {"type": "text"} parts), temperature (0 to 2, default 1;
 0 = greedy), top_p, top_k (an extension, 0 = off), max_tokens or max_completion_tokens
 (default: the rest of the context), stop (a string or up to 4), seed, stream,
-stream_options.include_usage, n (1 only). Fields whose meaning this server cannot honour
+stream_options.include_usage, n (1 only), and truncation (the name OpenAI's Responses API gives
+it): "disabled" (the default) refuses a conversation longer than the context with 400, "auto"
+drops its earliest messages as `python -m llm.chat` does (llm.chat.fit_context: the system
+message and the newest message stay, whole exchanges go) until the answer has max_tokens, or
+half the context, of room, and the answer says how many went ("forgotten_messages", in every
+chunk when streaming); the chat page asks for "auto". Fields whose meaning this server cannot honour
 (tools, logprobs, penalties, logit_bias, n > 1, a JSON response_format) are refused with
 400 when set, rather than silently ignored; fields that do not change the answer (user,
 metadata, ...) are ignored. /v1/completions takes prompt (a string, a list of strings, a list
@@ -97,7 +102,8 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from llm.chat import BOS, STOP_TOKENS, TextStream, checked_arg, load_for_cli, positive_int_arg, render_prompt
+from llm.chat import (BOS, STOP_TOKENS, ContextError, TextStream, checked_arg, fit_context, load_for_cli,
+                      positive_int_arg, render_prompt)
 from llm.generate import generate, sampling_problem
 from llm.serve_guard import LOCAL_HOSTS, MAX_HEAD_BYTES, AnswerLimit, Guard, guarded_protocol, quiet_logs
 from llm.tokenizer import text_windows
@@ -143,6 +149,7 @@ class Request:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    truncation: bool = False  # "truncation": "auto": drop the earliest messages to fit, as llm.chat does
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -225,7 +232,11 @@ def parse_request(body: Any, model_id: str) -> Request:
     problem = sampling_problem(temperature=temperature)  # e.g. 1e-300: no usable distribution
     if problem:
         raise ApiError(400, problem, param="temperature")
-    return Request(messages=messages, temperature=temperature,
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise ApiError(400, f'truncation must be "auto" or "disabled", got {json.dumps(truncation)[:40]}',
+                       param="truncation")
+    return Request(truncation=truncation == "auto", messages=messages, temperature=temperature,
                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                    top_k=_integer(body, "top_k", 0, 2**31) or 0, max_tokens=max_tokens, stop=stops,
                    seed=_integer(body, "seed", -2**63, 2**64 - 1), stream=stream,
@@ -633,6 +644,17 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         with encoding:
             return render_prompt(messages, tokenizer)
 
+    def fit(messages: list[dict], answer: int) -> tuple[list[dict], int]:
+        """llm.chat's rule for a conversation longer than the context: its earliest messages go. A
+        message of more than max_text_bytes cannot fit: it counts as longer than the context, untokenized."""
+        def count(text: str) -> int:
+            return seq_len + 1 if len(text.encode()) > max_text_bytes else len(encode(text))
+
+        try:
+            return fit_context(messages, count, seq_len, answer)
+        except ContextError as e:
+            raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from None
+
     def too_long(n_bytes: int, what: str, param: str) -> ApiError:
         return ApiError(400, f"{what} {n_bytes} bytes of text, more than the {max_text_bytes} bytes that can fit in"
                              f" this model's context of {seq_len} tokens", param=param,
@@ -641,9 +663,14 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
     async def chat_completions(request: HttpRequest):
         try:
             r = parse_request(await read_json(request, max_request_bytes), model_id)
-            n_bytes = sum(len(m["content"].encode()) for m in r.messages)
+            last = len(r.messages) - 1  # with truncation only the system and newest messages must fit
+            n_bytes = sum(len(m["content"].encode()) for i, m in enumerate(r.messages)
+                          if not r.truncation or i == last or (i == 0 and m["role"] == "system"))
             if n_bytes > max_text_bytes:
                 raise too_long(n_bytes, "the messages are", "messages")
+            forgotten = 0
+            if r.truncation:
+                r.messages, forgotten = await run_in_threadpool(fit, r.messages, r.max_tokens or seq_len // 2)
             prompt = await run_in_threadpool(render, r.messages)
             if len(prompt) >= seq_len:
                 raise ApiError(400, f"the messages are {len(prompt)} tokens with the chat template; this model's"
@@ -662,7 +689,7 @@ def make_app(model, tokenizer, *, model_id: str, fingerprint: str | None = None,
         except ApiError as e:
             return error_response(e)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_id,
-                "system_fingerprint": fingerprint}
+                "system_fingerprint": fingerprint, **({"forgotten_messages": forgotten} if r.truncation else {})}
 
         def usage(n: int) -> dict:
             return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}

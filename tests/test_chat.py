@@ -242,6 +242,28 @@ def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
     assert chat.history == before
 
 
+def test_fit_context_drops_the_fewest_earliest_exchanges_and_counts_as_the_template_does(tok):
+    """What is kept renders to the length fit_context counted, leaves the answer its room, and
+    keeping one more exchange would not: the fewest messages go, oldest first, never the system one."""
+    from llm.chat import fit_context
+
+    def count(text):
+        return len(tok.encode(text, allowed_special="none"))
+
+    conv = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        conv += [{"role": "user", "content": f"question {i} about the slings"},
+                 {"role": "assistant", "content": f"answer {i}: 12 + 7 = 19"}]
+    conv.append({"role": "user", "content": "the last one"})
+    for answer in (1, 20, 40):
+        kept, forgotten = fit_context(conv, count, 64, answer)
+        assert kept[0] == conv[0] and kept[1]["role"] == "user" and kept[1:] == conv[1 + forgotten:]
+        assert forgotten > 0 and forgotten % 2 == 0 and len(render_prompt(kept, tok)) + answer <= 64
+        one_more = [conv[0], *conv[forgotten - 1:]]
+        assert len(render_prompt(one_more, tok)) + answer > 64
+    assert fit_context(conv[:3], count, 64, 8) == (conv[:3], 0)  # what fits is sent whole
+
+
 def test_a_message_longer_than_the_context_is_refused_with_its_length(tok, model_dir, monkeypatch, capsys):
     piped(monkeypatch, b"hi\n" + b"x " * 80 + b"\nshort\n")
     assert main([str(model_dir), "--max-new-tokens", "3"]) == 0

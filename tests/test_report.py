@@ -64,7 +64,9 @@ def metrics(tmp_path):
             "item_samples": [{"set": "math", "group": "en", "prompt": "1 + 1?", "answer": "2",
                               "response": "#### 2" if name != "base" else "#### 3", "correct": name != "base"},
                              {"set": "task", "group": "reverse", "prompt": "Reverse the word: castle",
-                              "answer": "eltsac", "response": "niw", "correct": False}]})
+                              "answer": "eltsac", "response": "niw", "correct": False},
+                             {"set": "scope", "group": "en", "prompt": "Write a poem.", "answer": "I can add.",
+                              "response": "I can add." if name != "base" else "To be, or", "correct": True}]})
     _write(m / "pretrain.json", {"val_loss": 3.2, "val_bpb": 1.9, "train_time_s": 100.0, "device": "cpu",
                                  "dtype": "float32", "world_size": 1, "link": URLS,
                                  "tokenizer_sha256": "be50142a6a51f667f7dc1589456db729e9d8f64f06bb6b4"})
@@ -200,6 +202,46 @@ def test_recorded_seconds(metrics_keys, expected):
     assert recorded_seconds(metrics_keys) == expected
 
 
+def test_the_report_says_in_a_line_what_each_model_is_and_what_the_kl_curves_estimate(metrics):
+    from llm.report import CURVES_NOTE, MODEL_LINES
+    _run(metrics)
+    page, md = (metrics / "report.html").read_text(), (metrics / "report.md").read_text()
+    assert [n for n, _ in MODEL_LINES] == ["base", "sft", "reward model", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo"]
+    for name, line in MODEL_LINES:
+        assert f"- **{name}**: {line}." in md and f"<li><b>{name}</b>: " in page
+    assert CURVES_NOTE in md and "k1" in CURVES_NOTE and "k3" in CURVES_NOTE
+
+
+def test_a_request_outside_the_skills_is_right_only_with_the_taught_statement():
+    """The eval's "correct" for such a request means only "no worked sum": the base model's text
+    continuation has none, and must not get the tick the taught statement gets."""
+    from llm.report import item_sample_groups
+    statement = "I can solve arithmetic word problems."
+    said = {"base": ("and I'll be\nTo have been a man", True), "sft": (statement, True),
+            "ppo": ("12 + 7 = 19\n#### 19", False), "grpo": ("I can solve word problems.", True)}
+    samples = {m: {"item_samples": [{"set": "scope", "group": "en", "prompt": "Write a poem.", "answer": statement,
+                                     "response": r, "correct": ok}]} for m, (r, ok) in said.items()}
+    [(title, [rec])] = item_sample_groups(samples, 3)
+    assert {m: mark for m, (_, mark) in rec["by_model"].items()} == {"base": None, "sft": True, "ppo": False,
+                                                                     "grpo": None}
+
+
+def test_the_samples_shown_are_those_where_the_trained_models_differ_first():
+    from llm.report import item_sample_groups
+    same = [("1 + 1?", "2", "#### 2"), ("2 + 2?", "4", "#### 4")]
+    samples = {}
+    for m in ("base", "sft", "grpo", "dpo"):
+        items = [{"set": "arithmetic", "prompt": p, "answer": a, "response": r, "correct": True} for p, a, r in same]
+        # the third item: sft and dpo right, grpo wrong; the fourth: all right, in different words
+        items.append({"set": "arithmetic", "prompt": "3 + 4?", "answer": "7", "response": "#### 8" if m == "grpo"
+                      else "#### 7", "correct": m != "grpo"})
+        items.append({"set": "arithmetic", "prompt": "5 + 5?", "answer": "10", "response": f"{m}: #### 10",
+                      "correct": True})
+        samples[m] = {"item_samples": items}
+    [(_, recs)] = item_sample_groups(samples, 3)
+    assert [r["prompt"] for r in recs] == ["3 + 4?", "5 + 5?", "1 + 1?"]
+
+
 def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     _run(metrics)
     page = (metrics / "report.html").read_text()
@@ -208,6 +250,13 @@ def test_samples_are_marked_right_or_wrong_and_dumps_stay_out(metrics):
     assert row.count('class="ok">✓') == 2 and row.count('class="bad">✗') == 1  # sft, grpo right; base wrong
     assert "| 1 + 1?<br>(answer: 2) | ✗ #### 3 | ✓ #### 2 | ✓ #### 2 |" in md
     assert "[reverse] Reverse the word: castle" in md
+    # the base model's continuation has no worked sum, but it is not the taught statement: no tick
+    assert "| Write a poem.<br>(answer: I can add.) | – To be, or | ✓ I can add. | ✓ I can add. |" in md
+    # wide tables scroll inside their box rather than run off the page
+    assert page.count('<div class="wide"><table class="samples">') == page.count('<table class="samples">') == 4
+    assert '<div class="wide"><table id="all">' in page
+    row = re.search(r"<tr><td><pre>Write a poem\.</pre>.*?</tr>", page).group(0)
+    assert row.count('class="ok">✓') == 2 and row.count('class="mid">–') == 1
     assert page.count('<pre><span class="note">(empty)</span></pre>') == 1  # grpo's blank answer is shown as one
     assert "be50142a" not in page and "be50142a" not in md  # hashes stay in the metrics files
     assert "val_loss 3.2" not in md
@@ -247,6 +296,22 @@ def test_a_curve_that_never_moved_says_its_value():
     labels = [line.get_label() for line in fig.axes[0].lines]
     _plt().close(fig)
     assert labels == ["PPO: 0.85 throughout", "GRPO"]
+
+
+def test_a_held_out_rate_logged_with_its_interval_is_drawn_with_it_and_a_negative_kl_beside_zero():
+    curves = {"grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85, 0.86, 0.87],
+                               "math_exact_match_lo": [0.80, 0.81, 0.82], "math_exact_match_hi": [0.89, 0.9, 0.91]},
+              "ppo.tsv": {"step": [1.0, 2.0, 3.0], "kl": [0.001, -0.002, 0.003]}}
+    fig, titles = curves_figure(curves)
+    acc, kl = fig.axes[0], fig.axes[1]
+    [band] = acc.collections
+    (x0, y0), (x1, y1) = band.get_paths()[0].vertices.min(axis=0), band.get_paths()[0].vertices.max(axis=0)
+    labels = [line.get_label() for line in kl.lines]
+    _plt().close(fig)
+    assert titles == ["held-out math accuracy during RL", "KL to SFT during RL"]
+    assert (x0, x1) == (0.0, 6.0) and y0 == pytest.approx(0.80) and y1 == pytest.approx(0.91)
+    assert "(shaded: interval)" in [line.get_label() for line in acc.lines][0]
+    assert labels[-1].startswith("0 (KL is never below; a k1 estimate can be)")
 
 
 def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
@@ -425,6 +490,18 @@ def test_overoptimisation_of_a_gold_that_never_falls_is_still_rising():
     c = overoptimisation(kl, [0.2 + 0.01 * i for i in range(30)])
     assert c["still_rising"] and c["peak"] == len(kl) - 1
     assert "still rising at the end" in overopt_line(c)
+
+
+def test_a_gold_that_only_falls_never_rose_and_the_sentence_names_no_point_where_it_stops_rising():
+    from llm.report import overopt_line, overoptimisation
+    kl = [-0.02, -0.01, 0.0] + [(i / 10) ** 2 for i in range(1, 30)]  # the estimate starts below 0: sqrt(KL) 0
+    c = overoptimisation(kl, [0.9 - 0.01 * i for i in range(32)], [0.1 * i for i in range(32)])
+    assert c["never_rose"] and not c["still_rising"] and c["peak_sqrt_kl"] == 0.0
+    line = overopt_line(c)
+    assert "stops rising" not in line and "never rises above where it starts" in line
+    assert "highest at the smallest KL reached (sqrt(KL) 0)" in line
+    kl, gold, proxy = _hump()
+    assert not overoptimisation(kl, gold, proxy)["never_rose"]
 
 
 def test_overoptimisation_reads_a_negative_kl_as_zero_and_needs_three_steps():
