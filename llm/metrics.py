@@ -19,8 +19,9 @@ which splits `m` by the rules below into three files:
 The last goes into the run directory a training stage is given (`--run-dir`, passed on as
 `run_dir`: `<run_dir>/run.json`); a stage without one derives it from the metrics file's path,
 `<root>/metrics/<stage>.json` -> `<root>/runs/<stage>/run.json` (timings_path; every stage's
-metrics file is metrics/<stage>.json in dvc.yaml, and its run directory runs/<stage>). The rules, applied key by key at every level of nesting (a
-nested dict is split the same way, and each part keeps the path to its keys):
+metrics file is metrics/<stage>.json in dvc.yaml, and its run directory runs/<stage>). The rules,
+applied key by key at every level of nesting (a nested dict is split the same way, and each part
+keeps the path to its keys):
 
 - timings (the runs/ file): a key one of whose `_`-separated words is `s`, `seconds`, `time`
   or `mem` (`train_time_s`, `tokens_per_s`, `rollout_s_total`, `seconds`, `mem_peak_gb`), and
