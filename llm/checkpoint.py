@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llm.fileio import atomic_dir, atomic_write_json, sha256_file
-from llm.errors import CheckpointError  # noqa: F401 (raised here; callers import it from here too)
+from llm.errors import CheckpointError, capped  # noqa: F401 (CheckpointError: callers import it from here)
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8})$")
@@ -385,7 +385,7 @@ def find_resume(run_dir: str | Path, fingerprint: str, warn: Callable[[str], Non
         return ck, stale
     if problems:
         raise CheckpointError(
-            f"{run_dir}: no usable checkpoint; every one failed verification:\n  " + "\n  ".join(problems)
+            f"{run_dir}: no usable checkpoint; every one failed verification:\n  " + "\n  ".join(capped(problems))
             + f"\nRefusing to start over silently. Delete {run_dir} (or the broken checkpoints) to start"
               f" a fresh run.")
     return None, stale

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from llm.errors import DiskFullError, is_disk_full
+from llm.errors import MAX_LISTED, DiskFullError, is_disk_full
 
 
 class DataError(ValueError):
@@ -409,7 +409,7 @@ class ReadStats:
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "records": self.records, "bad": self.bad, "reasons": self.reasons[:20]}
+        return {"path": self.path, "records": self.records, "bad": self.bad, "reasons": self.reasons[:MAX_LISTED]}
 
 
 class BadRecords:
@@ -423,7 +423,8 @@ class BadRecords:
 
     def bad(self, reason: str) -> None:
         self.stats.bad += 1
-        self.stats.reasons.append(reason)
+        if len(self.stats.reasons) < MAX_LISTED:  # the first few say what is wrong; `bad` counts them all
+            self.stats.reasons.append(reason)
         if self.on_bad_record == "raise":
             raise DataError(reason + "  (set on_bad_record: skip to skip bad records)")
 

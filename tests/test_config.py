@@ -363,6 +363,24 @@ def test_a_yaml_alias_bomb_is_refused_in_bounded_time():
         load_params_text(bomb, "params.yaml")
 
 
+def test_many_values_without_aliases_are_not_blamed_on_aliases():
+    sections = "".join(f"s{i}: {{k: 1}}\n" for i in range(50_000))  # 100,000 values, no alias
+    with pytest.raises(ConfigError) as e:
+        load_params_text((ROOT / "params.yaml").read_text() + sections, "params.yaml")
+    assert "more than 100000 values;" in str(e.value) and "alias" not in str(e.value)
+
+
+def test_a_params_file_of_50000_unknown_keys_lists_20_and_counts_the_rest():
+    d = _base()
+    d["sft"].update({f"junk_{i}": 1 for i in range(50_000)})
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    lines = str(e.value).splitlines()
+    assert len(e.value.problems) == 50_000 and lines[0] == "50000 problem(s) in params:"
+    assert len(lines) == 1 + 20 + 1 and lines[-1] == "  ... and 49980 more"
+    assert "sft.junk_0: unknown key" in lines[1]
+
+
 @pytest.mark.parametrize("text", [
     "common: " + "[" * 20_000 + "]" * 20_000 + "\n",  # flow style: PyYAML's scanner is quadratic in the depth
     "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 60)) + " " * 60 + "v: 1\n",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llm.errors import MAX_LISTED, capped
 from llm.fileio import (DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
                         write_jsonl)
 
@@ -331,3 +332,17 @@ def test_write_jsonl_round_trip(tmp_path):
     recs = [{"t": "héllo 你好 🙂"}, {"t": "x"}]
     assert write_jsonl(tmp_path / "a" / "b.jsonl", recs) == 2
     assert list(read_jsonl(tmp_path / "a" / "b.jsonl")) == recs
+
+
+def test_skipped_records_keep_the_first_reasons_and_count_all(tmp_path):
+    f = _write(tmp_path, b"bad\n" * 5000 + b'{"ok": 1}\n')
+    stats = []
+    got = list(read_jsonl(f, on_bad_record="skip", max_bad_fraction=1.0, stats=stats))
+    assert got == [{"ok": 1}]
+    assert stats[0].bad == 5000 and len(stats[0].reasons) == MAX_LISTED
+    assert stats[0].reasons[0].startswith(f"{f}:1: ") and stats[0].reasons[-1].startswith(f"{f}:{MAX_LISTED}: ")
+
+
+def test_capped_lists_the_first_and_counts_the_rest():
+    assert capped(["a", "b"], most=2) == ["a", "b"]
+    assert capped(["a", "b", "c", "d"], most=2) == ["a", "b", "... and 2 more"]
