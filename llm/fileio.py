@@ -284,8 +284,9 @@ def check_target(out: str | Path, *, inputs: Iterable[str | Path], force: bool, 
         raise TargetError(f"{out}: exists and is not empty ({shown}); name a new directory, or pass --force to"
                           f" replace it if it is a {kind}")
     if not replaceable(out):
-        raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it; name a new"
-                          f" directory")
+        raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it: it replaces"
+                          f" only a {kind} this project wrote, unchanged; name a new directory, or move this one"
+                          f" away yourself if nothing in it is needed")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
