@@ -390,12 +390,24 @@ def read_text(path: str | Path, max_bytes: int | None = None) -> str:
     """The whole file as strict UTF-8 (errors name path, line and byte); empty is an error,
     and so is a file over `max_bytes`."""
     path = Path(path)
-    if max_bytes is not None:
-        with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
             raise DataError(f"{path}: {size} bytes, more than the {max_bytes} this file can hold (wrong file?)")
-    text = "\n".join(t for _, t in iter_lines(path))
+        # One read and one decode, not a loop over lines: a file of a million empty lines is
+        # read at the speed of a file of one line.
+        raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(raw) > max_bytes:  # it grew since the size was read
+        raise DataError(f"{path}: more than the {max_bytes} bytes this file can hold (wrong file?)")
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start, end = raw.rfind(b"\n", 0, e.start) + 1, raw.find(b"\n", e.start)
+        line = raw[start:] if end < 0 else raw[start:end]
+        _decode_line(line, path, raw.count(b"\n", 0, e.start) + 1, start)  # raises, naming the line
+        raise
+    text = re.sub(r"\r+(?=\n|\Z)", "", text).removesuffix("\n")  # CRLF as LF; the last line's ending dropped
     if not text.strip():
         raise DataError(f"{path}: empty file; expected text")
     return text

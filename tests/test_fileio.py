@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,13 @@ def test_skipped_records_keep_the_first_reasons_and_count_all(tmp_path):
 def test_capped_lists_the_first_and_counts_the_rest():
     assert capped(["a", "b"], most=2) == ["a", "b"]
     assert capped(["a", "b", "c", "d"], most=2) == ["a", "b", "... and 2 more"]
+
+
+def test_read_text_is_one_read_not_a_loop_over_lines(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"\xef\xbb\xbfa\r\nb\r\r\n\nc\r\n")
+    assert read_text(f) == "a\nb\n\nc"  # BOM dropped, CRLF as LF, the last line ending dropped
+    f.write_bytes(b"\n" * (10 << 20) + b"x")  # ten million lines: a loop over them took seconds
+    t0 = time.perf_counter()
+    assert read_text(f, max_bytes=(10 << 20) + 1).endswith("\n\nx")
+    assert time.perf_counter() - t0 < 3
