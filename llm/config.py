@@ -619,7 +619,9 @@ _FLOAT_11 = re.compile(r"^[-+]?([0-9][0-9_]*)?\.[0-9_]*([eE][-+][0-9]+)?$")
 _INT = re.compile(r"^[-+]?[0-9]+$")
 
 
-MAX_PARAMS_BYTES = 1 << 20  # a params file is about 10 KB
+# A params file is about 10 KB (the largest profile). PyYAML composes in pure Python, so the bound is
+# what it composes in seconds: the time to refuse a file grows with its size.
+MAX_PARAMS_BYTES = 256 << 10
 MAX_NODES = 100_000         # values once YAML aliases are expanded; params.yaml holds about 400
 MAX_DEPTH = 32              # nesting levels; params.yaml has 4
 
