@@ -16,7 +16,8 @@ a budget and counts them; "raise" stops at the first one. Empty input is an erro
 
 Reads are bounded whatever the input: only regular files are opened (a directory, a
 device such as /dev/zero or a FIFO is refused by name), a line may hold at most
-MAX_LINE_BYTES (a longer one is a bad record, read past without being held), and a
+MAX_LINE_BYTES, or MAX_RECORD_BYTES for a reader of small records (a longer one is a bad
+record, read past without being held), and a
 JSON record may nest at most MAX_JSON_DEPTH levels (a deeper one is a bad record, not a
 RecursionError).
 """
@@ -311,7 +312,11 @@ def sha256_tree(path: str | Path) -> str:
 # ---------------------------------------------------------------------------
 # Strict reads
 
-MAX_LINE_BYTES = 64 << 20  # one line of text or one JSONL record; real records are a few KB
+MAX_LINE_BYTES = 64 << 20  # one line of text or one JSONL record; a document may be a book
+# One record of a file whose records are small (a comparison, a math problem: a few KB). json.loads
+# takes up to 26 bytes of memory a byte of a line (`[{},{},...]`: 16 MB took 411 MB), so such a
+# reader passes this bound and a longer line is a bad record, read past and never parsed.
+MAX_RECORD_BYTES = 1 << 20
 MAX_JSON_DEPTH = 100  # nesting of one JSONL record; a chat record is 4 levels deep
 
 
@@ -337,18 +342,18 @@ def open_regular(path: str | Path) -> Any:
         raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
-def _raw_lines(f: Any, path: Path) -> Iterator[tuple[int, int, bytes | None]]:
+def _raw_lines(f: Any, path: Path, most: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, bytes | None]]:
     """(line number, file offset, raw bytes) per line; raw is None for a line longer than
-    MAX_LINE_BYTES, which is read past in blocks and never held whole."""
+    `most` bytes, which is read past in blocks and never held whole."""
     offset, lineno = 0, 0
     while True:
-        raw = f.readline(MAX_LINE_BYTES + 1)
+        raw = f.readline(most + 1)
         if not raw:
             return
         lineno += 1
         start = offset
         offset += len(raw)
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+        if len(raw) > most and not raw.endswith(b"\n"):
             while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
                 offset += len(more)
             offset += len(more)
@@ -368,8 +373,8 @@ def _decode_line(raw: bytes, path: Path, lineno: int, offset: int) -> str:
                         f" re-encode the file as UTF-8") from None
 
 
-def _too_long(path: Path, lineno: int) -> str:
-    return f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes (a missing newline, or not a text file?)"
+def _too_long(path: Path, lineno: int, most: int = MAX_LINE_BYTES) -> str:
+    return f"{path}:{lineno}: line longer than {most} bytes (a missing newline, or not a text file?)"
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
@@ -455,16 +460,17 @@ class BadRecords:
 
 def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction: float = 0.0,
                validate: Callable[[Any], str | None] | None = None,
-               stats: list[ReadStats] | None = None) -> Iterator[dict]:
+               stats: list[ReadStats] | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict]:
     """Yield one dict per line of a JSONL file.
 
     Bad lines (invalid UTF-8, invalid JSON, not an object, NUL bytes, a lone surrogate,
-    or `validate(obj)` returning a reason) raise `DataError("path:line: reason")` or are
-    skipped and counted, by `on_bad_record`. Blank lines are ignored. After the last
-    line the budget is checked; if `stats` is a list the final ReadStats is appended.
+    longer than `max_line_bytes`, or `validate(obj)` returning a reason) raise
+    `DataError("path:line: reason")` or are skipped and counted, by `on_bad_record`. Blank lines
+    are ignored. After the last line the budget is checked; if `stats` is a list the final
+    ReadStats is appended.
     """
     policy = BadRecords(path, on_bad_record, max_bad_fraction)
-    for _, obj in iter_jsonl(path, policy, validate):
+    for _, obj in iter_jsonl(path, policy, validate, max_line_bytes):
         policy.stats.records += 1
         yield obj
     result = policy.finish()
@@ -472,8 +478,8 @@ def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction:
         stats.append(result)
 
 
-def iter_jsonl(path: str | Path, policy: BadRecords,
-               validate: Callable[[Any], str | None] | None = None) -> Iterator[tuple[int, dict]]:
+def iter_jsonl(path: str | Path, policy: BadRecords, validate: Callable[[Any], str | None] | None = None,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each good line; bad lines go to `policy` (which may raise).
 
     The caller counts good records (`policy.stats.records += 1`) once it has accepted
@@ -481,9 +487,9 @@ def iter_jsonl(path: str | Path, policy: BadRecords,
     """
     path = Path(path)
     with open_regular(path) as f:
-        for lineno, start, raw in _raw_lines(f, path):
+        for lineno, start, raw in _raw_lines(f, path, max_line_bytes):
             if raw is None:
-                policy.bad(_too_long(path, lineno))
+                policy.bad(_too_long(path, lineno, max_line_bytes))
                 continue
             try:
                 text = _decode_line(raw, path, lineno, start)

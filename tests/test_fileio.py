@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llm.errors import MAX_LISTED, capped
-from llm.fileio import (DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
+from llm.fileio import (MAX_RECORD_BYTES, DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
                         write_jsonl)
 
 
@@ -357,3 +357,24 @@ def test_read_text_is_one_read_not_a_loop_over_lines(tmp_path):
     t0 = time.perf_counter()
     assert read_text(f, max_bytes=(10 << 20) + 1).endswith("\n\nx")
     assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.parametrize("reader", ["problems", "comparisons"])
+def test_readers_of_small_records_refuse_a_huge_line_without_parsing_it(tmp_path, reader):
+    """A math problem or a comparison is a few KB; a 3 MiB line of `{},` would take json.loads
+    about 80 MB, so it is refused by its length (MAX_RECORD_BYTES) and never parsed."""
+    from llm.preference import load_pair_splits
+    from llm.rl import read_problems
+    from tests.conftest import bounded
+
+    huge = b'[' + b'{},' * (1 << 20) + b'{}]\n'
+    if reader == "problems":
+        f = _write(tmp_path, b'{"question": "1 + 1?", "answer": "2"}\n' + huge)
+        read = lambda: read_problems(f)  # noqa: E731
+    else:
+        f = tmp_path / "train.jsonl"
+        f.write_bytes(b'{"prompt": [{"role": "user", "content": "p"}], "chosen": "a", "rejected": "b"}\n' + huge)
+        read = lambda: load_pair_splits(tmp_path, tokenizer=None, seq_len=64)  # noqa: E731
+    with bounded(seconds=5, memory=32 << 20), pytest.raises(DataError) as e:
+        read()
+    assert str(e.value).startswith(f"{f}:2: line longer than {MAX_RECORD_BYTES} bytes")
