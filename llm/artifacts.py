@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from llm.config import ConfigError, ModelConfig, from_dict
+from llm.errors import capped
 from llm.fileio import atomic_dir, sha256_file
 from llm.model import GPT, HEADS
 
@@ -176,8 +177,8 @@ def read_config(path: str | Path) -> tuple[ModelConfig, list[str]]:
     try:
         cfg = from_dict(ModelConfig, doc, str(f), "config")  # types, bounds and ModelConfig.check
     except ConfigError as e:
-        raise ArtifactError(f"{f}: invalid model config: " + "; ".join(p.removeprefix(f"{f}: ")
-                                                                    for p in e.problems)) from None
+        raise ArtifactError(f"{f}: invalid model config: " + "; ".join(capped([p.removeprefix(f"{f}: ")
+                                                                           for p in e.problems]))) from None
     if cfg.vocab_size < 1:
         raise ArtifactError(f"{f}: invalid model config: config.vocab_size: a saved model has a vocabulary"
                             f" (>= 1), got {cfg.vocab_size}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -44,10 +45,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from llm.fileio import atomic_dir, atomic_write_json, sha256_file
-from llm.errors import CheckpointError  # noqa: F401 (raised here; callers import it from here too)
+from llm.fileio import DataError, atomic_dir, atomic_write_json, read_text, sha256_file
+from llm.errors import CheckpointError, capped  # noqa: F401 (CheckpointError: callers import it from here)
 
 FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 10  # manifest.json lists three files: a few hundred bytes
 _NAME = re.compile(r"^ckpt-(\d{8})$")
 STALE = "stale"
 MODEL_FILE, STATE_TENSORS, STATE_JSON, MANIFEST = (
@@ -278,12 +280,12 @@ def read_manifest(path: str | Path) -> dict:
     """The manifest of a checkpoint directory; CheckpointError if missing or malformed."""
     path = Path(path)
     mpath = path / MANIFEST
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    if not os.path.lexists(mpath):
+        raise CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)")
+    try:  # read before anything it lists: a bounded read of a regular file, never a traceback
+        manifest = json.loads(read_text(mpath, max_bytes=MAX_MANIFEST_BYTES))
+    except (DataError, ValueError, RecursionError) as e:  # DataError names the file already
+        raise CheckpointError(str(e) if isinstance(e, DataError) else f"{mpath}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) \
             or not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("fingerprint"), str):
         raise CheckpointError(f"{mpath}: malformed manifest (needs step, fingerprint, files)")
@@ -329,9 +331,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     manifest = read_manifest(path)
     _verify_files(path, manifest)
-    try:
+    try:  # its size and hash matched the manifest: this project wrote it
         doc = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path / STATE_JSON}: unreadable ({e})") from None
     if doc.get("step") != manifest["step"] or doc.get("fingerprint") != manifest["fingerprint"]:
         raise CheckpointError(f"{path}: state.json and manifest.json disagree on step or fingerprint")
@@ -385,7 +387,7 @@ def find_resume(run_dir: str | Path, fingerprint: str, warn: Callable[[str], Non
         return ck, stale
     if problems:
         raise CheckpointError(
-            f"{run_dir}: no usable checkpoint; every one failed verification:\n  " + "\n  ".join(problems)
+            f"{run_dir}: no usable checkpoint; every one failed verification:\n  " + "\n  ".join(capped(problems))
             + f"\nRefusing to start over silently. Delete {run_dir} (or the broken checkpoints) to start"
               f" a fresh run.")
     return None, stale

@@ -43,6 +43,8 @@ from typing import Any, Literal
 
 import yaml
 
+from llm.errors import capped
+
 # ---------------------------------------------------------------------------
 # Field helpers: ranges and descriptions ride in dataclass field metadata.
 
@@ -619,8 +621,8 @@ class ConfigError(ValueError):
     """Every problem found in a params file, one per line."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__(f"{len(problems)} problem(s) in params:\n  " + "\n  ".join(problems))
+        self.problems = problems  # all of them; the message lists the first MAX_LISTED and counts the rest
+        super().__init__(f"{len(problems)} problem(s) in params:\n  " + "\n  ".join(capped(problems)))
 
 
 # PyYAML (1.1) and YAML 1.2 disagree on these plain scalars.
@@ -630,7 +632,9 @@ _FLOAT_11 = re.compile(r"^[-+]?([0-9][0-9_]*)?\.[0-9_]*([eE][-+][0-9]+)?$")
 _INT = re.compile(r"^[-+]?[0-9]+$")
 
 
-MAX_PARAMS_BYTES = 1 << 20  # a params file is about 10 KB
+# A params file is about 10 KB (the largest profile). PyYAML composes in pure Python, so the bound is
+# what it composes in seconds: the time to refuse a file grows with its size.
+MAX_PARAMS_BYTES = 256 << 10
 MAX_NODES = 100_000         # values once YAML aliases are expanded; params.yaml holds about 400
 MAX_DEPTH = 32              # nesting levels; params.yaml has 4
 
@@ -697,18 +701,28 @@ class _TooBig(Exception):
 
 class _Tree:
     """Composed YAML nodes -> a _Loc tree, counting values so that an alias bomb (a few lines
-    whose aliases expand to billions of values) stops after MAX_NODES instead of running on."""
+    whose aliases expand to billions of values) stops after MAX_NODES instead of running on.
+    compose() gives an alias the very node of its anchor, so a node met twice is an alias: only
+    then does the message blame aliases."""
 
     def __init__(self, problems: list[str], where: str):
         self.problems, self.where, self.left = problems, where, MAX_NODES
         self.constructor = yaml.SafeLoader("")
+        self.seen: set[int] = set()  # id() of the nodes met so far
+        self.aliased = False
 
     def to_loc(self, node: yaml.Node, depth: int = 0, key: str = "") -> _Loc:
         line = node.start_mark.line + 1
         self.left -= 1
-        if self.left < 0:
+        if not self.aliased:
+            self.aliased = id(node) in self.seen
+            self.seen.add(id(node))
+        if self.left < 0 and self.aliased:
             raise _TooBig(f"{self.where}:{line}: more than {MAX_NODES} values once YAML aliases (*name) are"
                           f" expanded; a params file holds a few hundred. Write the values out instead")
+        if self.left < 0:
+            raise _TooBig(f"{self.where}:{line}: more than {MAX_NODES} values; a params file holds a few hundred"
+                          f" (is it the right file?). Keep the sections the pipeline reads (params.yaml's)")
         if depth > MAX_DEPTH:
             raise _TooBig(f"{self.where}:{line}: nested deeper than {MAX_DEPTH} levels; params sections"
                           f" are a few levels deep")

@@ -22,7 +22,8 @@ them. These are raised from several places, and every stage reports them the sam
   "... No space left on device (os error 28)", not an OSError), so `is_disk_full` reads that
   message as well as the errno.
 
-Stages turn each into a one-line message and exit status 1 (llm/stage.py).
+Stages turn each into a one-line message and exit status 1 (llm/stage.py). A message that lists
+problems lists the first MAX_LISTED and counts the rest (`capped`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ import errno
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # how Rust's std::io::Error ends its message (safetensors is written in Rust)
 _RUST_DISK_FULL = tuple(f"(os error {n})" for n in DISK_FULL_ERRNOS)
+
+
+MAX_LISTED = 20  # problems a message lists; a file of 50,000 bad keys must not print 50,000 lines
+
+
+def capped(problems: list[str], most: int = MAX_LISTED) -> list[str]:
+    """The first `most` of `problems`, and a last line counting the rest ("... and 49980 more"),
+    for every message that lists problems: the first ones say what is wrong, the count how much."""
+    if len(problems) <= most:
+        return list(problems)
+    return [*problems[:most], f"... and {len(problems) - most} more"]
 
 
 class NonFiniteError(FloatingPointError):

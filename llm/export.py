@@ -4,8 +4,8 @@
 
     python -m llm.export models/sft exported/sft --metrics metrics/sft.json --metrics metrics/eval/sft.json
 
-writes, atomically, into <out_dir>, a new or empty directory (--force replaces an earlier export,
-and nothing else: never a directory of other files, nor one holding the model it reads) (every file with the usual umask-derived mode, 0644 under umask 022):
+writes, atomically, into <out_dir>, a new or empty directory (every file with the usual umask-derived
+mode, 0644 under umask 022):
     model.safetensors        weights under HF Llama names (model.layers.{i}.self_attn.q_proj.weight, ...)
     config.json              a LlamaForCausalLM config; eos = [<|end|>, <|endoftext|>], the tokens our
                              generation stops at (llm/chat.py)
@@ -19,6 +19,14 @@ and nothing else: never a directory of other files, nor one holding the model it
                              the headline metrics, and its limitations. Nothing in it is made up: no metrics
                              when none are given, `license: other` unless --license names one (the
                              repository states no license), and no path of the machine that wrote it
+    export.json              what marks the directory as this project's export: the sha256 of every
+                             other file in it
+
+--force replaces an earlier export and nothing else: the directory must hold export.json, every
+file it lists with the hash it lists, and no other file. Anything else (a directory of someone's
+files, a Hugging Face directory with the same file names, an export whose card was edited since)
+is refused and kept, and so is one holding the model it reads. The new export is written beside
+the old one and swapped in, so a failed export leaves the old one as it was.
 
 so that `AutoModelForCausalLM.from_pretrained(out_dir)` gives the same logits as our GPT
 (tests/test_export.py checks it to atol 1e-4). Llama is pre-norm RMSNorm + RoPE + SwiGLU with
@@ -61,6 +69,7 @@ import torch
 from llm.chat import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
 from llm.errors import DiskFullError
+from llm.fileio import sha256_file
 from llm.model import GPT, NORM_EPS, format_count, mlp_hidden
 
 
@@ -519,18 +528,32 @@ def export_hf(model: GPT, tokenizer: Any, out_dir: str | Path, *, name: str | No
         card = model_card(model, tokenizer, name=name or out_dir.name, meta=meta, metrics=metrics,
                           dropped_heads=dropped, license=license, datasets=datasets)
         (tmp / "README.md").write_text(card, encoding="utf-8")
+        marker = {"format": MARKER_FORMAT, "files": {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
 
-EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "README.md")
+MARKER, MARKER_FORMAT = "export.json", "llm-hf-export"
+MAX_MARKER_BYTES = 64 << 10  # export.json lists at most 6 files: a few hundred bytes
 
 
 def is_export_dir(path: Path) -> bool:
-    """Whether `path` holds an export and nothing else: the only directory --force may replace."""
+    """Whether `path` is an export as export_hf wrote it, unchanged: the only directory --force
+    may replace. Its export.json must list every other file in it, each with the sha256 it has now;
+    file names alone prove nothing (a user's Hugging Face directory has the same ones)."""
     names = {p.name for p in path.iterdir()}
-    return ({"model.safetensors", "config.json"} <= names <= set(EXPORT_FILES)
-            and all((path / n).is_file() and not (path / n).is_symlink() for n in names))
+    marker = path / MARKER
+    if MARKER not in names or not marker.is_file() or marker.is_symlink() or marker.stat().st_size > MAX_MARKER_BYTES:
+        return False
+    try:
+        doc = json.loads(marker.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
+    if not isinstance(files, dict) or set(files) != names - {MARKER}:
+        return False
+    return all((path / n).is_file() and not (path / n).is_symlink() and sha256_file(path / n) == h
+               for n, h in files.items())
 
 
 def read_metrics(paths: list[str]) -> dict[str, dict]:
@@ -555,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model_dir", help="a model directory, e.g. models/sft")
     ap.add_argument("out_dir", help="a new directory for the HF files, e.g. exported/sft")
     ap.add_argument("--force", action="store_true",
-                    help="replace out_dir if it holds an earlier export (and nothing else); the new files are"
-                         " written beside it and swapped in, so a failed export leaves it as it was")
+                    help="replace out_dir if it is an earlier export, unchanged (its export.json lists every file"
+                         " and its hash); the new files are written beside it and swapped in, so a failed export"
+                         " leaves it as it was")
     ap.add_argument("--metrics", action="append", default=[], metavar="FILE",
                     help="a metrics JSON (e.g. metrics/eval/sft.json) whose numbers go into the model card;"
                          " repeatable (default: none, and the card says so)")

@@ -16,7 +16,8 @@ a budget and counts them; "raise" stops at the first one. Empty input is an erro
 
 Reads are bounded whatever the input: only regular files are opened (a directory, a
 device such as /dev/zero or a FIFO is refused by name), a line may hold at most
-MAX_LINE_BYTES (a longer one is a bad record, read past without being held), and a
+MAX_LINE_BYTES, or MAX_RECORD_BYTES for a reader of small records (a longer one is a bad
+record, read past without being held), and a
 JSON record may nest at most MAX_JSON_DEPTH levels (a deeper one is a bad record, not a
 RecursionError).
 """
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from llm.errors import DiskFullError, is_disk_full
+from llm.errors import MAX_LISTED, DiskFullError, is_disk_full
 
 
 class DataError(ValueError):
@@ -284,8 +285,9 @@ def check_target(out: str | Path, *, inputs: Iterable[str | Path], force: bool, 
         raise TargetError(f"{out}: exists and is not empty ({shown}); name a new directory, or pass --force to"
                           f" replace it if it is a {kind}")
     if not replaceable(out):
-        raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it; name a new"
-                          f" directory")
+        raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it: it replaces"
+                          f" only a {kind} this project wrote, unchanged; name a new directory, or move this one"
+                          f" away yourself if nothing in it is needed")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -310,7 +312,11 @@ def sha256_tree(path: str | Path) -> str:
 # ---------------------------------------------------------------------------
 # Strict reads
 
-MAX_LINE_BYTES = 64 << 20  # one line of text or one JSONL record; real records are a few KB
+MAX_LINE_BYTES = 64 << 20  # one line of text or one JSONL record; a document may be a book
+# One record of a file whose records are small (a comparison, a math problem: a few KB). json.loads
+# takes up to 26 bytes of memory a byte of a line (`[{},{},...]`: 16 MB took 411 MB), so such a
+# reader passes this bound and a longer line is a bad record, read past and never parsed.
+MAX_RECORD_BYTES = 1 << 20
 MAX_JSON_DEPTH = 100  # nesting of one JSONL record; a chat record is 4 levels deep
 
 
@@ -336,18 +342,18 @@ def open_regular(path: str | Path) -> Any:
         raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
-def _raw_lines(f: Any, path: Path) -> Iterator[tuple[int, int, bytes | None]]:
+def _raw_lines(f: Any, path: Path, most: int = MAX_LINE_BYTES) -> Iterator[tuple[int, int, bytes | None]]:
     """(line number, file offset, raw bytes) per line; raw is None for a line longer than
-    MAX_LINE_BYTES, which is read past in blocks and never held whole."""
+    `most` bytes, which is read past in blocks and never held whole."""
     offset, lineno = 0, 0
     while True:
-        raw = f.readline(MAX_LINE_BYTES + 1)
+        raw = f.readline(most + 1)
         if not raw:
             return
         lineno += 1
         start = offset
         offset += len(raw)
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+        if len(raw) > most and not raw.endswith(b"\n"):
             while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
                 offset += len(more)
             offset += len(more)
@@ -367,8 +373,8 @@ def _decode_line(raw: bytes, path: Path, lineno: int, offset: int) -> str:
                         f" re-encode the file as UTF-8") from None
 
 
-def _too_long(path: Path, lineno: int) -> str:
-    return f"{path}:{lineno}: line longer than {MAX_LINE_BYTES} bytes (a missing newline, or not a text file?)"
+def _too_long(path: Path, lineno: int, most: int = MAX_LINE_BYTES) -> str:
+    return f"{path}:{lineno}: line longer than {most} bytes (a missing newline, or not a text file?)"
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
@@ -389,12 +395,24 @@ def read_text(path: str | Path, max_bytes: int | None = None) -> str:
     """The whole file as strict UTF-8 (errors name path, line and byte); empty is an error,
     and so is a file over `max_bytes`."""
     path = Path(path)
-    if max_bytes is not None:
-        with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
             raise DataError(f"{path}: {size} bytes, more than the {max_bytes} this file can hold (wrong file?)")
-    text = "\n".join(t for _, t in iter_lines(path))
+        # One read and one decode, not a loop over lines: a file of a million empty lines is
+        # read at the speed of a file of one line.
+        raw = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(raw) > max_bytes:  # it grew since the size was read
+        raise DataError(f"{path}: more than the {max_bytes} bytes this file can hold (wrong file?)")
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start, end = raw.rfind(b"\n", 0, e.start) + 1, raw.find(b"\n", e.start)
+        line = raw[start:] if end < 0 else raw[start:end]
+        _decode_line(line, path, raw.count(b"\n", 0, e.start) + 1, start)  # raises, naming the line
+        raise
+    text = re.sub(r"\r+(?=\n|\Z)", "", text).removesuffix("\n")  # CRLF as LF; the last line's ending dropped
     if not text.strip():
         raise DataError(f"{path}: empty file; expected text")
     return text
@@ -409,7 +427,7 @@ class ReadStats:
     reasons: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "records": self.records, "bad": self.bad, "reasons": self.reasons[:20]}
+        return {"path": self.path, "records": self.records, "bad": self.bad, "reasons": self.reasons[:MAX_LISTED]}
 
 
 class BadRecords:
@@ -423,7 +441,8 @@ class BadRecords:
 
     def bad(self, reason: str) -> None:
         self.stats.bad += 1
-        self.stats.reasons.append(reason)
+        if len(self.stats.reasons) < MAX_LISTED:  # the first few say what is wrong; `bad` counts them all
+            self.stats.reasons.append(reason)
         if self.on_bad_record == "raise":
             raise DataError(reason + "  (set on_bad_record: skip to skip bad records)")
 
@@ -441,16 +460,17 @@ class BadRecords:
 
 def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction: float = 0.0,
                validate: Callable[[Any], str | None] | None = None,
-               stats: list[ReadStats] | None = None) -> Iterator[dict]:
+               stats: list[ReadStats] | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict]:
     """Yield one dict per line of a JSONL file.
 
     Bad lines (invalid UTF-8, invalid JSON, not an object, NUL bytes, a lone surrogate,
-    or `validate(obj)` returning a reason) raise `DataError("path:line: reason")` or are
-    skipped and counted, by `on_bad_record`. Blank lines are ignored. After the last
-    line the budget is checked; if `stats` is a list the final ReadStats is appended.
+    longer than `max_line_bytes`, or `validate(obj)` returning a reason) raise
+    `DataError("path:line: reason")` or are skipped and counted, by `on_bad_record`. Blank lines
+    are ignored. After the last line the budget is checked; if `stats` is a list the final
+    ReadStats is appended.
     """
     policy = BadRecords(path, on_bad_record, max_bad_fraction)
-    for _, obj in iter_jsonl(path, policy, validate):
+    for _, obj in iter_jsonl(path, policy, validate, max_line_bytes):
         policy.stats.records += 1
         yield obj
     result = policy.finish()
@@ -458,8 +478,8 @@ def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction:
         stats.append(result)
 
 
-def iter_jsonl(path: str | Path, policy: BadRecords,
-               validate: Callable[[Any], str | None] | None = None) -> Iterator[tuple[int, dict]]:
+def iter_jsonl(path: str | Path, policy: BadRecords, validate: Callable[[Any], str | None] | None = None,
+               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each good line; bad lines go to `policy` (which may raise).
 
     The caller counts good records (`policy.stats.records += 1`) once it has accepted
@@ -467,9 +487,9 @@ def iter_jsonl(path: str | Path, policy: BadRecords,
     """
     path = Path(path)
     with open_regular(path) as f:
-        for lineno, start, raw in _raw_lines(f, path):
+        for lineno, start, raw in _raw_lines(f, path, max_line_bytes):
             if raw is None:
-                policy.bad(_too_long(path, lineno))
+                policy.bad(_too_long(path, lineno, max_line_bytes))
                 continue
             try:
                 text = _decode_line(raw, path, lineno, start)

@@ -15,7 +15,7 @@ Pretrain, SFT, the reward model, DPO, PPO and GRPO all end here, in this order:
 3. the curves: <run dir>/plots published to the dvc plots directory (`publish_curves`), the
    TSVs without their timing columns;
 4. the metrics (llm.metrics.write_metrics: the metrics file and, apart, its run file and the
-   run's timings).
+   run's timings, which go to <run dir>/run.json).
 
 What changes from run to run (step times, tokens per second, thread counts) stays in the run
 directory, so a rerun that makes the same model byte for byte writes the same DVC outputs and
@@ -88,7 +88,7 @@ def finish_stage(stage: str, *, gates: Sequence[Gate] = (), run_dir: Path, model
     if write:
         save_model_dir(model, weights, tokenizer, meta)
         publish_curves(run_dir / "plots", plots, stage)
-        write_metrics(metrics, numbers)
+        write_metrics(metrics, numbers, run_dir)  # the timings to run_dir/run.json
     return numbers
 
 

@@ -16,10 +16,12 @@ which splits `m` by the rules below into three files:
                            which DVC does not track, so that a rerun on the same machine whose
                            models come out byte for byte the same leaves dvc.lock unchanged
 
-The path of the last is derived from the metrics file's: `<root>/metrics/<stage>.json` ->
-`<root>/runs/<stage>/run.json` (timings_path; every stage's metrics file is
-metrics/<stage>.json in dvc.yaml). The rules, applied key by key at every level of nesting (a
-nested dict is split the same way, and each part keeps the path to its keys):
+The last goes into the run directory a training stage is given (`--run-dir`, passed on as
+`run_dir`: `<run_dir>/run.json`); a stage without one derives it from the metrics file's path,
+`<root>/metrics/<stage>.json` -> `<root>/runs/<stage>/run.json` (timings_path; every stage's
+metrics file is metrics/<stage>.json in dvc.yaml, and its run directory runs/<stage>). The rules,
+applied key by key at every level of nesting (a nested dict is split the same way, and each part
+keeps the path to its keys):
 
 - timings (the runs/ file): a key one of whose `_`-separated words is `s`, `seconds`, `time`
   or `mem` (`train_time_s`, `tokens_per_s`, `rollout_s_total`, `seconds`, `mem_peak_gb`), and
@@ -125,22 +127,25 @@ def run_info_path(path: str | Path) -> Path:
     return path.parent / RUN_DIR / path.name
 
 
-def timings_path(path: str | Path) -> Path:
-    """Where the timings of the metrics file `path` go: metrics/ppo.json -> runs/ppo/run.json (the
-    stage's run directory, beside metrics/ under the same root; untracked by DVC); an evaluation's
-    metrics/eval/sft.json -> runs/eval@sft/run.json (the DVC stage that writes it)."""
+def timings_path(path: str | Path, run_dir: str | Path | None = None) -> Path:
+    """Where the timings of the metrics file `path` go: `run_dir`/run.json when the stage was given
+    a run directory; else metrics/ppo.json -> runs/ppo/run.json (the stage's run directory, beside
+    metrics/ under the same root; untracked by DVC), and an evaluation's metrics/eval/sft.json ->
+    runs/eval@sft/run.json (the DVC stage that writes it)."""
+    if run_dir is not None:
+        return Path(run_dir) / "run.json"
     path = Path(path)
     if path.parent.name == "eval":
         return path.parent.parent.parent / RUNS / f"eval@{path.stem}" / "run.json"
     return path.parent.parent / RUNS / path.stem / "run.json"
 
 
-def write_metrics(path: str | Path, d: dict) -> tuple[dict, dict, dict]:
+def write_metrics(path: str | Path, d: dict, run_dir: str | Path | None = None) -> tuple[dict, dict, dict]:
     """Write `d` as the metrics file `path`, its run file (run_info_path) and its timings
-    (timings_path); returns the three parts."""
+    (timings_path: into `run_dir` when given); returns the three parts."""
     rest, timings = split_timings(d)
     metrics, run = split_metrics(rest)
-    atomic_write_json(timings_path(path), timings)
+    atomic_write_json(timings_path(path, run_dir), timings)
     atomic_write_json(run_info_path(path), run)
     atomic_write_json(path, metrics)
     return metrics, run, timings
@@ -153,13 +158,14 @@ def _read_json(path: Path) -> Any:
         raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
 
 
-def read_metrics(path: str | Path) -> dict:
-    """The dict a stage wrote with write_metrics: its metrics file joined with its run file and its
-    timings, each when there is one (files written before a split hold more in the metrics file;
-    timings are absent where the run directory was removed or the outputs came from DVC's cache)."""
+def read_metrics(path: str | Path, run_dir: str | Path | None = None) -> dict:
+    """The dict a stage wrote with write_metrics (given the same `run_dir`): its metrics file joined
+    with its run file and its timings, each when there is one (files written before a split hold
+    more in the metrics file; timings are absent where the run directory was removed or the outputs
+    came from DVC's cache)."""
     path = Path(path)
     out = _read_json(path)
-    for extra in (run_info_path(path), timings_path(path)):
+    for extra in (run_info_path(path), timings_path(path, run_dir)):
         if not extra.is_file():
             continue
         try:

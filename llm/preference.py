@@ -27,7 +27,7 @@ from torch import Tensor
 
 from llm.batching import BucketBatchSampler, ExampleBatches, pad_right
 from llm.chat import ROLE_TOKENS, render_prompt
-from llm.fileio import DataError, read_jsonl
+from llm.fileio import MAX_RECORD_BYTES, DataError, read_jsonl
 
 Batch = dict[str, Tensor]
 
@@ -113,8 +113,8 @@ def load_pair_splits(data: str | Path, tokenizer, seq_len: int) -> PairSplits:
     """Read data/{train,val}.jsonl (each record checked by `validate_pair`) and encode them with
     `encode_pairs`. Raises DataError when no train or no val pair fits in seq_len."""
     data = Path(data)
-    train_recs = list(read_jsonl(data / "train.jsonl", validate=validate_pair))
-    val_recs = list(read_jsonl(data / "val.jsonl", validate=validate_pair))
+    train_recs = list(read_jsonl(data / "train.jsonl", validate=validate_pair, max_line_bytes=MAX_RECORD_BYTES))
+    val_recs = list(read_jsonl(data / "val.jsonl", validate=validate_pair, max_line_bytes=MAX_RECORD_BYTES))
     train, _, dropped_train = encode_pairs(train_recs, tokenizer, seq_len)
     val, val_kept, dropped_val = encode_pairs(val_recs, tokenizer, seq_len)
     if not train or not val:

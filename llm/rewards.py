@@ -171,7 +171,9 @@ def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, forma
 # ---------------------------------------------------------------------------
 # Process-level credit: which result tokens of a worked answer are right
 
-_STEP = re.compile(rb"(?<![0-9])([0-9]+) ([-+*/]) ([0-9]+) = (-?[0-9]+)(?![0-9])")
+# `a` may be negative, as the result of a step before it can be (`5 - 9 = -4`, then `-4 + 3 = -1`);
+# a minus right after a digit (`3-4`) is a subtraction, not a sign, and such a step is not read
+_STEP = re.compile(rb"(?:(?<![0-9])(-)|(?<![-0-9]))([0-9]+) ([-+*/]) ([0-9]+) = (-?[0-9]+)(?![0-9])")
 _MAX_STEP_DIGITS = 12  # longer numbers are not checked (no huge-integer arithmetic on model output)
 
 
@@ -179,17 +181,18 @@ def check_steps(text: bytes) -> list[tuple[int, int, bool]]:
     """The result of every worked step `a op b = c` in a response, as (start, end, right) byte spans.
 
     Steps are written as the data writes them, one per line: `12 + 7 = 19`, with op one of
-    `+ - * /` (ASCII digits only; integer division must be exact). A result is right when
+    `+ - * /` (ASCII digits only; integer division must be exact); `a` and c may be negative
+    (`5 - 9 = -4`, then `-4 + 3 = -1`). A result is right when
     c == a op b, and, after the first step, when its `a` is the previous step's result (a
     copied wrong number makes the rest of the chain wrong, so that step's result is marked
     wrong even if its own arithmetic holds). Only the digits of c are in the span.
     """
     out, prev = [], None
     for m in _STEP.finditer(text):
-        a, op, b, c = m.group(1), m.group(2), m.group(3), m.group(4)
+        sign, a, op, b, c = m.groups()
         if max(len(a), len(b), len(c)) > _MAX_STEP_DIGITS:
             continue
-        a_i, b_i, c_i = int(a), int(b), int(c)
+        a_i, b_i, c_i = -int(a) if sign else int(a), int(b), int(c)
         if op == b"+":
             want = a_i + b_i
         elif op == b"-":
@@ -199,7 +202,7 @@ def check_steps(text: bytes) -> list[tuple[int, int, bool]]:
         else:
             want = a_i // b_i if b_i and a_i % b_i == 0 else None
         right = want == c_i and (prev is None or prev == a_i)
-        out.append((m.start(4), m.end(4), right))
+        out.append((m.start(5), m.end(5), right))
         prev = c_i
     return out
 

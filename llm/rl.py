@@ -29,7 +29,7 @@ from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
 from llm.chat import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
-from llm.fileio import read_jsonl, sha256_file
+from llm.fileio import MAX_RECORD_BYTES, read_jsonl, sha256_file
 from llm.finish import Gate, finish_stage, run_plots
 from llm.heldout import heldout_eval, heldout_reward_change, heldout_rewards
 from llm.loop import LoopResult, Updater, run_loop
@@ -59,7 +59,7 @@ def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
             return f"'level' must be an int, got {obj.get('level')!r}"
         return None
     out = []
-    for obj in read_jsonl(path, validate=validate):
+    for obj in read_jsonl(path, validate=validate, max_line_bytes=MAX_RECORD_BYTES):
         out.append(obj)
         if limit is not None and len(out) >= limit:
             break

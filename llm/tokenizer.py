@@ -88,6 +88,7 @@ import hashlib
 import heapq
 import json
 import math
+import os
 import re
 import time
 from collections import ChainMap, Counter, defaultdict, deque
@@ -110,8 +111,18 @@ SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}"""
 # also relies on SPLIT_PATTERN's structure.
 KNOWN_PATTERNS = {SPLIT_PATTERN: "GPT-4's split, one digit per chunk"}
 MAX_VOCAB = 1 << 20  # ids a tokenizer file may define (llm.config.MAX_VOCAB: the params bound)
-MAX_FILE_BYTES = 256 << 20  # tokenizer.txt at MAX_VOCAB is about 60 MB
-MAX_META_BYTES = 16 << 20
+# All tokens' bytes together: 32 a token at MAX_VOCAB, where BPE tokens are a few bytes each. It
+# bounds what a loaded file costs: 40 merge lines, each joining the last token with itself,
+# would otherwise ask for 2**41 bytes.
+MAX_VOCAB_BYTES = 32 << 20
+# Loading reads each line's first LINE_HEAD_BYTES, enough for every field (the pattern's JSON, a
+# special token, a merge's two ids); only a merge's comment, the merged token shown for a reader
+# (ignored by the parser), is longer, and its rest is read past, never held.
+LINE_HEAD_BYTES = 4096
+# The largest tokenizer.txt dumps() writes within those bounds: the lines before the merges, then
+# a merge line per id ("a b\t# id = " and the token shown: at most 6 characters a byte, as \u0001)
+MAX_FILE_BYTES = 16 * LINE_HEAD_BYTES + MAX_VOCAB * len('1048575 1048575\t# 1048575 = ""\n') + 6 * MAX_VOCAB_BYTES
+MAX_META_BYTES = 1 << 20  # tokenizer_meta.json: sizes and training statistics, a few KB
 
 # The same pattern for text that is all ASCII, for Python's `re` (2-3x faster than `regex` here):
 # in ASCII, \p{L} is [A-Za-z], \p{N} is [0-9], and \s is [ \t\n\v\f\r] in both engines (re.ASCII;
@@ -379,6 +390,28 @@ def _show(b: bytes) -> str:
     return json.dumps(b.decode("utf-8", errors="backslashreplace"), ensure_ascii=False)
 
 
+def _file_lines(f, path: Path) -> Iterator[str]:
+    """The lines of an open tokenizer.txt without their endings, each cut at LINE_HEAD_BYTES:
+    the rest of a longer line (a merge's comment) is read past in blocks and never held."""
+    lineno = 0
+    while raw := f.readline(LINE_HEAD_BYTES):
+        lineno += 1
+        cut = not raw.endswith(b"\n")
+        if cut:
+            while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                pass
+        if lineno == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if not (cut and e.start >= len(raw) - 3):  # not just a character cut in two at LINE_HEAD_BYTES
+                raise ValueError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line; the file was"
+                                 f" edited or corrupted, re-train with `python -m stages.tokenizer`") from None
+            text = raw[:e.start].decode("utf-8")
+        yield text.rstrip("\r\n")
+
+
 # ---------------------------------------------------------------------------
 
 class Tokenizer:
@@ -404,12 +437,18 @@ class Tokenizer:
         vocab = [bytes([i]) for i in range(256)]
         seen = set(vocab)
         self._ranks: dict[tuple[int, int], int] = {}
+        total = 256
         for k, (a, b) in enumerate(self.merges):
             new = 256 + k
             if not (0 <= a < new and 0 <= b < new):
                 raise ValueError(f"merge {k}: ({a}, {b}) refers to an id that does not exist yet (< {new})")
             if (a, b) in self._ranks:
                 raise ValueError(f"merge {k}: ({a}, {b}) is listed twice")
+            total += len(vocab[a]) + len(vocab[b])
+            if total > MAX_VOCAB_BYTES:
+                raise ValueError(f"merge {k}: ({a}, {b}) makes a token of {len(vocab[a]) + len(vocab[b])} bytes, and"
+                                 f" the tokens so far hold more than {MAX_VOCAB_BYTES} bytes together"
+                                 f" (MAX_VOCAB_BYTES); a trained tokenizer's tokens are a few bytes each")
             tok = vocab[a] + vocab[b]
             if tok in seen:
                 raise ValueError(f"merge {k}: ({a}, {b}) makes {_show(tok)}, which is already a token")
@@ -668,16 +707,24 @@ class Tokenizer:
         lines = text.split("\n")
         if lines and lines[-1] == "":
             lines.pop()
-        if not lines or lines[0] != FORMAT_HEADER:
-            got = lines[0][:60] if lines else "an empty file"
+        return cls._parse(iter(lines), where)
+
+    @classmethod
+    def _parse(cls, lines: Iterator[str], where: str) -> "Tokenizer":
+        """The tokenizer the lines describe. Lines are taken one at a time, and no more than the
+        header says there are (MAX_VOCAB merges at most) before an error or the end."""
+        first = next(lines, None)
+        if first != FORMAT_HEADER:
+            got = first[:60] if first is not None else "an empty file"
             raise ValueError(f"{where}:1: not a tokenizer file of this version: expected the header"
                              f" {FORMAT_HEADER!r}, got {got!r}; re-train with `python -m stages.tokenizer`"
                              f" or use the code version that wrote it")
 
         def field(lineno: int, name: str) -> str:
-            if lineno >= len(lines) or not lines[lineno].startswith(name + "\t"):
+            line = next(lines, None)
+            if line is None or not line.startswith(name + "\t"):
                 raise ValueError(f"{where}:{lineno + 1}: expected '{name}<TAB>...'")
-            return lines[lineno].split("\t", 1)[1]
+            return line.split("\t", 1)[1]
 
         def count(lineno: int, name: str, most: int) -> int:
             text = field(lineno, name)
@@ -698,11 +745,13 @@ class Tokenizer:
                                  f" (llm.tokenizer.KNOWN_PATTERNS): an arbitrary regular expression can take"
                                  f" exponential time on every text. Re-train with `python -m stages.tokenizer`")
             n_special = count(2, "specials", len(CONTROL_TOKENS))
-            specials = []
+            listed = []  # (id as written, token)
             for k in range(n_special):
-                if 3 + k >= len(lines) or "\t" not in lines[3 + k]:
+                line = next(lines, None)
+                if line is None or "\t" not in line:
                     raise ValueError(f"{where}:{4 + k}: expected '<id><TAB><special token>'")
-                specials.append(lines[3 + k].split("\t", 1)[1])
+                listed.append(tuple(line.split("\t", 1)))
+            specials = [s for _, s in listed]
             if specials != CONTROL_TOKENS:
                 raise ValueError(f"{where}:3: special tokens {specials[:8]} are not this project's {CONTROL_TOKENS}"
                                  f" (chat formatting and generation depend on them); re-train the tokenizer")
@@ -711,33 +760,42 @@ class Tokenizer:
             merges = []
             for k in range(n_merges):
                 ln = at + 1 + k
-                parts = lines[ln].split("\t", 1)[0].split() if ln < len(lines) else []
+                line = next(lines, None)
+                parts = line.split("\t", 1)[0].split() if line is not None else []
                 if len(parts) != 2 or not all(x.isascii() and x.isdigit() and len(x) <= 8 for x in parts):
                     raise ValueError(f"{where}:{ln + 1}: expected a merge '<id> <id>', got"
-                                     f" {lines[ln][:60] if ln < len(lines) else 'end of file'!r}")
+                                     f" {line[:60] if line is not None else 'end of file'!r}")
                 merges.append((int(parts[0]), int(parts[1])))
-            if len(lines) > at + 1 + n_merges:
+            if next(lines, None) is not None:
                 raise ValueError(f"{where}:{at + 2 + n_merges}: unexpected content after {n_merges} merges")
             tok = cls(merges, specials, pattern)
         except (ValueError, json.JSONDecodeError) as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        for s, i in tok.special.items():  # the listed ids are informative; they must agree
-            listed = lines[3 + list(tok.special).index(s)].split("\t", 1)[0]
-            if listed != str(i):
-                raise ValueError(f"{where}: special token {s!r} is listed with id {listed}, but with"
-                                 f" {len(merges)} merges it must be {i} (specials take the last ids)")
+        for i, s in listed:  # the listed ids are informative; they must agree
+            if i != str(tok.special[s]):
+                raise ValueError(f"{where}: special token {s!r} is listed with id {i}, but with"
+                                 f" {len(merges)} merges it must be {tok.special[s]} (specials take the last ids)")
         return tok
 
     @classmethod
     def load(cls, directory: str | Path) -> "Tokenizer":
-        """Read `directory`/tokenizer.txt (and tokenizer_meta.json when present, checked)."""
+        """Read `directory`/tokenizer.txt (and tokenizer_meta.json when present, checked).
+
+        Bounded whatever the files hold: a tokenizer.txt over MAX_FILE_BYTES is refused before it
+        is read, and one under it costs at most MAX_VOCAB parsed lines, MAX_VOCAB_BYTES of tokens
+        and one pass over its bytes (_file_lines)."""
+        from llm.fileio import DataError, open_regular, read_text
         d = Path(directory)
         path = d / "tokenizer.txt"
         if not path.exists():
             raise FileNotFoundError(f"{path}: no tokenizer here; run `python -m stages.tokenizer` first")
-        from llm.fileio import read_text
-        tok = cls.loads(read_text(path, max_bytes=MAX_FILE_BYTES) + "\n", str(path))
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_FILE_BYTES:
+                raise DataError(f"{path}: {size} bytes, more than a tokenizer file of at most {MAX_VOCAB} ids"
+                                f" holds ({MAX_FILE_BYTES}); wrong file? Re-train with `python -m stages.tokenizer`")
+            tok = cls._parse(_file_lines(f, path), str(path))
         meta_path = d / "tokenizer_meta.json"
         if meta_path.exists():
             try:

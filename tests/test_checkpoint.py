@@ -115,6 +115,35 @@ def test_unfinished_write_without_manifest_is_skipped(tmp_path):
     assert "no manifest.json" in seen[0]
 
 
+@pytest.mark.parametrize("hostile, says", [
+    ("sparse", "bytes, more than the 65536 this file can hold"),  # 1 GB that would be read whole
+    ("nested", "unreadable manifest"),                           # RecursionError in json
+    ("directory", "is a directory, not a regular file"),
+    ("fifo", "is a FIFO, not a regular file"),                   # reading it would wait for a writer
+])
+def test_a_hostile_manifest_is_skipped_in_bounded_time_and_memory(tmp_path, hostile, says):
+    import os
+
+    from tests.conftest import bounded
+    _save(tmp_path, 1)
+    p2 = _save(tmp_path, 2)
+    m = p2 / MANIFEST
+    m.unlink()
+    if hostile == "sparse":
+        with open(m, "wb") as f:
+            f.truncate(1 << 30)
+    elif hostile == "nested":
+        m.write_text("[" * 20_000 + "]" * 20_000)
+    elif hostile == "directory":
+        m.mkdir()
+    else:
+        os.mkfifo(m)
+    seen, warn = _warnings()
+    with bounded(seconds=5, memory=64 << 20):
+        assert find_resume(tmp_path, "fp", warn=warn)[0].step == 1
+    assert str(m) in seen[0] and says in seen[0]
+
+
 def test_all_corrupt_is_an_error_not_a_fresh_start(tmp_path):
     for s in (1, 2):
         p = _save(tmp_path, s)

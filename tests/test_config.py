@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llm.config import (ConfigError, ModelConfig, Params, load_params, load_params_text, load_sections,
+from llm.config import (MAX_PARAMS_BYTES, ConfigError, ModelConfig, Params, load_params, load_params_text, load_sections,
                         section_keys)
 from tests.conftest import ROOT, bounded
 
@@ -275,7 +275,7 @@ def test_every_float_refuses_nan_and_infinities(bad):
         _set(d, key, bad)
     with pytest.raises(ConfigError) as e:
         load_params_text(_dump(d), "params.yaml")
-    msg = str(e.value)
+    msg = "\n".join(e.value.problems)  # all of them; the message lists the first few
     for key, _ in floats:
         assert re.search(rf"params.yaml:\d+: {re.escape(key)}: expected a finite float", msg), key
 
@@ -288,8 +288,9 @@ def test_every_int_has_an_upper_bound_and_one_above_it_is_refused():
         _set(d, key, f.metadata["hi"] + 1)
     with pytest.raises(ConfigError) as e:
         load_params_text(_dump(d), "params.yaml")
+    msg = "\n".join(e.value.problems)
     for key, f in ints:
-        assert f"{key}: expected an int" in str(e.value) and f", {f.metadata['hi']}], got" in str(e.value), key
+        assert f"{key}: expected an int" in msg and f", {f.metadata['hi']}], got" in msg, key
 
 
 def test_every_float_has_an_upper_bound_and_one_above_it_is_refused():
@@ -303,7 +304,7 @@ def test_every_float_has_an_upper_bound_and_one_above_it_is_refused():
         load_params_text(_dump(d), "params.yaml")
     for key, f in floats:
         assert re.search(rf"{re.escape(key)}: expected a float in [\[(][^,]+, {re.escape(str(float(f.metadata['hi'])))}\],"
-                         rf" got", str(e.value)), key
+                         rf" got", "\n".join(e.value.problems)), key
 
 
 def test_a_runaway_learning_rate_is_refused_with_key_and_line():
@@ -363,10 +364,28 @@ def test_a_yaml_alias_bomb_is_refused_in_bounded_time():
         load_params_text(bomb, "params.yaml")
 
 
+def test_many_values_without_aliases_are_not_blamed_on_aliases():
+    values = "zz: [" + "1," * 100_000 + "1]\n"  # 100,001 values, no alias
+    with pytest.raises(ConfigError) as e:
+        load_params_text((ROOT / "params.yaml").read_text() + values, "params.yaml")
+    assert "more than 100000 values;" in str(e.value) and "alias" not in str(e.value)
+
+
+def test_a_params_file_of_10000_unknown_keys_lists_20_and_counts_the_rest():
+    d = _base()
+    d["sft"].update({f"junk_{i}": 1 for i in range(10_000)})
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d), "params.yaml")
+    lines = str(e.value).splitlines()
+    assert len(e.value.problems) == 10_000 and lines[0] == "10000 problem(s) in params:"
+    assert len(lines) == 1 + 20 + 1 and lines[-1] == "  ... and 9980 more"
+    assert "sft.junk_0: unknown key" in lines[1]
+
+
 @pytest.mark.parametrize("text", [
     "common: " + "[" * 20_000 + "]" * 20_000 + "\n",  # flow style: PyYAML's scanner is quadratic in the depth
     "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 60)) + " " * 60 + "v: 1\n",
-    "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 1000)) + " " * 1000 + "v: 1\n",
+    "common:\n" + "".join(f"{' ' * i}k{i}:\n" for i in range(1, 600)) + " " * 600 + "v: 1\n",  # within MAX_PARAMS_BYTES
 ])
 def test_deep_nesting_is_refused_quickly_without_a_traceback(text):
     with bounded(seconds=2, memory=256 << 20), pytest.raises(ConfigError, match="nested"):
@@ -425,11 +444,23 @@ def test_an_int_too_long_to_convert_is_a_problem_not_a_traceback():
         load_params_text(text)
 
 
+def test_a_params_file_at_the_size_bound_is_refused_in_bounded_time_and_memory(tmp_path):
+    """The bound is what PyYAML composes in seconds: the worst file under it (tens of thousands of
+    small sections, each a problem) is refused within them, its problems listed and counted."""
+    text = (ROOT / "params.yaml").read_text()
+    text += "".join(f"s{i:05}: {{k: 1}}\n" for i in range((MAX_PARAMS_BYTES - len(text)) // 15))
+    assert MAX_PARAMS_BYTES - 15 < len(text) <= MAX_PARAMS_BYTES
+    (tmp_path / "params.yaml").write_text(text)
+    with bounded(seconds=20, memory=256 << 20), pytest.raises(ConfigError) as e:
+        load_params(tmp_path / "params.yaml")
+    assert len(str(e.value).splitlines()) == 22 and "unknown section" in str(e.value)
+
+
 def test_a_huge_file_a_directory_or_a_device_is_refused_quickly(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text("common: {}\n" + "#" * (2 << 20))
-    for path, fragment in ((big, "larger than 1048576 bytes"), (tmp_path, "cannot be read as a params file"),
-                           (Path("/dev/zero"), "larger than 1048576 bytes")):
+    for path, fragment in ((big, f"larger than {MAX_PARAMS_BYTES} bytes"), (tmp_path, "cannot be read as a params file"),
+                           (Path("/dev/zero"), f"larger than {MAX_PARAMS_BYTES} bytes")):
         if not path.exists():
             continue
         with bounded(seconds=2, memory=64 << 20), pytest.raises(ConfigError, match=fragment):

@@ -218,8 +218,8 @@ def test_metrics_files_have_their_run_file_declared(name, stage):
     """A stage that writes its metrics with llm.metrics.write_metrics (the training stages through
     llm.finish.finish_stage) also writes the run file (samples, provenance) beside them: dvc.yaml
     declares it as an output that is not a metric, so `dvc metrics diff` never lists it. Its
-    timings go to runs/<stage>/run.json, which is no output at all and git-ignored, so a rerun
-    that makes the same models leaves dvc.lock as it was."""
+    timings go to its run directory's run.json (runs/<stage>/run.json), which is no output at all
+    and git-ignored, so a rerun that makes the same models leaves dvc.lock as it was."""
     import subprocess
 
     from llm.metrics import run_info_path, timings_path
@@ -231,7 +231,7 @@ def test_metrics_files_have_their_run_file_declared(name, stage):
     run = str(run_info_path(opts["metrics"]))
     assert run in _declared_paths(stage, "outs"), f"stage {name}: {run} is not among its outs"
     assert run not in _declared_paths(stage, "metrics"), f"stage {name}: {run} must not be a metric"
-    timings = str(timings_path(opts["metrics"]))
+    timings = str(timings_path(opts["metrics"], opts.get("run_dir")))
     outs = sum((_declared_paths(stage, k) for k in ("outs", "metrics", "plots")), [])
     assert not any(_covers(timings, o) for o in outs), f"stage {name}: {timings} is declared as an output"
     ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", timings], cwd=ROOT).returncode == 0

@@ -236,7 +236,7 @@ def test_exported_files_are_readable_by_everyone_the_umask_allows(tmp_path, tok)
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf")
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert set(modes) == {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                          "tokenizer_config.json", "README.md"}
+                          "tokenizer_config.json", "README.md", "export.json"}
     assert set(modes.values()) == {0o666 & ~_UMASK}  # 0o644 under the usual umask 022
 
 
@@ -506,9 +506,37 @@ def test_export_replaces_an_earlier_export_only_with_force(tmp_path, tok, capsys
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 0
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf")]) == 1
     assert "pass --force" in capsys.readouterr().err
-    (tmp_path / "hf" / "README.md").write_text("old card")
+    before = (tmp_path / "hf" / "export.json").stat().st_mtime_ns
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--force"]) == 0
-    assert (tmp_path / "hf" / "README.md").read_text() != "old card"
+    assert (tmp_path / "hf" / "export.json").stat().st_mtime_ns != before  # written again, not kept
+
+
+@pytest.mark.parametrize("change", ["edited card", "added file", "no marker", "marker of other files"])
+def test_force_keeps_a_look_alike_or_changed_export(tmp_path, tok, capsys, change):
+    """File names prove nothing: only an export whose export.json lists every file and its hash
+    is replaced; a user's own Hugging Face directory of the same names is kept, byte for byte."""
+    from tests.test_fileio import temps_under, tree_digest
+
+    save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
+    hf = tmp_path / "hf"
+    assert main([str(tmp_path / "sft"), str(hf)]) == 0
+    if change == "edited card":
+        (hf / "README.md").write_text("my own card")
+    elif change == "added file":
+        (hf / "notes.txt").write_text("mine")
+    elif change == "no marker":  # a look-alike: the user's config.json, model.safetensors and README.md
+        for p in hf.iterdir():
+            p.unlink()
+        for name in ("config.json", "model.safetensors", "README.md"):
+            (hf / name).write_text(f"the user's {name}")
+    else:  # a marker copied from another export
+        (hf / "config.json").write_text("{}")
+        (hf / "export.json").write_text(json.dumps({"format": "llm-hf-export", "files": {"config.json": "0" * 64}}))
+    before = tree_digest(tmp_path)
+    assert main([str(tmp_path / "sft"), str(hf), "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"export: {hf}: is not a Hugging Face export") and "name a new directory" in err
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------

@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from llm.fileio import (DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
+from llm.errors import MAX_LISTED, capped
+from llm.fileio import (MAX_RECORD_BYTES, DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
                         write_jsonl)
 
 
@@ -331,3 +333,48 @@ def test_write_jsonl_round_trip(tmp_path):
     recs = [{"t": "héllo 你好 🙂"}, {"t": "x"}]
     assert write_jsonl(tmp_path / "a" / "b.jsonl", recs) == 2
     assert list(read_jsonl(tmp_path / "a" / "b.jsonl")) == recs
+
+
+def test_skipped_records_keep_the_first_reasons_and_count_all(tmp_path):
+    f = _write(tmp_path, b"bad\n" * 5000 + b'{"ok": 1}\n')
+    stats = []
+    got = list(read_jsonl(f, on_bad_record="skip", max_bad_fraction=1.0, stats=stats))
+    assert got == [{"ok": 1}]
+    assert stats[0].bad == 5000 and len(stats[0].reasons) == MAX_LISTED
+    assert stats[0].reasons[0].startswith(f"{f}:1: ") and stats[0].reasons[-1].startswith(f"{f}:{MAX_LISTED}: ")
+
+
+def test_capped_lists_the_first_and_counts_the_rest():
+    assert capped(["a", "b"], most=2) == ["a", "b"]
+    assert capped(["a", "b", "c", "d"], most=2) == ["a", "b", "... and 2 more"]
+
+
+def test_read_text_is_one_read_not_a_loop_over_lines(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"\xef\xbb\xbfa\r\nb\r\r\n\nc\r\n")
+    assert read_text(f) == "a\nb\n\nc"  # BOM dropped, CRLF as LF, the last line ending dropped
+    f.write_bytes(b"\n" * (10 << 20) + b"x")  # ten million lines: a loop over them took seconds
+    t0 = time.perf_counter()
+    assert read_text(f, max_bytes=(10 << 20) + 1).endswith("\n\nx")
+    assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.parametrize("reader", ["problems", "comparisons"])
+def test_readers_of_small_records_refuse_a_huge_line_without_parsing_it(tmp_path, reader):
+    """A math problem or a comparison is a few KB; a 3 MiB line of `{},` would take json.loads
+    about 80 MB, so it is refused by its length (MAX_RECORD_BYTES) and never parsed."""
+    from llm.preference import load_pair_splits
+    from llm.rl import read_problems
+    from tests.conftest import bounded
+
+    huge = b'[' + b'{},' * (1 << 20) + b'{}]\n'
+    if reader == "problems":
+        f = _write(tmp_path, b'{"question": "1 + 1?", "answer": "2"}\n' + huge)
+        read = lambda: read_problems(f)  # noqa: E731
+    else:
+        f = tmp_path / "train.jsonl"
+        f.write_bytes(b'{"prompt": [{"role": "user", "content": "p"}], "chosen": "a", "rejected": "b"}\n' + huge)
+        read = lambda: load_pair_splits(tmp_path, tokenizer=None, seq_len=64)  # noqa: E731
+    with bounded(seconds=5, memory=32 << 20), pytest.raises(DataError) as e:
+        read()
+    assert str(e.value).startswith(f"{f}:2: line longer than {MAX_RECORD_BYTES} bytes")

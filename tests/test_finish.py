@@ -51,6 +51,16 @@ def test_a_passed_gate_writes_the_model_the_curves_and_the_metrics(tmp_path):
     assert json.loads((tmp_path / "runs/ppo/run.json").read_text()) == {"train_time_s": 3.0}
 
 
+def test_the_timings_go_to_the_run_directory_the_stage_was_given(tmp_path):
+    run_dir = tmp_path / "elsewhere" / "my-run"
+    (run_dir / "plots").mkdir(parents=True)
+    finish_stage("ppo", run_dir=run_dir, model=tmp_path / "models/ppo", weights=tiny(), tokenizer=_Tok(),
+                 meta={"stage": "ppo"}, plots=tmp_path / "metrics/plots", metrics=tmp_path / "metrics/ppo.json",
+                 numbers={"final_kl": 0.2, "train_time_s": 3.0})
+    assert json.loads((run_dir / "run.json").read_text()) == {"train_time_s": 3.0}
+    assert not (tmp_path / "runs").exists()  # not beside metrics/, where another run's timings may be
+
+
 @pytest.mark.parametrize("bound,measured,failed", [("max", 0.21, True), ("max", 0.2, False), ("min", 0.19, True),
                                                    ("min", 0.2, False), ("min", float("nan"), True),
                                                    ("max", float("inf"), True)])

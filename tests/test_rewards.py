@@ -148,6 +148,15 @@ def test_check_steps_marks_each_result_and_a_broken_chain():
     assert check_steps(b"no steps here #### 5") == [] and check_steps(b"1" * 20 + b" + 1 = 2") == []
 
 
+def test_check_steps_reads_a_negative_intermediate_as_the_next_step_s_operand():
+    from llm.rewards import check_steps
+    text = b"5 - 9 = -4\n-4 + 3 = -1\n-1 * -2 = 2\n#### -1"
+    assert [(text[s:e], ok) for s, e, ok in check_steps(text)] == [(b"-4", True), (b"-1", True)]
+    text = b"5 - 9 = -4\n-4 + 3 = 1\n4 + 3 = 7\n-8 / 2 = -4\n-7 / 2 = -3"
+    assert [ok for _, _, ok in check_steps(text)] == [True, False, False, False, False]  # 4 is not -4
+    assert [ok for _, _, ok in check_steps(b"12-4 + 3 = 11\n-8 / 2 = -4")] == [True]  # 12-4: no sign
+
+
 def test_step_credit_puts_plus_and_minus_one_on_the_result_tokens():
     import torch
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
 from llm.generators import math_problem
-from llm.tokenizer import (CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han,
-                           is_clean_token, text_windows)
+from llm.tokenizer import (CONTROL_TOKENS, LINE_HEAD_BYTES, MAX_FILE_BYTES, MAX_VOCAB, MAX_VOCAB_BYTES, SPLIT_PATTERN,
+                           Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han, is_clean_token, text_windows)
 
 PAT = regex.compile(SPLIT_PATTERN)
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -554,6 +554,66 @@ def test_a_huge_or_unreadable_meta_is_a_clear_error(tok, tmp_path):
     (d / "tokenizer_meta.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match="tokenizer_meta.json: not valid JSON"):
         Tokenizer.load(d)
+
+
+def test_a_tokenizer_file_over_its_bound_is_refused_before_it_is_read(tok, tmp_path):
+    import time
+    d = tmp_path / "t"
+    tok.save(d)
+    with open(d / "tokenizer.txt", "r+b") as f:  # sparse: no disk or time spent on the bytes
+        f.truncate(MAX_FILE_BYTES + 1)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"{regex.escape(str(d / 'tokenizer.txt'))}: {MAX_FILE_BYTES + 1} bytes,"
+                                         rf" more than a tokenizer file of at most {MAX_VOCAB} ids holds"):
+        Tokenizer.load(d)
+    assert time.perf_counter() - t0 < 1
+
+
+def _header(n_merges: int) -> bytes:
+    return Tokenizer([]).dumps().replace("merges\t0", f"merges\t{n_merges}").encode()
+
+
+def _sparse_tail(path, head: bytes) -> None:
+    with open(path, "wb") as f:  # `head`, then zero bytes up to the size bound: one line of ~223 MB
+        f.write(head)
+        f.truncate(MAX_FILE_BYTES)
+
+
+@pytest.mark.parametrize("write, error", [
+    (lambda p: _sparse_tail(p, _header(0)), "tokenizer.txt:11: unexpected content after 0 merges"),
+    (lambda p: p.write_bytes(_header(0) + b"\n" * (20 << 20)), "tokenizer.txt:11: unexpected content after 0 merges"),
+    (lambda p: p.write_bytes(_header(3) + b"104 105\t# " + b"x" * (20 << 20) + b"\n" + b"\n" * (20 << 20)),
+     "tokenizer.txt:12: expected a merge '<id> <id>', got ''"),
+    # each merge joins the last token with itself: 40 lines would ask for 2**41 bytes
+    (lambda p: p.write_bytes(_header(40) + b"0 0\n" + b"".join(b"%d %d\n" % (i, i) for i in range(256, 295))),
+     f"merge 23: (278, 278) makes a token of 16777216 bytes, and the tokens so far hold more than {MAX_VOCAB_BYTES}"),
+])
+def test_a_hostile_tokenizer_file_is_refused_in_bounded_time_and_memory(tmp_path, write, error):
+    """A file under MAX_FILE_BYTES costs a pass over its bytes, never memory in proportion to them:
+    a long line is read past, and a file's lines are read only as far as its header says."""
+    import time
+    import tracemalloc
+    (tmp_path / "t").mkdir()
+    write(tmp_path / "t" / "tokenizer.txt")
+    t0 = time.perf_counter()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=regex.escape(error)):
+            Tokenizer.load(tmp_path / "t")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MAX_VOCAB_BYTES + (16 << 20) and time.perf_counter() - t0 < 10
+
+
+def test_a_merge_comment_longer_than_a_line_head_is_read_past(tok, tmp_path):
+    d = tmp_path / "t"
+    tok.save(d)
+    p = d / "tokenizer.txt"
+    lines = p.read_text().split("\n")
+    lines[10] += "x" * (5 * LINE_HEAD_BYTES) + "中"  # the comment is for a reader; the parser ignores it
+    p.write_text("\n".join(lines))
+    assert Tokenizer.load(d).merges == tok.merges
 
 
 # -- Hugging Face export, with `tokenizers` as the reference client -----------------------
