@@ -45,7 +45,7 @@ import torch
 
 from llm.config import ConfigError, ModelConfig, from_dict
 from llm.errors import capped
-from llm.fileio import atomic_dir, sha256_file
+from llm.fileio import atomic_dir, sha256_file, unchanged_since_written
 from llm.model import GPT, HEADS
 
 FORMAT_VERSION = 2  # 2: meta.json hashes every file of the directory; 1 hashed model.safetensors and config.json
@@ -105,9 +105,11 @@ def _files(path: Path) -> dict[str, Path]:
 
 
 def is_model_dir(path: Path) -> bool:
-    """Whether `path` holds a model directory's entries and nothing else (what save_model_dir writes)."""
-    names = {p.name for p in path.iterdir()}
-    return {META_FILE, MODEL_FILE} <= names <= {META_FILE, MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR}
+    """Whether `path` is a model directory as save_model_dir wrote it, unchanged: meta.json lists
+    every other file with the sha256 it has now (a version 1 directory, whose meta.json lists two of
+    them, is not). What `--force` may replace; file names alone prove nothing."""
+    return unchanged_since_written(path, META_FILE, max_manifest_bytes=MAX_JSON_BYTES, files_of=lambda doc: (
+        doc.get("files") if isinstance(doc, dict) and doc.get("format_version") in READS_VERSIONS else None))
 
 
 def save_model_dir(path: str | Path, model: GPT, tokenizer: Any, meta: dict[str, Any]) -> Path:

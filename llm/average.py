@@ -17,8 +17,9 @@ model directory like the one the stage wrote, so `python -m stages.eval`, `llm.c
               heads and tokenizer are kept; the checkpoints must carry its fingerprint (the
               same params and inputs), so a run directory from other params is refused
     out       the new model directory (written atomically; an existing one only with --force, and
-              never an input or a directory holding one); its meta.json names the steps
-              averaged and keeps the stage's provenance
+              only a model directory this project wrote and nobody changed since, its meta.json
+              listing every file and its sha256; never an input or a directory holding one); its
+              meta.json names the steps averaged and keeps the stage's provenance
 
 SFT itself writes such a mean when `sft.average_last` is above 1 (the `cpu` profile keeps the
 final weights); this tool gives any N, for any stage's run, as a model directory of its own.
@@ -103,7 +104,8 @@ def average_run(run_dir: str | Path, like: str | Path, out: str | Path, last: in
     """Write the mean of the last `last` checkpoints of `run_dir` as a model directory `out`
     shaped like `like`; returns the new directory's meta. The checkpoints must carry `like`'s
     fingerprint; nothing is written unless all of them pass (average_checkpoints). `out` must be
-    new or empty, or (`force`) a model directory; never one of the inputs, inside one or above one
+    new or empty, or (`force`) a model directory as save_model_dir wrote it, unchanged
+    (llm.artifacts.is_model_dir); never one of the inputs, inside one or above one
     (llm.fileio.check_target)."""
     from llm.artifacts import is_model_dir, load_model_dir, save_model_dir
     from llm.fileio import check_target
@@ -132,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="the averaged model directory to write, e.g. models/sft_avg")
     ap.add_argument("--last", type=int, default=2, help="how many of the newest checkpoints (default: %(default)s)")
     ap.add_argument("--force", action="store_true",
-                    help="replace `out` if it is a model directory (never the run's or `like`, nor a directory of"
-                         " other things); the new one is written beside it and swapped in")
+                    help="replace `out` if it is a model directory this project wrote, unchanged (its meta.json lists"
+                         " every file and its hash; never the run's or `like`, nor a directory of other things);"
+                         " the new one is written beside it and swapped in")
     args = ap.parse_args(argv)
     try:
         meta = average_run(args.run_dir, args.like, args.out, last=args.last, force=args.force)

@@ -69,7 +69,7 @@ import torch
 from llm.chat import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
 from llm.errors import DiskFullError
-from llm.fileio import sha256_file
+from llm.fileio import sha256_file, unchanged_since_written
 from llm.model import GPT, NORM_EPS, format_count, mlp_hidden
 
 
@@ -541,19 +541,8 @@ def is_export_dir(path: Path) -> bool:
     """Whether `path` is an export as export_hf wrote it, unchanged: the only directory --force
     may replace. Its export.json must list every other file in it, each with the sha256 it has now;
     file names alone prove nothing (a user's Hugging Face directory has the same ones)."""
-    names = {p.name for p in path.iterdir()}
-    marker = path / MARKER
-    if MARKER not in names or not marker.is_file() or marker.is_symlink() or marker.stat().st_size > MAX_MARKER_BYTES:
-        return False
-    try:
-        doc = json.loads(marker.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
-    if not isinstance(files, dict) or set(files) != names - {MARKER}:
-        return False
-    return all((path / n).is_file() and not (path / n).is_symlink() and sha256_file(path / n) == h
-               for n, h in files.items())
+    return unchanged_since_written(path, MARKER, max_manifest_bytes=MAX_MARKER_BYTES, files_of=lambda doc: (
+        doc.get("files") if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None))
 
 
 def read_metrics(paths: list[str]) -> dict[str, dict]:

@@ -286,8 +286,45 @@ def check_target(out: str | Path, *, inputs: Iterable[str | Path], force: bool, 
                           f" replace it if it is a {kind}")
     if not replaceable(out):
         raise TargetError(f"{out}: is not a {kind} (it holds {shown}), so --force will not replace it: it replaces"
-                          f" only a {kind} this project wrote, unchanged; name a new directory, or move this one"
+                          f" only a {kind} this project wrote and nobody changed since (each file as its manifest"
+                          f" lists it, and no other); name a new directory, or move this one"
                           f" away yourself if nothing in it is needed")
+
+
+def unchanged_since_written(path: str | Path, manifest: str, files_of: Callable[[Any], Any],
+                            max_manifest_bytes: int = 1 << 20) -> bool:
+    """Whether directory `path` is exactly as this project wrote it: its `manifest` JSON file (a regular
+    file of at most `max_manifest_bytes`) lists, as `files_of(doc)`, every other file under `path` by its
+    relative POSIX name with its sha256, and each has that hash now. What check_target's `force` may
+    replace: file names alone prove nothing (a user's directory can hold the same ones), and an edit
+    made after writing (a card, a weight) is kept. Links, folders the list does not need and anything
+    not a regular file fail; only listed files are hashed, and the walk stops at the first file or
+    folder beyond the list."""
+    path = Path(path)
+    doc_path = path / manifest
+    try:
+        if not doc_path.is_file() or doc_path.is_symlink() or doc_path.stat().st_size > max_manifest_bytes:
+            return False
+        listed = files_of(json.loads(doc_path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    if not isinstance(listed, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in listed.items()):
+        return False
+    present: dict[str, Path] = {}
+    folders = {n.rsplit("/", i)[0] for n in listed for i in range(1, n.count("/") + 1)}  # a/b/c: a/b, a
+    for dirpath, dirnames, filenames in os.walk(path):
+        rel_dir = Path(dirpath).relative_to(path).as_posix()
+        if rel_dir != "." and rel_dir not in folders:  # e.g. an empty folder of the user's
+            return False
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            f = Path(dirpath) / name
+            rel = f.relative_to(path).as_posix()
+            if rel == manifest:
+                continue
+            if rel not in listed or f.is_symlink() or not f.is_file():
+                return False
+            present[rel] = f
+    return set(present) == set(listed) and all(sha256_file(present[n]) == h for n, h in listed.items())
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

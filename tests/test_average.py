@@ -146,6 +146,41 @@ def test_average_replaces_another_model_directory_only_with_force(workspace, tmp
     assert load_model_dir("models/base")[2]["averaged_checkpoints"] == [20, 30]
 
 
+@pytest.mark.parametrize("change", ["look-alike", "edited config", "added file", "empty folder", "version 1"])
+def test_force_keeps_a_look_alike_or_changed_model_directory(workspace, tmp_path, monkeypatch, capsys, change):
+    """File names prove nothing: --force replaces a model directory only if its meta.json lists
+    every file with the hash it has now; anything else is kept, byte for byte."""
+    import shutil
+
+    from tests.test_fileio import temps_under, tree_digest
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(workspace / "runs", "runs")
+    shutil.copytree(workspace / "models", "models")
+    base = Path("models/base")
+    if change == "look-alike":  # the user's own files under a model directory's names
+        shutil.rmtree(base)
+        base.mkdir()
+        for name in ("meta.json", "model.safetensors", "config.json"):
+            (base / name).write_text(f"the user's {name}")
+    elif change == "edited config":
+        cfg = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps({**cfg, "dropout": 0.5}))
+    elif change == "added file":
+        (base / "notes.txt").write_text("mine")
+    elif change == "empty folder":
+        (base / "scratch").mkdir()
+    else:  # meta.json of the first format: it hashed two of the files
+        meta = json.loads((base / "meta.json").read_text())
+        meta["files"] = {k: v for k, v in meta["files"].items() if k in ("model.safetensors", "config.json")}
+        (base / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    before = tree_digest(tmp_path)
+    assert main(["runs/sft", "models/sft", "models/base", "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("average: models/base: is not a model directory") and "name a new directory" in err
+    assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []
+
+
 def test_checkpoints_of_other_params_are_refused(run, tmp_path):
     run_dir, like, states = run
     other = tmp_path / "other"
