@@ -14,8 +14,11 @@ more than about 8.
 
 `skills(items)` names what the items measure, in report order: math overall, English, Chinese,
 per level, the `#### N` format; instruction tasks overall and per kind; bare arithmetic; the
-second turns of conversations and the out-of-scope answers without math, when evaluated; the
-sampled math accuracy and the reward model's score (scores, not right/wrong).
+second turns of conversations and the out-of-scope answers without math, when evaluated; math
+and bare arithmetic asked again in each context (after an out-of-scope request, after a task,
+under each system message: `context_math_after_scope`, ...), paired over the same items asked in
+that context, when evaluated; the sampled math accuracy and the reward model's score (scores, not
+right/wrong).
 
 For a right/wrong skill on n paired items, with b items only the child gets right and c only
 the parent:
@@ -58,6 +61,12 @@ import numpy as np
 
 # Skills that hold right/wrong outcomes; the others hold scores.
 _SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score", "reward model score")}
+# The items asked again in contexts (set "context": "of" names the items, "context" where they were
+# asked; llm/evaluate.py context_items), as the report words them.
+CONTEXT_OF = {"math": "math", "arithmetic": "bare arithmetic"}
+CONTEXT_WHERE = {"after_scope": " after an out-of-scope request", "after_task": " after an instruction task",
+                 "system_short": ' under "You are terse."', "system_helpful": ' under "You are a helpful assistant."',
+                 "system_unseen": " under a system message no training conversation has"}
 
 
 def read_items(path: str | Path) -> list[dict]:
@@ -88,6 +97,7 @@ def skills(items: Iterable[dict]) -> list[tuple[str, str, str, Callable[[dict], 
                    key=lambda x: (x != "en", x))
     levels = sorted({r.get("level") for r in items if r["set"] == "math" and r.get("level")})
     kinds = list(dict.fromkeys(r["kind"] for r in items if r["set"] == "task" and r.get("kind")))  # file order
+    contexts = list(dict.fromkeys((r.get("of"), r.get("context")) for r in items if r["set"] == "context"))
     every = lambda r: True  # noqa: E731
     lang_name = {"en": "English", "zh": "Chinese"}
     out: list[tuple[str, str, str, Callable[[dict], bool], str]] = []
@@ -108,6 +118,9 @@ def skills(items: Iterable[dict]) -> list[tuple[str, str, str, Callable[[dict], 
         out.append(("multiturn", "second turns", "multiturn", every, "correct"))
     if "scope" in present:
         out.append(("scope", "out-of-scope answers without math", "scope", every, "correct"))
+    out += [(f"context_{of}_{ctx}", f"{CONTEXT_OF.get(of, of)}{CONTEXT_WHERE.get(ctx, f' in context {ctx}')}",
+             "context", lambda r, of=of, ctx=ctx: r.get("of") == of and r.get("context") == ctx, "correct")
+            for of, ctx in contexts]
     for s, (field, label) in _SCORE_SETS.items():
         if s in present:
             out.append(({"rm": "rm_score"}.get(s, s), label, s, every, field))

@@ -21,7 +21,7 @@ The page, top to bottom:
   interval, and the paired change against the parent (sft vs base; the others vs sft)
   with its interval, marked significant or not (llm/paired.py);
 - per stage, a sentence saying what moved and whether it is significant, then every skill's
-  paired comparison (per level and per task kind too); for GRPO, how much of its change in
+  paired comparison (per level, per task kind and per context too); for GRPO, how much of its change in
   math its control (grpo_random: the same rewards given to random samples) leaves to the
   real reward (`control_line`);
 - over-optimisation: PPO on the reward model alone (ppo_rm), its RM score (proxy) and the
@@ -48,7 +48,7 @@ from typing import Any, Sequence
 
 from llm.config import TASK_KINDS
 from llm.metrics import join_metrics, run_info_path, timings_path
-from llm.paired import compare, read_items
+from llm.paired import CONTEXT_OF, CONTEXT_WHERE, compare, read_items
 
 # ppo_rm (PPO on the reward model alone) and grpo_random (GRPO's control: its rewards shuffled
 # across each step's samples) stand beside the stages they vary
@@ -98,13 +98,8 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     ("scope_no_math_rate_zh", "the same, asked in Chinese", "pct"),
     ("scope_exact_match", "requests outside its skills answered with the taught statement", "pct"),
     *((f"context_{of}_{ctx}", f"{label}{where}", "pct")
-      for of, label in (("math", "math"), ("arithmetic", "bare arithmetic"))
-      for ctx, where in (("alone", " asked alone (the items asked again below)"),
-                         ("after_scope", " after an out-of-scope request"),
-                         ("after_task", " after an instruction task"),
-                         ("system_short", ' under "You are terse."'),
-                         ("system_helpful", ' under "You are a helpful assistant."'),
-                         ("system_unseen", " under a system message no training conversation has"))),
+      for of, label in CONTEXT_OF.items()
+      for ctx, where in {"alone": " asked alone (the items asked again below)", **CONTEXT_WHERE}.items()),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),

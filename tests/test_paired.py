@@ -194,3 +194,26 @@ def test_second_turns_and_out_of_scope_answers_are_compared_when_evaluated():
     out = compare(child, parent, n_boot=200, seed=0)
     assert (out["multiturn"]["n"], out["multiturn"]["delta"]) == (2, 0.5)
     assert (out["scope"]["n"], out["scope"]["delta"]) == (3, pytest.approx(2 / 3))
+
+
+def test_items_asked_again_in_a_context_are_compared_per_context_over_the_same_items():
+    def asked(of, ctx, outcomes):  # as llm/evaluate.py writes them: id "<of>:<context>:<item id>"
+        return [{"set": "context", "id": f"{of}:{ctx}:q{i}", "of": of, "context": ctx, "lang": "en",
+                 "correct": bool(c)} for i, c in enumerate(outcomes)]
+    child = (_items([1, 1, 1, 1]) + asked("math", "after_scope", [0, 0, 0, 1])
+             + asked("math", "system_short", [1, 1, 1, 1]) + asked("arithmetic", "after_scope", [1, 1]))
+    parent = (_items([1, 1, 1, 1]) + asked("math", "after_scope", [1, 1, 1, 0])
+              + asked("math", "system_short", [1, 1, 1, 1]) + asked("arithmetic", "after_scope", [1, 0])
+              + asked("arithmetic", "after_task", [1, 1]))
+    keys = [k for k, *_ in skills(child + parent)]
+    assert keys[-4:] == ["context_math_after_scope", "context_math_system_short", "context_arithmetic_after_scope",
+                         "context_arithmetic_after_task"]
+    out = compare(child, parent, n_boot=500, seed=0, child_name="grpo")
+    r = out["context_math_after_scope"]  # math alone unchanged; after an out-of-scope turn 3 lost, 1 won
+    assert r["label"] == "math after an out-of-scope request" and r["type"] == "rate"
+    assert (r["n"], r["wins"], r["losses"], r["delta"]) == (4, 1, 3, -0.5)
+    assert r["p_value"] == pytest.approx(mcnemar_exact(1, 3)) and r["lo"] <= r["delta"] <= r["hi"]
+    assert (out["context_math_system_short"]["delta"], out["context_math_system_short"]["n"]) == (0.0, 4)
+    assert (out["context_arithmetic_after_scope"]["wins"], out["context_arithmetic_after_scope"]["n"]) == (1, 2)
+    assert "context_arithmetic_after_task" not in out  # only the parent was asked there: nothing paired
+    assert out["math"]["delta"] == 0.0 and out["math"]["n"] == 4  # the context items stay out of math
