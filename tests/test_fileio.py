@@ -378,3 +378,29 @@ def test_readers_of_small_records_refuse_a_huge_line_without_parsing_it(tmp_path
     with bounded(seconds=5, memory=32 << 20), pytest.raises(DataError) as e:
         read()
     assert str(e.value).startswith(f"{f}:2: line longer than {MAX_RECORD_BYTES} bytes")
+
+
+def test_unchanged_since_written_needs_every_file_listed_with_its_hash(tmp_path):
+    """What --force may replace: the manifest lists every file (nested ones by relative name) with
+    the hash it has now; a link, an unlisted folder or a changed byte is not what was written."""
+    from llm.fileio import sha256_file, unchanged_since_written
+
+    d = tmp_path / "out"
+    (d / "sub").mkdir(parents=True)
+    (d / "w.bin").write_bytes(b"w")
+    (d / "sub" / "t.txt").write_text("t")
+    files = {"w.bin": sha256_file(d / "w.bin"), "sub/t.txt": sha256_file(d / "sub" / "t.txt")}
+    (d / "m.json").write_text(json.dumps({"files": files}))
+    check = lambda: unchanged_since_written(d, "m.json", files_of=lambda doc: doc.get("files"))  # noqa: E731
+    assert check()
+    assert not unchanged_since_written(d, "m.json", files_of=lambda doc: doc.get("files"), max_manifest_bytes=10)
+    (d / "sub" / "t.txt").write_text("T")
+    assert not check()
+    (d / "sub" / "t.txt").write_text("t")
+    (d / "empty").mkdir()
+    assert not check()
+    (d / "empty").rmdir()
+    (d / "w.bin").unlink()
+    (d / "w.bin").symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(b"w")
+    assert not check()
