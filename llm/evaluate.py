@@ -653,11 +653,21 @@ def _context_sets(res: _Results, model, tokenizer, cfg: EvalConfig, problems, ar
     already in `res.items`)."""
     n = min(cfg.context_items, cfg.math_problems)  # of the math, those answered alone (math_problems)
     sets = {"math": list(problems[:n]), "arithmetic": list(arithmetic[:cfg.context_items])}
-    asked = {name: context_items(qs, scope, tasks) for name, qs in sets.items() if qs}
+    asked, prompts = {}, []
+    for name, qs in sets.items():
+        # a conversation that leaves the answer less than max_new_tokens of the context is not
+        # asked (a cut answer would count as wrong); how many were left out is in the metrics
+        every = context_items(qs, scope, tasks)
+        rendered = [render_prompt(c["messages"], tokenizer) for c in every]
+        fits = [len(ids) + cfg.max_new_tokens <= model.config.seq_len for ids in rendered]
+        res.metrics[f"context_{name}_too_long"] = fits.count(False)
+        if any(fits):
+            asked[name] = [c for c, f in zip(every, fits) if f]
+            prompts += [ids for ids, f in zip(rendered, fits) if f]
     flat = [(name, c) for name, cs in asked.items() for c in cs]
     with res.timed("context"):
-        replies = generate_replies(model, tokenizer, [render_prompt(c["messages"], tokenizer) for _, c in flat],
-                                   max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, rt=rt)[0]
+        replies = generate_replies(model, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
+                                   batch_size=cfg.batch_size, rt=rt)[0]
     shown = []
     for name, cs in asked.items():
         qs = sets[name]

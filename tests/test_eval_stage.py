@@ -32,7 +32,7 @@ from tests.conftest import ROOT, common_params, dvc_command
 
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
                    rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
-                   confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5)
+                   confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5, context_items=0)
 
 
 def _train(model: GPT, examples, tok, steps: int, seed: int) -> GPT:
@@ -456,3 +456,25 @@ def test_questions_asked_in_a_context_are_scored_beside_the_same_questions_alone
     assert {i["id"] for i in items if not i["correct"]} == {
         f"{n}:{c}:{q['id']}" for n, qs in (("math", w["test"]), ("arithmetic", w["arithmetic"])) for q in qs[:2]
         for c in ("after_scope", "system_helpful")}
+
+
+def test_a_context_whose_conversation_leaves_no_room_for_the_answer_is_left_out_and_counted(world, monkeypatch):
+    """A conversation longer than seq_len - max_new_tokens is not asked (its answer would be cut
+    and count as wrong, or the prompt would not fit at all); the count of those left out is in the
+    metrics and the rest are scored as before."""
+    w = world
+    cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0, "context_items": 2})
+    room = w["sft"].config.seq_len - cfg.max_new_tokens
+    words = "Write a poem about the sea".split()
+    long_request = ""
+    while len(render_prompt([{"role": "user", "content": long_request + words[0]}], w["tok"])) < room:
+        long_request += words[0] + " "  # fits alone (the scope set asks it), not before a question
+        words = words[1:] + words[:1]
+    scope = [{"id": "long", "prompt": long_request.strip(), "answer": "I can do sums.", "lang": "en"}]
+    kw = dict(seed=0, problems=w["test"], arithmetic=w["arithmetic"], scope=scope, tasks=w["tasks"])
+    m, extras = evaluate_model(w["sft"], w["tok"], cfg, **kw)
+    for name in ("math", "arithmetic"):
+        assert m[f"context_{name}_too_long"] == 2  # both questions after the long request
+        assert f"context_{name}_after_scope" not in m and f"context_{name}_after_task" in m
+    items = [i for i in extras["items"] if i["set"] == "context"]
+    assert not any(i["context"] == "after_scope" for i in items) and len(items) == 2 * 2 * 4
