@@ -6,7 +6,7 @@ Shared by the reward model (llm/reward_model.py), DPO (llm/dpo.py) and their sta
     {"id", "prompt": [{"role", "content"}, ...], "chosen": str, "rejected": str, "kind": str, ...}
 
 and each answer is rendered with the chat template as `render_prompt(prompt) + answer + <|end|>`
-(the same tokens `llm.chat.render` gives the conversation prompt + [assistant answer]). The
+(the same tokens `llm.template.render` gives the conversation prompt + [assistant answer]). The
 response mask is True on the answer tokens and the closing <|end|>: what DPO scores.
 
 Batches stack the B chosen sequences and then the B rejected ones into one right-padded
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from llm.batching import BucketBatchSampler, ExampleBatches, pad_right
-from llm.chat import ROLE_TOKENS, render_prompt
+from llm.template import ROLE_TOKENS, render_prompt
 from llm.fileio import DataError, read_jsonl
 
 Batch = dict[str, Tensor]

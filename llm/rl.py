@@ -27,7 +27,7 @@ from torch import nn
 
 from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
-from llm.chat import user_prompt
+from llm.template import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
 from llm.fileio import read_jsonl, sha256_file
 from llm.finish import Gate, finish_stage, run_plots

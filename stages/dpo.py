@@ -153,7 +153,7 @@ def kl_gate(m: dict, cfg: DPOConfig) -> Gate:
 def heldout_prompts(pairs, tok, seq_len: int) -> list[list[int]]:
     """The held-out pairs' prompts for the KL to the SFT model: unique, in file order, shorter than
     the context."""
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
 
     prompts, seen = [], set()
     for i in pairs.val_kept:

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from llm.batching import derive_seed
-from llm.chat import ROLE_TOKENS
+from llm.template import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint
 from llm.fileio import sha256_tree
 from llm.finish import Gate, finish_stage, run_plots

@@ -6,7 +6,7 @@ Reads the `common` and `sft` sections of params.yaml, the pretrained model (and 
 tokenizer), the cleaned conversations ({train,val}.jsonl: {"id", "messages", "source"}) and
 held-out math problems for the final exact-match check.
 
-Each conversation is rendered with the chat template (llm/chat.py); the loss covers only
+Each conversation is rendered with the chat template (llm/template.py); the loss covers only
 assistant tokens and their closing <|end|>. Conversations longer than the context are
 cut at the end; one left with no supervised token is dropped and counted. Batches come
 from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
@@ -43,7 +43,7 @@ import torch
 from llm.average import average_checkpoints
 from llm.batching import (BucketBatchSampler, ExampleBatches, ReplayBatches, derive_seed, open_tokens, pad_collate,
                           upsample_sources)
-from llm.chat import render
+from llm.template import render
 from llm.config import CommonConfig, SFTConfig, fingerprint
 from llm.fileio import DataError, read_jsonl, sha256_file, sha256_tree
 from llm.finish import finish_stage, run_plots

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from llm.artifacts import save_model_dir
-from llm.chat import COMMANDS, Chat, TextStream, _parser, main, render, render_prompt, run_command
+from llm.chat import COMMANDS, Chat, TextStream, _parser, main, run_command
+from llm.template import render, render_prompt
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from llm.artifacts import load_model_dir, save_model_dir
-from llm.chat import render
+from llm.template import render
 from llm.config import ModelConfig, TrainConfig
 from llm.generators import math_problem, preference_pair, task, task_preference_pair
 from llm.metrics import read_metrics
