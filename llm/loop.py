@@ -199,6 +199,14 @@ class Updater:
 # The loop
 
 class StepBody(Protocol):
+    """A stage's step body (the module docstring): the supervised one (llm/trainer.py), PPO and GRPO.
+
+    `model` is the module its steps run (PPO's policy with its value head; the supervised body's
+    may be wrapped by DDP or FSDP). The loop reads only the three methods and checkpoints the
+    unwrapped module it is given as `run_loop(model=...)`; `model` is for the stage around it
+    (llm/rl.py trains and writes the RL bodies' `model`)."""
+    model: nn.Module
+
     def step(self, step: int, updater: Updater) -> dict[str, Any] | None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...

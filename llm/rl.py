@@ -1,4 +1,4 @@
-"""The glue of the RL stages (stages/ppo.py, stages/grpo.py) around their algorithm: prompts, set-up, run, finish.
+"""The glue of the RL stages (stages/ppo.py, stages/grpo.py) around their algorithm: set-up, run, finish.
 
     setup = setup_rl_stage("grpo", common, cfg, rt.device, sft=..., data=..., levels=...)
     algo = GRPO(setup.policy, setup.ref, cfg, ...)      # llm/grpo.py or llm/ppo.py: one RL step each
@@ -10,91 +10,32 @@ data-parallel bookkeeping is llm/shares.py's; the algorithm is a step body of th
 skeleton (llm/loop.py), which does what every training stage does: resume, checkpoints
 (policy with its value head, AdamW moments, the algorithm's state such as the KL
 coefficient), signals, the optimizer step with clipping and the non-finite policy. Here:
-`MathPrompts` (prompt pools by level, sampled per step), `setup_rl_stage` (models, reward,
-prompts, fingerprint), `finish_rl_stage` (train, held-out evaluation with llm/heldout.py, the
-final-KL gate, the stage's outputs through llm.finish.finish_stage) and `summarize`
-(start-vs-end numbers for the metrics file).
+`setup_rl_stage` (models, reward, the prompts of llm/prompts.py, fingerprint),
+`finish_rl_stage` (train, held-out evaluation with llm/heldout.py, the final-KL gate, the
+stage's outputs through llm.finish.finish_stage) and `summarize` (start-vs-end numbers for
+the metrics file).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
-from llm.template import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
-from llm.fileio import read_jsonl, sha256_file
+from llm.fileio import sha256_file
 from llm.finish import Gate, finish_stage, run_plots
 from llm.heldout import heldout_eval, heldout_reward_change, heldout_rewards
-from llm.loop import LoopResult, Updater, run_loop
+from llm.loop import LoopResult, StepBody, Updater, run_loop
 from llm.monitor import Plots
 from llm.paired import linear_trend
-from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
+from llm.prompts import MathPrompts, read_problems
+from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, verifier_reward
 from llm.runtime import Runtime
-
-
-class Algorithm(Protocol):
-    """A step body of llm/loop.py that trains `model` (checkpointed whole, with a value head)."""
-    model: nn.Module
-
-    def step(self, step: int, updater: Updater) -> dict[str, float]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Math problems {"question", "answer", "level", ...} from a JSONL file (data/prepared/rl/*.jsonl)."""
-    def validate(obj: Any) -> str | None:
-        if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-            return "missing or empty 'question'"
-        if not isinstance(obj.get("answer"), str) or to_number(obj["answer"]) is None:
-            return f"'answer' must be a number as a string, got {obj.get('answer')!r}"
-        if not isinstance(obj.get("level", 0), int):
-            return f"'level' must be an int, got {obj.get('level')!r}"
-        return None
-    out = []
-    for obj in read_jsonl(path, validate=validate):
-        out.append(obj)
-        if limit is not None and len(out) >= limit:
-            break
-    return out
-
-
-class MathPrompts:
-    """Math problems as chat prompts, grouped by level, sampled with replacement per step.
-
-    Problems whose prompt leaves fewer than max_new_tokens positions in the context are
-    dropped (and counted in `dropped`).
-    """
-
-    def __init__(self, problems: Sequence[dict], tokenizer, *, seq_len: int, max_new_tokens: int, where: str = ""):
-        self.by_level: dict[int, list[tuple[list[int], dict]]] = defaultdict(list)
-        self.dropped = 0
-        for p in problems:
-            ids = user_prompt(p["question"], tokenizer)
-            if len(ids) + max_new_tokens > seq_len:
-                self.dropped += 1
-                continue
-            self.by_level[int(p.get("level", 0))].append((ids, p))
-        self.where = where
-
-    def pool(self, levels: Sequence[int]) -> list[tuple[list[int], dict]]:
-        out = [x for lvl in sorted(set(levels)) for x in self.by_level.get(lvl, [])]
-        if not out:
-            raise ValueError(f"{self.where or 'math prompts'}: no usable problem at levels {sorted(set(levels))}"
-                             f" (levels present: {sorted(self.by_level)}; {self.dropped} dropped as too long)")
-        return out
-
-    def sample(self, n: int, levels: Sequence[int], generator: torch.Generator) -> tuple[list[list[int]], list[dict]]:
-        pool = self.pool(levels)
-        idx = torch.randint(len(pool), (n,), generator=generator).tolist()
-        return [pool[i][0] for i in idx], [pool[i][1] for i in idx]
 
 
 RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "reward", "reward (held-out)")]),
@@ -148,7 +89,7 @@ def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> d
     return out
 
 
-def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: str | Path, fingerprint: str,
+def run_rl(algo: StepBody, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: str | Path, fingerprint: str,
            evaluate: Callable[[int], dict] | None = None, plots: Plots | None = None,
            progress: bool = True) -> LoopResult:
     """Train `algo` for cfg.max_steps RL steps in the run skeleton (llm.loop.run_loop): the policy in
@@ -269,7 +210,7 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
                    section=section if section and section != stage else "", overrides=dict(overrides or {}))
 
 
-def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
+def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
                     metrics: Path, plots: Path, extra_metrics: Callable[[LoopResult], dict[str, Any]],
                     progress: bool = True, trend_after: int = 0) -> dict[str, Any]:
     """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), then end the stage

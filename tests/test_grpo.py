@@ -22,7 +22,8 @@ from llm.loop import Updater
 from llm.metrics import read_metrics
 from llm.model import GPT
 from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
-from llm.rl import MathPrompts, run_rl
+from llm.prompts import MathPrompts
+from llm.rl import run_rl
 from llm.rollout import Rollout
 from llm.runtime import Runtime
 from tests.conftest import ROOT, dvc_command
