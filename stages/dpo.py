@@ -48,7 +48,8 @@ from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
 from llm.fileio import sha256_tree
 from llm.finish import Gate, finish_stage, run_plots
 from llm.optim import set_trainable
-from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
+from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches
+from llm.reward_model import pair_metrics
 from llm.rollout import sampled_kl
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
