@@ -48,6 +48,19 @@ def render(messages: Sequence[dict], tokenizer, max_tokens: int | None = None
     return ids, mask
 
 
+def render_all(conversations: Sequence[Sequence[dict]], tokenizer, max_tokens: int
+               ) -> tuple[list[tuple[list[int], list[bool]]], int]:
+    """(ids, loss_mask) of each conversation `render` keeps within max_tokens, and how many it dropped."""
+    out, dropped = [], 0
+    for messages in conversations:
+        x = render(messages, tokenizer, max_tokens=max_tokens)
+        if x is None:
+            dropped += 1
+        else:
+            out.append(x)
+    return out, dropped
+
+
 def render_prompt(messages: Sequence[dict], tokenizer) -> list[int]:
     """Ids of a conversation ready for the assistant's next answer (ends with <|assistant|>)."""
     sp = tokenizer.special
