@@ -91,17 +91,19 @@ def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> d
 
 def run_rl(algo: StepBody, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: str | Path, fingerprint: str,
            evaluate: Callable[[int], dict] | None = None, plots: Plots | None = None,
-           progress: bool = True) -> LoopResult:
+           progress: bool = True, stop_early: Callable[[], bool] | None = None) -> LoopResult:
     """Train `algo` for cfg.max_steps RL steps in the run skeleton (llm.loop.run_loop): the policy in
     eval mode (no dropout: the ratio pi / pi_old must compare the same function, as in TRL),
     AdamW over its trainable parameters, each step under the runtime's autocast. Under torchrun
     the Updater sums the ranks' gradients (no DDP wrapper: the policy is trained through
-    `hidden_states` and its heads, whose calls DDP's forward hooks would not see)."""
+    `hidden_states` and its heads, whose calls DDP's forward hooks would not see). `stop_early`:
+    run_loop's (GRPO's `stalled`)."""
     algo.model.eval()
     say = (lambda m: print(m, flush=True)) if rt.is_main else (lambda m: None)
     updater = Updater(algo.model, cfg, rt, stage=stage, say=say, sum_gradients=True)
     return run_loop(algo, updater, cfg, rt, stage=stage, model=algo.model, run_dir=run_dir, fingerprint=fingerprint,
-                    evaluate=evaluate, plots=plots, progress=progress, step_context=rt.autocast)
+                    evaluate=evaluate, plots=plots, progress=progress, step_context=rt.autocast,
+                    stop_early=stop_early)
 
 
 def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> str:
@@ -212,10 +214,12 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
 
 def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
                     metrics: Path, plots: Path, extra_metrics: Callable[[LoopResult], dict[str, Any]],
-                    progress: bool = True, trend_after: int = 0) -> dict[str, Any]:
+                    progress: bool = True, trend_after: int = 0, stop_early: Callable[[], bool] | None = None,
+                    gates: Callable[[LoopResult], list[Gate]] = lambda result: []) -> dict[str, Any]:
     """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), then end the stage
-    (llm.finish.finish_stage: the final-KL gate, the policy to `model`, the curves to `plots`, the
-    metrics to `metrics`); returns the metrics.
+    (llm.finish.finish_stage: the algorithm's `gates(result)`, then the final-KL gate; the policy
+    to `model`, the curves to `plots`, the metrics to `metrics`); returns the metrics. A run that
+    `stop_early` ended (llm.loop.run_loop) ends here too, and one of its gates fails it.
 
     The metrics are `summarize`'s (the reward's trend fitted after step `trend_after`), the
     final KL (held-out, else the last training steps') and its gate, `extra_metrics(result)`
@@ -239,7 +243,7 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
 
     result = run_rl(algo, cfg, rt, stage=stage, run_dir=run_dir, fingerprint=setup.fingerprint,
                     evaluate=evaluate if setup.val else None, plots=run_plots(stage, run_dir, RL_PANELS),
-                    progress=progress)
+                    progress=progress, stop_early=stop_early)
     if setup.val and not samples:
         # resumed from a checkpoint at the last step: no held-out evaluation ran in this process,
         # so the samples come from one more (seeded, hence identical) evaluation of the final policy
@@ -253,7 +257,8 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result), **variant,
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
                 "resumed_from": result.resumed_from, "math_samples": samples})
-    return finish_stage(stage, gates=[final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir, model=model,
+    return finish_stage(stage, gates=[*gates(result), final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir,
+                        model=model,
                         weights=setup.policy.cpu() if rt.is_main else setup.policy, tokenizer=setup.tokenizer,
                         meta={"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
                               "parent": str(setup.sft), "steps": result.step, **variant},
