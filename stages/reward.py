@@ -120,7 +120,6 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     held = evaluate_pairs(out_model, val_pairs, sft_records=[own.val_records[i] for i in own.val_kept],
                           generated=generated.val, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
                           device=rt.device, autocast=rt.autocast)
-    n = len(val_pairs)
     out = {
         **{k: v for k, v in held.items() if k not in _BESIDE},
         "min_accuracy": cfg.min_accuracy,
@@ -137,15 +136,7 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "threads_steps": m["threads_steps"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     })
-    worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
-    gate = Gate("held-out accuracy on SFT's own answers", held["accuracy"], "min", "reward.min_accuracy",
-                cfg.min_accuracy,
-                detail=f"on {n} pairs (SFT's likelihood: {_fmt(out['sft_likelihood_accuracy'])}), margin"
-                       f" {held['margin']:.3f}; weakest kinds: "
-                       + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
-                advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
-                       " is expected")
-    return finish_stage(STAGE, gates=[gate], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+    return finish_stage(STAGE, gates=[_accuracy_gate(out, cfg)], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
                         meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
                               "steps": result.step,
                               "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"],
@@ -156,6 +147,18 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
 # evaluate_pairs' numbers beside the held-out pair metrics, in the metrics file's order
 _BESIDE = ("sft_likelihood_accuracy", "by_kind", "generated_accuracy", "generated_by_kind",
            "accuracy_without_likelihood")
+
+
+def _accuracy_gate(out: dict, cfg: RewardConfig) -> Gate:
+    """The stage's gate: held-out accuracy on SFT's own answers, with the weakest kinds beside it."""
+    worst = sorted(out["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
+    return Gate("held-out accuracy on SFT's own answers", out["accuracy"], "min", "reward.min_accuracy",
+                cfg.min_accuracy,
+                detail=f"on {out['n_pairs']} pairs (SFT's likelihood: {_fmt(out['sft_likelihood_accuracy'])}),"
+                       f" margin {out['margin']:.3f}; weakest kinds: "
+                       + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
+                advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
+                       " is expected")
 
 
 def _load_own(samples: Path, tok, seq_len: int):

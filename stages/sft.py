@@ -8,9 +8,9 @@ held-out math problems for the final exact-match check.
 
 Each conversation is rendered with the chat template (llm/template.py); the loss covers only
 assistant tokens and their closing <|end|>. Conversations longer than the context are
-cut at the end; one left with no supervised token is dropped and counted. Batches come
-(llm/batching.py conversation_batches) from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
-mask is combined with the causal mask inside attention. A source with fewer training
+cut at the end; one left with no supervised token is dropped and counted. Batches come from
+a length-bucketing sampler (`sft.bucket_width`; llm/batching.py conversation_batches) so
+padding stays small; the padding mask is combined with the causal mask inside attention. A source with fewer training
 conversations than `sft.min_source_examples` is repeated whole until it has at least that
 many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
 prompts) are otherwise a few dozen conversations among twenty thousand; what it costs or buys
