@@ -362,7 +362,8 @@ def _masked_batch(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], pad_
 
 def conversation_batches(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], *, pad_id: int, batch_size: int,
                          bucket_width: int, seed: int, rank: int = 0, world_size: int = 1,
-                         replay: np.ndarray | None = None, replay_fraction: float = 0.0) -> ExampleBatches | ReplayBatches:
+                         replay: np.ndarray | None = None,
+                         replay_fraction: float = 0.0) -> ExampleBatches | ReplayBatches:
     """The training batch source of (ids, loss_mask) examples (SFT's rendered conversations):
     length buckets, padded by `pad_collate`, and with `replay` (a token array) windows of
     pretraining text appended, `replay_fraction` of each batch's rows (`ReplayBatches`)."""

@@ -136,7 +136,8 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "threads_steps": m["threads_steps"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     })
-    return finish_stage(STAGE, gates=[_accuracy_gate(out, cfg)], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+    return finish_stage(STAGE, gates=[_accuracy_gate(out, cfg)], run_dir=run_dir, model=model, weights=out_model.cpu(),
+                        tokenizer=tok,
                         meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
                               "steps": result.step,
                               "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"],

@@ -285,7 +285,8 @@ def test_evaluate_pairs_reports_the_head_alone_the_likelihood_baseline_and_the_g
                                     [1, MARK] + [g.randrange(6, 40) for _ in range(4)], 2, kind)
     val, generated = [pair("math") for _ in range(12)], [pair("task") for _ in range(5)]
     records = [{"sft_logp_chosen": -1.0, "sft_logp_rejected": -2.0}, {"sft_logp_chosen": -3.0, "sft_logp_rejected": -2.0},
-               {"sft_logp_chosen": -1.0, "sft_logp_rejected": -1.5}, {}]   # the last carries no likelihood
+               {"sft_logp_chosen": -1.0, "sft_logp_rejected": -1.5},
+               {}]                                                   # the last carries no likelihood
     weight = gpt.reward_logprob_head.weight.detach().clone()
 
     m = evaluate_pairs(gpt, val, sft_records=records, generated=generated, pad_id=V - 1, batch_size=4)
