@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from llm.artifacts import load_model_dir
     from llm.evaluate import answer_questions
-    from llm.rl import read_problems
+    from llm.prompts import read_problems
 
     model, tok, _ = load_model_dir(args.model, heads=("lm",))
     problems = read_problems(args.data, limit=args.problems)

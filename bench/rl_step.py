@@ -41,7 +41,7 @@ from llm.grpo import GRPO  # noqa: E402
 from llm.ppo import PPO  # noqa: E402
 from llm.loop import Updater  # noqa: E402
 from llm.rewards import verifier_reward  # noqa: E402
-from llm.rl import MathPrompts, read_problems  # noqa: E402
+from llm.prompts import MathPrompts, read_problems  # noqa: E402
 from llm.shares import step_generator  # noqa: E402
 from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
 

@@ -24,6 +24,8 @@ processes resumes on M and continues from the same sample.
    - `ExampleBatches`: a bucket sampler + a function building a batch from indices.
    - `ReplayBatches`: example batches with windows of pretraining text appended, a set share
      of each batch's rows (SFT's `replay_fraction`).
+   - `conversation_batches`, `fixed_conversation_batches`: SFT's training source (buckets, with
+     replay when asked) and its fixed validation batches, over (ids, loss_mask) examples.
    - `upsample_sources`: which examples to train on when a small source is to be repeated
      up to a minimum count (SFT's `min_source_examples`).
 """
@@ -351,6 +353,38 @@ class ReplayBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+def _masked_batch(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], pad_id: int
+                  ) -> Callable[[list[int]], dict[str, torch.Tensor]]:
+    return lambda ix: pad_collate([examples[i][0] for i in ix], pad_id=pad_id, loss_masks=[examples[i][1] for i in ix])
+
+
+def conversation_batches(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], *, pad_id: int, batch_size: int,
+                         bucket_width: int, seed: int, rank: int = 0, world_size: int = 1,
+                         replay: np.ndarray | None = None,
+                         replay_fraction: float = 0.0) -> ExampleBatches | ReplayBatches:
+    """The training batch source of (ids, loss_mask) examples (SFT's rendered conversations):
+    length buckets, padded by `pad_collate`, and with `replay` (a token array) windows of
+    pretraining text appended, `replay_fraction` of each batch's rows (`ReplayBatches`)."""
+    sampler = BucketBatchSampler([len(ids) for ids, _ in examples], batch_size=batch_size, bucket_width=bucket_width,
+                                 seed=seed, rank=rank, world_size=world_size)
+    batches = ExampleBatches(sampler, _masked_batch(examples, pad_id))
+    if replay is None:
+        return batches
+    return ReplayBatches(batches, replay, fraction=replay_fraction, seed=seed)
+
+
+def fixed_conversation_batches(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], *, pad_id: int,
+                               batch_size: int, n_batches: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Fixed validation batches: a seeded sample of n_batches * batch_size examples (shortest-first
+    would pick only the short ones, SFT's instruction tasks), sorted by length within the sample
+    to pad less."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(len(examples), generator=g)[: n_batches * batch_size].tolist()
+    ordered = sorted((examples[i] for i in pick), key=lambda x: len(x[0]))
+    make = _masked_batch(ordered, pad_id)
+    return [make(list(range(i, min(i + batch_size, len(ordered))))) for i in range(0, len(ordered), batch_size)]
 
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, prompt_lens: Sequence[int] | None = None

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llm.losses import answer_logprob, sequence_logprob
-from llm.preference import Batch, EncodedPair, collate_pairs, pair_metrics
+from llm.preference import Batch, EncodedPair, collate_pairs
+from llm.reward_model import pair_metrics
 
 
 def answer_logprobs(model: nn.Module, batch: Batch, per_token: bool = False, full_head: bool = False) -> Tensor:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.batching import derive_seed, pad_collate
-from llm.chat import render, render_prompt, user_prompt
+from llm.template import render, render_prompt, user_prompt
 from llm.config import EvalConfig
 from llm.generate import generate
 from llm.reward_model import reward
@@ -140,7 +140,7 @@ def generate_answers(model, tokenizer, questions: Sequence[str], *, max_new_toke
 @torch.no_grad()
 def generate_replies(model, tokenizer, prompts: Sequence[list[int]], *, max_new_tokens: int, batch_size: int,
                      temperature: float = 0.0, seed: int | None = None, rt=None) -> tuple[list[str], list[int]]:
-    """`generate_answers` for prompts already rendered (llm.chat.render_prompt: a whole
+    """`generate_answers` for prompts already rendered (llm.template.render_prompt: a whole
     conversation ending in <|assistant|>), e.g. the second turn of a conversation."""
     if temperature > 0 and seed is None:
         raise ValueError("generate_answers: sampling (temperature > 0) needs a seed")
@@ -415,7 +415,7 @@ def lm_eval(model, batches: Sequence[dict], bytes_per_token: float | None = None
 def rm_scores(rm, tokenizer, questions: Sequence[str], responses: Sequence[str], *, batch_size: int,
               rt=None) -> list[float]:
     """The reward model's score of each (question, response): the conversation is rendered with
-    the chat template (llm/chat.py render: BOS, user turn, assistant turn, closing <|end|>),
+    the chat template (llm/template.py render: BOS, user turn, assistant turn, closing <|end|>),
     cut to the RM's seq_len, and read at its last real token (llm.reward_model.reward)."""
     if len(questions) != len(responses):
         raise ValueError(f"rm_scores: {len(questions)} questions but {len(responses)} responses")

@@ -8,7 +8,7 @@ writes, atomically, into <out_dir>, a new or empty directory (every file with th
 mode, 0644 under umask 022):
     model.safetensors        weights under HF Llama names (model.layers.{i}.self_attn.q_proj.weight, ...)
     config.json              a LlamaForCausalLM config; eos = [<|end|>, <|endoftext|>], the tokens our
-                             generation stops at (llm/chat.py)
+                             generation stops at (llm/template.py)
     generation_config.json   the same eos list, pad = <|pad|>, max_new_tokens = seq_len // 2 (no max_length:
                              transformers warns on every generate(max_new_tokens=...) when the file sets one)
     tokenizer.json           Tokenizer.to_hf_json() plus the escape normalizer below
@@ -38,7 +38,7 @@ Configs Llama cannot express (layernorm, learned positions, gelu/relu MLP) are r
 reason. Biases map to Llama's attention_bias / mlp_bias; a parameter-free RMSNorm is exported
 with unit weights. Value and reward heads are not part of a causal LM and are left out.
 
-Special-token text in a message. llm.chat encodes message text as plain text, so a user who
+Special-token text in a message. llm.template encodes message text as plain text, so a user who
 types "<|end|>" gets the 7 bytes, never the control token. A Hugging Face chat template
 renders a string that the tokenizer then scans for special tokens, so the same message would
 close the turn early (a prompt injection, and ids the model never saw in training). Every
@@ -46,7 +46,7 @@ special token starts with "<|", so the template escapes message text before it i
 U+FDD0 becomes U+FDD0 U+FDD1 and then "<|" becomes U+FDD0 U+FDD2. Nothing escaped can match a
 special token, and the tokenizer's normalizer, which runs after special tokens are matched,
 undoes the escape (U+FDD0 U+FDD2 -> "<|", then U+FDD0 U+FDD1 -> U+FDD0) before the byte-level
-BPE sees the text, so the ids are exactly llm.chat's for any message (tests/test_export.py,
+BPE sees the text, so the ids are exactly llm.template's for any message (tests/test_export.py,
 adversarial strings included). U+FDD0..U+FDD2 are Unicode noncharacters, reserved for such
 internal use. The price: plain `tokenizer.encode(text)` outside the template also undoes the
 escape, so text that itself holds U+FDD0 followed by U+FDD1 or U+FDD2 encodes differently from
@@ -66,7 +66,7 @@ from typing import Any, Sequence
 
 import torch
 
-from llm.chat import BOS, END, STOP_TOKENS
+from llm.template import BOS, END, STOP_TOKENS
 from llm.config import ModelConfig
 from llm.errors import DiskFullError
 from llm.fileio import sha256_file, unchanged_since_written
@@ -78,7 +78,7 @@ class ExportError(ValueError):
 
 
 ESC, ESC_ESC, ESC_OPEN = "\ufdd0", "\ufdd1", "\ufdd2"  # noncharacters; see the module docstring
-# llm/chat.py's format: <|endoftext|> then <|role|>content<|end|> per message, then <|assistant|>;
+# llm/template.py's format: <|endoftext|> then <|role|>content<|end|> per message, then <|assistant|>;
 # message text escaped so that no special token can be spelled inside it
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"

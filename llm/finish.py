@@ -43,10 +43,11 @@ from llm.monitor import Plots
 @dataclass(frozen=True)
 class Gate:
     """One quality gate: `measured` must stay at most (`bound` "max") or at least ("min") the params
-    value `limit` at `key`; a measurement that is not finite fails either way."""
+    value `limit` at `key`, or strictly below it ("under": a count that must not reach its limit);
+    a measurement that is not finite fails either way."""
     gate: str                      # what is measured, as the message names it
     measured: float
-    bound: Literal["max", "min"]
+    bound: Literal["max", "min", "under"]
     key: str                       # the params key of the limit: "reward.min_accuracy"
     limit: float
     advice: str                    # what to change
@@ -55,10 +56,13 @@ class Gate:
     def failed(self) -> bool:
         if not math.isfinite(self.measured):
             return True
+        if self.bound == "under":
+            return self.measured >= self.limit
         return self.measured > self.limit if self.bound == "max" else self.measured < self.limit
 
     def error(self, stage: str, consequence: str) -> QualityGateError:
-        return QualityGateError(stage, self.gate, self.measured, "above" if self.bound == "max" else "below",
+        relation = ("at" if self.measured == self.limit else "above") if self.bound != "min" else "below"
+        return QualityGateError(stage, self.gate, self.measured, relation,
                                 self.key, self.limit, detail=self.detail, advice=self.advice,
                                 consequence=consequence)
 

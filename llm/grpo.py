@@ -35,8 +35,9 @@ No value function: the baseline is the group. One step:
      for a fraction of the work (tests/test_grpo.py checks the equality).
 
 Quality gate: if every group of a step has zero reward variance for
-max_zero_std_steps consecutive steps, nothing is being learned (all wrong or all right);
-the step raises llm.errors.QualityGateError with the numbers (no model is written).
+max_zero_std_steps consecutive steps, nothing is being learned (all wrong or all right):
+`stalled()` ends the run (llm.loop.run_loop's stop_early) and `zero_std_gate` fails it at the
+stage's end (llm/finish.py: the numbers in failed_metrics.json, no model written).
 
 Per-step row (TRL names): reward, reward_std (mean within-group std, as TRL), frac_reward_zero_std,
 kl (mean per-token k3 under the current policy), entropy (of the sampling distribution, estimated
@@ -55,8 +56,8 @@ import torch
 from torch import Tensor, nn
 
 from llm.config import GRPOConfig
+from llm.finish import Gate
 from llm.losses import aggregate, group_advantages, kl_estimate, masked_mean, ppo_policy_loss
-from llm.errors import QualityGateError
 from llm.loop import Updater
 from llm.rewards import RewardFn, step_credit
 from llm.rollout import Rollout, response_forward, rollout
@@ -175,30 +176,33 @@ class GRPO:
     def rollout_numbers(self, share: Shares, ro: Rollout, rewards: Tensor, zero_std: Tensor, rstats: dict,
                         step: int) -> tuple[dict, float, dict, float]:
         """The rollouts' numbers on the global batch (the row's reward columns, the entropy, llm.shares.
-        rollout_stats' row and token count); raises the quality gate on groups of equal rewards."""
+        rollout_stats' row and token count); counts the steps in a row whose groups' rewards are all equal."""
         G = self.cfg.group_size
         reward_sum, std_sum, n_zero, ent_sum, n_resp = share.sums(
             rewards.double().sum(), rewards.float().view(-1, G).std(dim=1).sum(), zero_std.sum(),
             (-ro.logprobs * ro.response_mask).sum(), ro.response_mask.sum())
         n_all, B_all = share.total // G, share.total
-        self.check_zero_std(n_zero == n_all, step, reward_sum / B_all)
+        self.zero_std_streak = self.zero_std_streak + 1 if n_zero == n_all else 0
         rollouts, n_tokens = rollout_stats(share, ro, rstats)
         row = {"reward": reward_sum / B_all, "reward_std": std_sum / n_all, "frac_reward_zero_std": n_zero / n_all}
         # entropy of the sampling distribution, estimated by -log pi_old(a_t) of the sampled tokens
         # (unbiased, and free: no (B, N, V) softmax over all completions)
         return row, ent_sum / max(n_resp, 1.0), rollouts, n_tokens
 
-    def check_zero_std(self, all_equal: bool, step: int, reward: float) -> None:
-        """The quality gate: every group's rewards equal for max_zero_std_steps steps in a row."""
-        cfg = self.cfg
-        self.zero_std_streak = self.zero_std_streak + 1 if all_equal else 0
-        if self.zero_std_streak >= cfg.max_zero_std_steps:
-            raise QualityGateError(
-                "grpo", "consecutive steps with no informative group (every group's rewards equal)",
-                self.zero_std_streak, "at", "grpo.max_zero_std_steps", cfg.max_zero_std_steps,
-                detail=f"up to step {step + 1}; last mean reward {reward:.3f}",
-                advice="The prompts are too hard (or too easy) for this policy: use easier grpo.curriculum_levels,"
-                       " a longer grpo.curriculum_steps, a larger grpo.group_size or a higher grpo.temperature")
+    def stalled(self) -> bool:
+        """Every group's rewards equal for max_zero_std_steps steps in a row: the run learns nothing
+        (the same on every rank: the count reads global sums)."""
+        return self.zero_std_streak >= self.cfg.max_zero_std_steps
+
+    def zero_std_gate(self, history: Sequence[dict]) -> Gate:
+        """The quality gate of a `stalled` run, for llm.finish.finish_stage; `history` is the run's
+        rows (llm.loop.LoopResult.history)."""
+        last = history[-1] if history else {"step": 0, "reward": float("nan")}
+        return Gate("consecutive steps with no informative group (every group's rewards equal)",
+                    self.zero_std_streak, "under", "grpo.max_zero_std_steps", self.cfg.max_zero_std_steps,
+                    detail=f"up to step {last['step']}; last mean reward {last['reward']:.3f}",
+                    advice="The prompts are too hard (or too easy) for this policy: use easier grpo.curriculum_levels,"
+                           " a longer grpo.curriculum_steps, a larger grpo.group_size or a higher grpo.temperature")
 
     def minibatch_loss(self, b: Scored, lengths: Tensor, rows: Tensor, idx: Tensor, w: float) -> tuple[Tensor, dict]:
         """Step 3 on this rank's `rows` of minibatch `idx`: the per-token loss aggregated by loss_agg,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from llm.batching import derive_seed
-from llm.chat import user_prompt
+from llm.template import user_prompt
 from llm.evaluate import math_eval
 from llm.paired import bootstrap_mean
 from llm.rewards import RewardFn

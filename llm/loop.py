@@ -18,6 +18,9 @@ llm/grpo.py) are bodies too. Everything else is here, written once:
   current step finishes, a checkpoint is written and the process exits with 128 + signal
   (a second signal aborts at once);
 - evaluation before the first step and every `eval_every` steps (`evaluate(step)`);
+- an early end (`stop_early`): a body that can tell the run is going nowhere (GRPO with no
+  informative group for a while) ends it after a step; the stage's gates then fail it through
+  llm/finish.py like every other gate, so its numbers land in failed_metrics.json;
 - progress and monitoring (llm/monitor.py): a bar, TensorBoard (under `<tb_dir>/<the
   fingerprint's first 12 hex digits>`: one run per params and inputs), per-step TSV curves and
   a PNG (the stages keep them in the run directory and publish them to metrics/plots once the
@@ -201,6 +204,14 @@ class Updater:
 # The loop
 
 class StepBody(Protocol):
+    """A stage's step body (the module docstring): the supervised one (llm/trainer.py), PPO and GRPO.
+
+    `model` is the module its steps run (PPO's policy with its value head; the supervised body's
+    may be wrapped by DDP or FSDP). The loop reads only the three methods and checkpoints the
+    unwrapped module it is given as `run_loop(model=...)`; `model` is for the stage around it
+    (llm/rl.py trains and writes the RL bodies' `model`)."""
+    model: nn.Module
+
     def step(self, step: int, updater: Updater) -> dict[str, Any] | None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
@@ -223,7 +234,8 @@ class LoopResult:
 def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, stage: str, model: nn.Module,
              run_dir: str | Path, fingerprint: str, evaluate: Callable[[int], dict] | None = None,
              plots: Plots | None = None, log_every: int = 1, progress: bool = True,
-             step_context: Callable[[], Any] = contextlib.nullcontext) -> LoopResult:
+             step_context: Callable[[], Any] = contextlib.nullcontext,
+             stop_early: Callable[[], bool] | None = None) -> LoopResult:
     """Run cfg.max_steps steps of `body`, resuming from `run_dir` when a checkpoint of this fingerprint is there.
 
     model: the unwrapped module whose state is checkpointed (FSDP2 shards are gathered).
@@ -231,6 +243,9 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
     cfg.eval_every steps and after the last one. plots: where the curves go (llm/monitor.py).
     log_every: progress bar and TensorBoard every this many steps (the TSV gets every step).
     step_context: a context around each step (the RL stages run theirs under autocast).
+    stop_early() -> bool: asked after each step; True ends the run there (no evaluation or
+    checkpoint beyond those already due), and the result's `step` is below cfg.max_steps. Every
+    rank must get the same answer (read numbers the ranks share), or the collectives hang.
 
     One function on purpose, longer than most here: resume, the periodic and on-signal
     checkpoints and the step loop share the same few counters (step, times, histories), which
@@ -366,6 +381,9 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
                        "elapsed_s": elapsed0 + time.perf_counter() - t_start}
                 hist.append(row)
                 mon.step(row, show=step % log_every == 0 or step == cfg.max_steps)
+                if stop_early is not None and stop_early():
+                    mon.print(f"{stage}: stopped early at step {step}")
+                    break
                 if step % cfg.eval_every == 0 or step == cfg.max_steps:
                     run_eval(step)
                 if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:

@@ -1,4 +1,4 @@
-"""Reading preference pairs, whoever made them: records, encoding, batches, held-out pair metrics.
+"""Reading preference pairs, whoever made them: records, encoding, batches.
 
 Shared by the reward model (llm/reward_model.py), DPO (llm/dpo.py) and their stages. A pair record
 (data/prepared/prefs, data/pairs) is
@@ -6,18 +6,17 @@ Shared by the reward model (llm/reward_model.py), DPO (llm/dpo.py) and their sta
     {"id", "prompt": [{"role", "content"}, ...], "chosen": str, "rejected": str, "kind": str, ...}
 
 and each answer is rendered with the chat template as `render_prompt(prompt) + answer + <|end|>`
-(the same tokens `llm.chat.render` gives the conversation prompt + [assistant answer]). The
+(the same tokens `llm.template.render` gives the conversation prompt + [assistant answer]). The
 response mask is True on the answer tokens and the closing <|end|>: what DPO scores.
 
 Batches stack the B chosen sequences and then the B rejected ones into one right-padded
 (2B, T) batch, so one forward pass scores both sides; `weight` = B pairs (the trainer's
-loss unit). `pair_metrics` turns the scores of both sides into accuracy and margins, per
-pair kind. How the pipeline makes its own pairs from the SFT model's samples is
-llm/pairs.py.
+loss unit). The held-out numbers of a scorer on pairs (accuracy, margins, per pair kind) are
+llm/reward_model.py's `pair_metrics`. How the pipeline makes its own pairs from the SFT model's
+samples is llm/pairs.py.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,8 +25,8 @@ import torch
 from torch import Tensor
 
 from llm.batching import BucketBatchSampler, ExampleBatches, pad_right
-from llm.chat import ROLE_TOKENS, render_prompt
 from llm.fileio import MAX_RECORD_BYTES, DataError, read_jsonl
+from llm.template import ROLE_TOKENS, render_prompt
 
 Batch = dict[str, Tensor]
 
@@ -167,36 +166,3 @@ def _maker(pairs, pad_id, ref) -> Callable[[list[int]], Batch]:
         t = torch.as_tensor(ix, dtype=torch.long)
         return collate_pairs(sel, pad_id=pad_id, ref_chosen=ref[0][t], ref_rejected=ref[1][t])
     return make
-
-
-def pair_metrics(rc: Tensor, rr: Tensor, kinds: Sequence[str] | None = None) -> dict[str, Any]:
-    """Held-out numbers for a scorer on pairs: rc, rr (N,) scores of chosen and rejected.
-
-    accuracy = share of pairs with rc > rr (a tie counts as wrong), margin = mean(rc - rr),
-    reward_{chosen,rejected}_{mean,std}, reward_{mean,std} over both sides, and `by_kind`
-    {kind: {n, accuracy, margin}}.
-    """
-    n = int(rc.numel())
-    if n == 0:
-        raise ValueError("pair_metrics: no pairs")
-    both = torch.cat([rc, rr]).double()
-    out: dict[str, Any] = {
-        "n_pairs": n,
-        "accuracy": float((rc > rr).double().mean()),
-        "margin": float((rc - rr).double().mean()),
-        "reward_chosen_mean": float(rc.double().mean()), "reward_chosen_std": _std(rc),
-        "reward_rejected_mean": float(rr.double().mean()), "reward_rejected_std": _std(rr),
-        "reward_mean": float(both.mean()), "reward_std": _std(both),
-    }
-    if kinds is not None:
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, k in enumerate(kinds):
-            groups[k].append(i)
-        out["by_kind"] = {k: {"n": len(ix), "accuracy": float((rc[ix] > rr[ix]).double().mean()),
-                              "margin": float((rc[ix] - rr[ix]).double().mean())}
-                          for k, ix in sorted(groups.items())}
-    return out
-
-
-def _std(x: Tensor) -> float:
-    return float(x.double().std(unbiased=False)) if x.numel() else 0.0

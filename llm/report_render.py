@@ -85,7 +85,10 @@ def _md(text: str) -> str:
 
 
 def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str] | None = None) -> str:
-    """The report as GitHub markdown; `images` maps "curves"/"eval" to relative image paths."""
+    """The report as GitHub markdown; `images` maps "curves"/"eval" to relative image paths.
+
+    Long on purpose: the report's sections in the order a reader sees them, each a few lines
+    (render_html below is the same page as HTML)."""
     images = images or {}
     out = ["# Report card", ""]
     warning, lines = header_lines(head, data)

@@ -16,11 +16,16 @@ answer.
 - `RewardModel`: the training view (forward = `reward`, so DDP/FSDP see it inside forward);
 - `bradley_terry_loss`, `reward_loss_fn`: -log sigmoid(r_chosen - r_rejected - margin),
   label-smoothed, as the supervised loop's loss over pair batches (llm/preference.py);
-- `score_sequences`: the reward of many token lists, batched by length.
+- `score_sequences`: the reward of many token lists, batched by length;
+- `pair_metrics`: accuracy and margins of any scorer on pairs (the reward model, DPO's implicit
+  reward, a likelihood), per pair kind;
+- `evaluate_pairs`: the held-out evaluation the reward stage reports and gates on (accuracy on
+  SFT's own answers, the likelihood baseline, the head alone, the generated pairs).
 """
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -171,3 +176,83 @@ def score_sequences(model: nn.Module, seqs: Sequence[Sequence[int]], *, pad_id: 
     finally:
         model.train(was)
     return out
+
+
+def evaluate_pairs(model: nn.Module, val: Sequence[Any], *, sft_records: Sequence[dict], generated: Sequence[Any],
+                   pad_id: int, batch_size: int,
+                   device: torch.device | str = "cpu", autocast: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Every held-out pair scored by `model` (a GPT with a reward head): `pair_metrics` of `val`
+    (accuracy, margin, reward mean/std of each side, `by_kind`), and beside them the numbers below.
+    `val` and `generated` hold llm.preference.EncodedPair (`.chosen`, `.rejected`, `.kind`); the
+    model code does not import the pair reader.
+
+    - `sft_likelihood_accuracy`: the baseline to beat, the share of `sft_records` (the val records
+      behind `val`, as the samples stage wrote them) whose chosen answer the SFT model's own mean
+      log-probability per token ranks higher (None where no record carries it);
+    - `accuracy_without_likelihood`: the accuracy with the likelihood feature's weight zeroed, what
+      the head on the trunk ranks by itself (None without the feature);
+    - `generated_accuracy`, `generated_by_kind`: the same on the generated pairs.
+    """
+    def score(pairs: Sequence[Any]) -> dict[str, Any]:
+        seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+        r = score_sequences(model, seqs, pad_id=pad_id, batch_size=batch_size, device=device, autocast=autocast)
+        return pair_metrics(r[:len(pairs)], r[len(pairs):], [p.kind for p in pairs])
+
+    out = score(val)
+    flags = [r["sft_logp_chosen"] > r["sft_logp_rejected"] for r in sft_records
+             if r.get("sft_logp_chosen") is not None]
+    out["sft_likelihood_accuracy"] = sum(flags) / len(flags) if flags else None
+    out["accuracy_without_likelihood"] = None
+    if "reward_logprob" in model.head_names:
+        with _likelihood_feature_off(model):
+            out["accuracy_without_likelihood"] = score(val)["accuracy"]
+    gen = score(generated)
+    out["generated_accuracy"], out["generated_by_kind"] = gen["accuracy"], gen["by_kind"]
+    return out
+
+
+@contextlib.contextmanager
+def _likelihood_feature_off(model: nn.Module):
+    """The reward model without its likelihood feature: the feature's weight zeroed, restored after."""
+    w = model.reward_logprob_head.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.zero_()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+def pair_metrics(rc: Tensor, rr: Tensor, kinds: Sequence[str] | None = None) -> dict[str, Any]:
+    """Held-out numbers for a scorer on pairs: rc, rr (N,) scores of chosen and rejected.
+
+    accuracy = share of pairs with rc > rr (a tie counts as wrong), margin = mean(rc - rr),
+    reward_{chosen,rejected}_{mean,std}, reward_{mean,std} over both sides, and `by_kind`
+    {kind: {n, accuracy, margin}}.
+    """
+    n = int(rc.numel())
+    if n == 0:
+        raise ValueError("pair_metrics: no pairs")
+    both = torch.cat([rc, rr]).double()
+    out: dict[str, Any] = {
+        "n_pairs": n,
+        "accuracy": float((rc > rr).double().mean()),
+        "margin": float((rc - rr).double().mean()),
+        "reward_chosen_mean": float(rc.double().mean()), "reward_chosen_std": _std(rc),
+        "reward_rejected_mean": float(rr.double().mean()), "reward_rejected_std": _std(rr),
+        "reward_mean": float(both.mean()), "reward_std": _std(both),
+    }
+    if kinds is not None:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, k in enumerate(kinds):
+            groups[k].append(i)
+        out["by_kind"] = {k: {"n": len(ix), "accuracy": float((rc[ix] > rr[ix]).double().mean()),
+                              "margin": float((rc[ix] - rr[ix]).double().mean())}
+                          for k, ix in sorted(groups.items())}
+    return out
+
+
+def _std(x: Tensor) -> float:
+    return float(x.double().std(unbiased=False)) if x.numel() else 0.0

@@ -1,4 +1,4 @@
-"""The glue of the RL stages (stages/ppo.py, stages/grpo.py) around their algorithm: prompts, set-up, run, finish.
+"""The glue of the RL stages (stages/ppo.py, stages/grpo.py) around their algorithm: set-up, run, finish.
 
     setup = setup_rl_stage("grpo", common, cfg, rt.device, sft=..., data=..., levels=...)
     algo = GRPO(setup.policy, setup.ref, cfg, ...)      # llm/grpo.py or llm/ppo.py: one RL step each
@@ -10,91 +10,32 @@ data-parallel bookkeeping is llm/shares.py's; the algorithm is a step body of th
 skeleton (llm/loop.py), which does what every training stage does: resume, checkpoints
 (policy with its value head, AdamW moments, the algorithm's state such as the KL
 coefficient), signals, the optimizer step with clipping and the non-finite policy. Here:
-`MathPrompts` (prompt pools by level, sampled per step), `setup_rl_stage` (models, reward,
-prompts, fingerprint), `finish_rl_stage` (train, held-out evaluation with llm/heldout.py, the
-final-KL gate, the stage's outputs through llm.finish.finish_stage) and `summarize`
-(start-vs-end numbers for the metrics file).
+`setup_rl_stage` (models, reward, the prompts of llm/prompts.py, fingerprint),
+`finish_rl_stage` (train, held-out evaluation with llm/heldout.py, the final-KL gate, the
+stage's outputs through llm.finish.finish_stage) and `summarize` (start-vs-end numbers for
+the metrics file).
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
-from llm.chat import user_prompt
 from llm.config import CommonConfig, RLConfig, fingerprint
-from llm.fileio import MAX_RECORD_BYTES, read_jsonl, sha256_file
+from llm.fileio import sha256_file
 from llm.finish import Gate, finish_stage, run_plots
 from llm.heldout import heldout_eval, heldout_reward_change, heldout_rewards
-from llm.loop import LoopResult, Updater, run_loop
+from llm.loop import LoopResult, StepBody, Updater, run_loop
 from llm.monitor import Plots
 from llm.paired import linear_trend
-from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, to_number, verifier_reward
+from llm.prompts import MathPrompts, read_problems
+from llm.rewards import RewardFn, rm_reward, rm_verifier_reward, verifier_reward
 from llm.runtime import Runtime
-
-
-class Algorithm(Protocol):
-    """A step body of llm/loop.py that trains `model` (checkpointed whole, with a value head)."""
-    model: nn.Module
-
-    def step(self, step: int, updater: Updater) -> dict[str, float]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Math problems {"question", "answer", "level", ...} from a JSONL file (data/prepared/rl/*.jsonl)."""
-    def validate(obj: Any) -> str | None:
-        if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-            return "missing or empty 'question'"
-        if not isinstance(obj.get("answer"), str) or to_number(obj["answer"]) is None:
-            return f"'answer' must be a number as a string, got {obj.get('answer')!r}"
-        if not isinstance(obj.get("level", 0), int):
-            return f"'level' must be an int, got {obj.get('level')!r}"
-        return None
-    out = []
-    for obj in read_jsonl(path, validate=validate, max_line_bytes=MAX_RECORD_BYTES):
-        out.append(obj)
-        if limit is not None and len(out) >= limit:
-            break
-    return out
-
-
-class MathPrompts:
-    """Math problems as chat prompts, grouped by level, sampled with replacement per step.
-
-    Problems whose prompt leaves fewer than max_new_tokens positions in the context are
-    dropped (and counted in `dropped`).
-    """
-
-    def __init__(self, problems: Sequence[dict], tokenizer, *, seq_len: int, max_new_tokens: int, where: str = ""):
-        self.by_level: dict[int, list[tuple[list[int], dict]]] = defaultdict(list)
-        self.dropped = 0
-        for p in problems:
-            ids = user_prompt(p["question"], tokenizer)
-            if len(ids) + max_new_tokens > seq_len:
-                self.dropped += 1
-                continue
-            self.by_level[int(p.get("level", 0))].append((ids, p))
-        self.where = where
-
-    def pool(self, levels: Sequence[int]) -> list[tuple[list[int], dict]]:
-        out = [x for lvl in sorted(set(levels)) for x in self.by_level.get(lvl, [])]
-        if not out:
-            raise ValueError(f"{self.where or 'math prompts'}: no usable problem at levels {sorted(set(levels))}"
-                             f" (levels present: {sorted(self.by_level)}; {self.dropped} dropped as too long)")
-        return out
-
-    def sample(self, n: int, levels: Sequence[int], generator: torch.Generator) -> tuple[list[list[int]], list[dict]]:
-        pool = self.pool(levels)
-        idx = torch.randint(len(pool), (n,), generator=generator).tolist()
-        return [pool[i][0] for i in idx], [pool[i][1] for i in idx]
 
 
 RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "reward", "reward (held-out)")]),
@@ -148,19 +89,21 @@ def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> d
     return out
 
 
-def run_rl(algo: Algorithm, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: str | Path, fingerprint: str,
+def run_rl(algo: StepBody, cfg: RLConfig, rt: Runtime, *, stage: str, run_dir: str | Path, fingerprint: str,
            evaluate: Callable[[int], dict] | None = None, plots: Plots | None = None,
-           progress: bool = True) -> LoopResult:
+           progress: bool = True, stop_early: Callable[[], bool] | None = None) -> LoopResult:
     """Train `algo` for cfg.max_steps RL steps in the run skeleton (llm.loop.run_loop): the policy in
     eval mode (no dropout: the ratio pi / pi_old must compare the same function, as in TRL),
     AdamW over its trainable parameters, each step under the runtime's autocast. Under torchrun
     the Updater sums the ranks' gradients (no DDP wrapper: the policy is trained through
-    `hidden_states` and its heads, whose calls DDP's forward hooks would not see)."""
+    `hidden_states` and its heads, whose calls DDP's forward hooks would not see). `stop_early`:
+    run_loop's (GRPO's `stalled`)."""
     algo.model.eval()
     say = (lambda m: print(m, flush=True)) if rt.is_main else (lambda m: None)
     updater = Updater(algo.model, cfg, rt, stage=stage, say=say, sum_gradients=True)
     return run_loop(algo, updater, cfg, rt, stage=stage, model=algo.model, run_dir=run_dir, fingerprint=fingerprint,
-                    evaluate=evaluate, plots=plots, progress=progress, step_context=rt.autocast)
+                    evaluate=evaluate, plots=plots, progress=progress, step_context=rt.autocast,
+                    stop_early=stop_early)
 
 
 def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> str:
@@ -269,12 +212,14 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
                    section=section if section and section != stage else "", overrides=dict(overrides or {}))
 
 
-def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
+def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
                     metrics: Path, plots: Path, extra_metrics: Callable[[LoopResult], dict[str, Any]],
-                    progress: bool = True, trend_after: int = 0) -> dict[str, Any]:
+                    progress: bool = True, trend_after: int = 0, stop_early: Callable[[], bool] | None = None,
+                    gates: Callable[[LoopResult], list[Gate]] = lambda result: []) -> dict[str, Any]:
     """Train `algo` (llm.loop.run_loop, held-out evaluation on setup.val), then end the stage
-    (llm.finish.finish_stage: the final-KL gate, the policy to `model`, the curves to `plots`, the
-    metrics to `metrics`); returns the metrics.
+    (llm.finish.finish_stage: the algorithm's `gates(result)`, then the final-KL gate; the policy
+    to `model`, the curves to `plots`, the metrics to `metrics`); returns the metrics. A run that
+    `stop_early` ended (llm.loop.run_loop) ends here too, and one of its gates fails it.
 
     The metrics are `summarize`'s (the reward's trend fitted after step `trend_after`), the
     final KL (held-out, else the last training steps') and its gate, `extra_metrics(result)`
@@ -298,7 +243,7 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
 
     result = run_rl(algo, cfg, rt, stage=stage, run_dir=run_dir, fingerprint=setup.fingerprint,
                     evaluate=evaluate if setup.val else None, plots=run_plots(stage, run_dir, RL_PANELS),
-                    progress=progress)
+                    progress=progress, stop_early=stop_early)
     if setup.val and not samples:
         # resumed from a checkpoint at the last step: no held-out evaluation ran in this process,
         # so the samples come from one more (seeded, hence identical) evaluation of the final policy
@@ -312,7 +257,8 @@ def finish_rl_stage(setup: RLSetup, algo: Algorithm, cfg: RLConfig, rt: Runtime,
     out.update({"final_kl": final_kl, "max_kl": cfg.max_kl, **extra_metrics(result), **variant,
                 "train_problems": setup.train_problems, "dropped_prompts": setup.pool.dropped,
                 "resumed_from": result.resumed_from, "math_samples": samples})
-    return finish_stage(stage, gates=[final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir, model=model,
+    return finish_stage(stage, gates=[*gates(result), final_kl_gate(final_kl, cfg.max_kl, stage)], run_dir=run_dir,
+                        model=model,
                         weights=setup.policy.cpu() if rt.is_main else setup.policy, tokenizer=setup.tokenizer,
                         meta={"stage": stage, "fingerprint": setup.fingerprint, "inputs": setup.inputs,
                               "parent": str(setup.sft), "steps": result.step, **variant},

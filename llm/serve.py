@@ -14,7 +14,7 @@
     GET  /health                {"status": "ok", "model": ..., "running": 0|1, "queued": n}
 
 Any OpenAI client works against it (`OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`).
-Conversations go through the chat template of llm/chat.py (`render_prompt`), the one the
+Conversations go through the chat template of llm/template.py (`render_prompt`), the one the
 model was trained with, and the answer ends at <|end|> or <|endoftext|>.
 
 Chat request fields honoured: messages (roles system, developer (= system), user, assistant;
@@ -102,8 +102,8 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from llm.chat import (BOS, STOP_TOKENS, ContextError, TextStream, checked_arg, fit_context, load_for_cli,
-                      positive_int_arg, render_prompt)
+from llm.chat import TextStream, checked_arg, load_for_cli, positive_int_arg
+from llm.template import BOS, STOP_TOKENS, ContextError, fit_context, render_prompt
 from llm.generate import generate, sampling_problem
 from llm.serve_guard import LOCAL_HOSTS, MAX_HEAD_BYTES, AnswerLimit, Guard, guarded_protocol, quiet_logs
 from llm.tokenizer import text_windows

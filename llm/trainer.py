@@ -209,7 +209,7 @@ class SupervisedStep:
     def __init__(self, wrapped: nn.Module, batches: BatchSource, loss_fn: LossFn, rt: Runtime, *, seed: int,
                  grad_accum: int, sync: Callable[[bool], Any], flops_per_token: int | None, peak: float | None):
         assert grad_accum % rt.world_size == 0, "checked by train()"
-        self.wrapped, self.batches, self.loss_fn, self.rt = wrapped, batches, loss_fn, rt
+        self.model, self.batches, self.loss_fn, self.rt = wrapped, batches, loss_fn, rt
         self.seed, self.grad_accum, self.sync = seed, grad_accum, sync
         self.flops_per_token, self.peak = flops_per_token, peak
         self.tokens_seen = 0
@@ -228,7 +228,7 @@ class SupervisedStep:
             seed_step(rt, next(seeds))
             return self.loss_fn(model, batch)
 
-        stats, ekeys = accumulate_gradients(self.wrapped, micro, loss_fn, rt, scaler=updater.scaler,
+        stats, ekeys = accumulate_gradients(self.model, micro, loss_fn, rt, scaler=updater.scaler,
                                             sync=self.sync, check_weights=not self.checked_weights)
         self.checked_weights = True
         outcome, values, gnorm = updater.apply(stats)

@@ -67,7 +67,7 @@ def _summary_lines(metrics: dict) -> list[str]:
 
 def run(common, cfg, device: str, *, sft: Path, tokenizer: Path, eval_prompts: Path, out: Path, metrics_path: Path,
         progress: bool = True) -> dict:
-    from llm.chat import render
+    from llm.template import render
     from llm.tokenizer import Tokenizer
 
     t0 = time.perf_counter()

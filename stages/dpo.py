@@ -48,7 +48,8 @@ from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
 from llm.fileio import sha256_tree
 from llm.finish import Gate, finish_stage, run_plots
 from llm.optim import set_trainable
-from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
+from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches
+from llm.reward_model import pair_metrics
 from llm.rollout import sampled_kl
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
@@ -153,7 +154,7 @@ def kl_gate(m: dict, cfg: DPOConfig) -> Gate:
 def heldout_prompts(pairs, tok, seq_len: int) -> list[list[int]]:
     """The held-out pairs' prompts for the KL to the SFT model: unique, in file order, shorter than
     the context."""
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
 
     prompts, seen = [], set()
     for i in pairs.val_kept:

@@ -28,8 +28,9 @@ information explains. Its metrics and meta.json record the variant and what it f
 forced value is in its fingerprint. `dvc exp run -S grpo.reward_control=shuffled` runs the
 control as `grpo` itself.
 
-Quality gates (the stage exits 1 with a message and writes no model): no informative group
-for grpo.max_zero_std_steps consecutive steps; final held-out KL above grpo.max_kl.
+Quality gates (the stage exits 1 with a message, writes no model and leaves the run's numbers in
+<run dir>/failed_metrics.json): no informative group for grpo.max_zero_std_steps consecutive
+steps (the run ends there); final held-out KL above grpo.max_kl.
 
 Writes the GRPO model directory (LM head only), its metrics (reward and exact match at start
 vs end with a 95% Wilson interval, `reward_trend`: the change of the line fitted to the rewards
@@ -85,7 +86,8 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
     # before them would read as a fall
     return finish_rl_stage(setup, algo, cfg, rt, run_dir=run_dir, model=model, metrics=metrics,
                            plots=plots, extra_metrics=extra_metrics, progress=progress,
-                           trend_after=cfg.curriculum_steps if cfg.curriculum_steps < cfg.max_steps else 0)
+                           trend_after=cfg.curriculum_steps if cfg.curriculum_steps < cfg.max_steps else 0,
+                           stop_early=algo.stalled, gates=lambda result: [algo.zero_std_gate(result.history)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 from llm import pairs as lib
 from llm.artifacts import load_model_dir
 from llm.batching import derive_seed
-from llm.chat import render_prompt
+from llm.template import render_prompt
 from llm.config import CommonConfig, PairsConfig
 from llm.fileio import DataError, atomic_dir, atomic_write_text, read_jsonl, sha256_tree, write_jsonl
 from llm.metrics import write_metrics

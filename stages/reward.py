@@ -40,8 +40,6 @@ held-out reward mean/std for reward normalisation downstream), its metrics, the 
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import random
 import time
 from pathlib import Path
@@ -49,13 +47,13 @@ from pathlib import Path
 import torch
 
 from llm.batching import derive_seed
-from llm.chat import ROLE_TOKENS
+from llm.template import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint
 from llm.fileio import sha256_tree
 from llm.finish import Gate, finish_stage, run_plots
 from llm.optim import set_trainable
-from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches, pair_metrics
-from llm.reward_model import RewardModel, reward_loss_fn, score_sequences
+from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches
+from llm.reward_model import RewardModel, evaluate_pairs, reward_loss_fn
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
 from llm.trainer import train
@@ -118,28 +116,16 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
     out_model.load_state_dict({k.removeprefix("gpt."): v for k, v in state.items()})
     out_model.to(rt.device).eval()
 
-    # every held-out pair, not only the eval_batches the loop watched: SFT's own answers (the
-    # gate), the same with the likelihood feature off (what the learned part ranks by itself), and
-    # the generated pairs
-    score = functools.partial(_score_pairs, out_model, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size, rt=rt)
-    held = score(val_pairs)
-    n = len(val_pairs)
-    sft_lp = [own.val_records[i] for i in own.val_kept]
+    # every held-out pair, not only the eval_batches the loop watched
+    held = evaluate_pairs(out_model, val_pairs, sft_records=[own.val_records[i] for i in own.val_kept],
+                          generated=generated.val, pad_id=tok.pad_id, batch_size=2 * cfg.batch_size,
+                          device=rt.device, autocast=rt.autocast)
     out = {
-        **{k: v for k, v in held.items() if k != "by_kind"},
+        **{k: v for k, v in held.items() if k not in _BESIDE},
         "min_accuracy": cfg.min_accuracy,
         "held_out_on": "generated" if own is generated else "own",
-        # the baseline: the SFT model's mean log-probability per answer token on the same pairs
-        "sft_likelihood_accuracy": _share(r["sft_logp_chosen"] > r["sft_logp_rejected"] for r in sft_lp
-                                          if r.get("sft_logp_chosen") is not None),
-        "by_kind": held["by_kind"],
-        "generated_accuracy": None, "generated_by_kind": None, "accuracy_without_likelihood": None,
+        **{k: held[k] for k in _BESIDE},
     }
-    gen_held = score(generated.val)
-    out["generated_accuracy"], out["generated_by_kind"] = gen_held["accuracy"], gen_held["by_kind"]
-    if cfg.logprob_feature:
-        with _feature_off(out_model):
-            out["accuracy_without_likelihood"] = score(val_pairs)["accuracy"]
     m = result.metrics
     out.update({
         "train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "train_accuracy": _last(result, "accuracy"),
@@ -150,20 +136,30 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "threads_steps": m["threads_steps"],
         "nonfinite_skips": m["nonfinite_skips"], "stage_time_s": time.perf_counter() - t0,
     })
-    worst = sorted(held["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
-    gate = Gate("held-out accuracy on SFT's own answers", held["accuracy"], "min", "reward.min_accuracy",
-                cfg.min_accuracy,
-                detail=f"on {n} pairs (SFT's likelihood: {_fmt(out['sft_likelihood_accuracy'])}), margin"
-                       f" {held['margin']:.3f}; weakest kinds: "
-                       + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
-                advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
-                       " is expected")
-    return finish_stage(STAGE, gates=[gate], run_dir=run_dir, model=model, weights=out_model.cpu(), tokenizer=tok,
+    return finish_stage(STAGE, gates=[_accuracy_gate(out, cfg)], run_dir=run_dir, model=model, weights=out_model.cpu(),
+                        tokenizer=tok,
                         meta={"stage": STAGE, "fingerprint": fp, "inputs": inputs, "parent": str(sft),
                               "steps": result.step,
                               "reward_stats": {"mean": held["reward_mean"], "std": held["reward_std"],
                                                "on": f"{samples}/val.jsonl"}},
                         plots=plots, metrics=metrics, numbers=out)
+
+
+# evaluate_pairs' numbers beside the held-out pair metrics, in the metrics file's order
+_BESIDE = ("sft_likelihood_accuracy", "by_kind", "generated_accuracy", "generated_by_kind",
+           "accuracy_without_likelihood")
+
+
+def _accuracy_gate(out: dict, cfg: RewardConfig) -> Gate:
+    """The stage's gate: held-out accuracy on SFT's own answers, with the weakest kinds beside it."""
+    worst = sorted(out["by_kind"].items(), key=lambda kv: kv[1]["accuracy"])[:3]
+    return Gate("held-out accuracy on SFT's own answers", out["accuracy"], "min", "reward.min_accuracy",
+                cfg.min_accuracy,
+                detail=f"on {out['n_pairs']} pairs (SFT's likelihood: {_fmt(out['sft_likelihood_accuracy'])}),"
+                       f" margin {out['margin']:.3f}; weakest kinds: "
+                       + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
+                advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
+                       " is expected")
 
 
 def _load_own(samples: Path, tok, seq_len: int):
@@ -187,31 +183,6 @@ def generated_count(share: float, n_own: int, n_available: int) -> int:
     if share <= 0:
         return 0
     return min(n_available, round(share * n_own / (1 - share)))
-
-
-def _score_pairs(model, pairs, *, pad_id: int, batch_size: int, rt: Runtime) -> dict:
-    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    r = score_sequences(model, seqs, pad_id=pad_id, batch_size=batch_size, device=rt.device, autocast=rt.autocast)
-    return pair_metrics(r[:len(pairs)], r[len(pairs):], [p.kind for p in pairs])
-
-
-@contextlib.contextmanager
-def _feature_off(model):
-    """The reward model without its likelihood feature: what the head on the trunk ranks alone."""
-    w = model.reward_logprob_head.weight
-    saved = w.detach().clone()
-    with torch.no_grad():
-        w.zero_()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            w.copy_(saved)
-
-
-def _share(flags) -> float | None:
-    flags = list(flags)
-    return sum(flags) / len(flags) if flags else None
 
 
 def _fmt(x: float | None) -> str:

@@ -6,11 +6,11 @@ Reads the `common` and `sft` sections of params.yaml, the pretrained model (and 
 tokenizer), the cleaned conversations ({train,val}.jsonl: {"id", "messages", "source"}) and
 held-out math problems for the final exact-match check.
 
-Each conversation is rendered with the chat template (llm/chat.py); the loss covers only
+Each conversation is rendered with the chat template (llm/template.py); the loss covers only
 assistant tokens and their closing <|end|>. Conversations longer than the context are
-cut at the end; one left with no supervised token is dropped and counted. Batches come
-from a length-bucketing sampler (`sft.bucket_width`) so padding stays small; the padding
-mask is combined with the causal mask inside attention. A source with fewer training
+cut at the end; one left with no supervised token is dropped and counted. Batches come from
+a length-bucketing sampler (`sft.bucket_width`; llm/batching.py conversation_batches) so
+padding stays small; the padding mask is combined with the causal mask inside attention. A source with fewer training
 conversations than `sft.min_source_examples` is repeated whole until it has at least that
 many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
 prompts) are otherwise a few dozen conversations among twenty thousand; what it costs or buys
@@ -38,12 +38,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from llm.average import average_checkpoints
-from llm.batching import (BucketBatchSampler, ExampleBatches, ReplayBatches, derive_seed, open_tokens, pad_collate,
+from llm.batching import (conversation_batches, derive_seed, fixed_conversation_batches, open_tokens,
                           upsample_sources)
-from llm.chat import render
+from llm.template import render_all
 from llm.config import CommonConfig, SFTConfig, fingerprint
 from llm.fileio import DataError, read_jsonl, sha256_file, sha256_tree
 from llm.finish import finish_stage, run_plots
@@ -56,34 +54,6 @@ INPUTS = {"base": "the pretrained model directory", "data": "cleaned conversatio
           "math_val": "held-out math problems (JSONL) for the final exact-match check",
           "tokens": "token shards (train.bin, meta.json): pretraining text, read when sft.replay_fraction > 0"}
 OUTPUTS = training_outputs("the SFT model directory")
-
-
-def render_all(records: list[dict], tokenizer, max_tokens: int) -> tuple[list[tuple[list[int], list[bool]]], int]:
-    """(ids, loss_mask) per usable conversation, and how many were dropped by truncation."""
-    out, dropped = [], 0
-    for r in records:
-        x = render(r["messages"], tokenizer, max_tokens=max_tokens)
-        if x is None:
-            dropped += 1
-        else:
-            out.append(x)
-    return out, dropped
-
-
-def make_batch(examples, pad_id: int):
-    return lambda ix: pad_collate([examples[i][0] for i in ix], pad_id=pad_id,
-                                  loss_masks=[examples[i][1] for i in ix])
-
-
-def training_batches(train_ex, pad_id: int, cfg: SFTConfig, seed: int, rt: Runtime, replay=None):
-    """The batch source of the training conversations: length buckets, and with `replay` (a
-    token array; only when sft.replay_fraction > 0) windows of pretraining text appended."""
-    sampler = BucketBatchSampler([len(ids) for ids, _ in train_ex], batch_size=cfg.batch_size,
-                                 bucket_width=cfg.bucket_width, seed=seed, rank=rt.rank, world_size=rt.world_size)
-    batches = ExampleBatches(sampler, make_batch(train_ex, pad_id))
-    if replay is None:
-        return batches
-    return ReplayBatches(batches, replay, fraction=cfg.replay_fraction, seed=seed)
 
 
 def _replay_tokens(cfg: SFTConfig, tokens: Path | None, tokenizer, inputs: dict):
@@ -103,16 +73,6 @@ def _replay_tokens(cfg: SFTConfig, tokens: Path | None, tokenizer, inputs: dict)
                         f" lacks dtype); re-run `dvc repro tokenize`, or set sft.replay_fraction: 0.0")
     inputs["tokens"] = sha256_file(tokens / "train.bin")
     return open_tokens(tokens / "train.bin", meta["dtype"])
-
-
-def fixed_val_batches(val_ex, cfg: SFTConfig, seed: int, pad_id: int) -> list:
-    """Fixed validation batches: a seeded sample of the val conversations (shortest-first would
-    pick only the short instruction tasks), sorted by length within the sample to pad less."""
-    g = torch.Generator().manual_seed(seed)
-    pick = torch.randperm(len(val_ex), generator=g)[: cfg.eval_batches * cfg.batch_size].tolist()
-    val_sorted = sorted((val_ex[i] for i in pick), key=lambda x: len(x[0]))
-    return [make_batch(val_sorted, pad_id)(list(range(i, min(i + cfg.batch_size, len(val_sorted)))))
-            for i in range(0, len(val_sorted), cfg.batch_size)]
 
 
 def _evaluate_average(out_model, averaged: list[int], m: dict, val_batches, loss_fn, rt: Runtime) -> None:
@@ -147,8 +107,8 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     n_records = len(train_recs)
     train_recs = [train_recs[i] for i in keep]
     val_recs = list(read_jsonl(data / "val.jsonl"))
-    train_ex, dropped_train = render_all(train_recs, tok, seq_len + 1)
-    val_ex, dropped_val = render_all(val_recs, tok, seq_len + 1)
+    train_ex, dropped_train = render_all([r["messages"] for r in train_recs], tok, seq_len + 1)
+    val_ex, dropped_val = render_all([r["messages"] for r in val_recs], tok, seq_len + 1)
     if not train_ex:
         raise DataError(f"{data}/train.jsonl: no conversation has a supervised token within seq_len={seq_len}")
     inputs = {"base": base_meta.get("fingerprint", ""), "data": sha256_tree(data)}
@@ -156,8 +116,11 @@ def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: 
     fp = fingerprint(common, cfg, inputs)
     seed = derive_seed(common.seed, STAGE)
 
-    batches = training_batches(train_ex, tok.pad_id, cfg, seed, rt, replay)
-    val_batches = fixed_val_batches(val_ex, cfg, derive_seed(common.seed, STAGE, "val"), tok.pad_id)
+    batches = conversation_batches(train_ex, pad_id=tok.pad_id, batch_size=cfg.batch_size,
+                                   bucket_width=cfg.bucket_width, seed=seed, rank=rt.rank,
+                                   world_size=rt.world_size, replay=replay, replay_fraction=cfg.replay_fraction)
+    val_batches = fixed_conversation_batches(val_ex, pad_id=tok.pad_id, batch_size=cfg.batch_size,
+                                             n_batches=cfg.eval_batches, seed=derive_seed(common.seed, STAGE, "val"))
     if rt.is_main:
         print(f"{STAGE}: {len(train_ex)} train / {len(val_ex)} val conversations"
               f" ({dropped_train} + {dropped_val} dropped: nothing supervised within seq_len={seq_len});"

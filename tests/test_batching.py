@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, ReplayBatches, WindowSampler, derive_seed,
-                          fixed_windows, open_tokens, pad_collate, replay_rows, upsample_sources)
+                          fixed_conversation_batches, fixed_windows, open_tokens, pad_collate, replay_rows,
+                          upsample_sources)
 
 TOKENS = (np.arange(10_000) % 997).astype(np.uint16)  # token at i is i % 997: windows are checkable
 
@@ -243,3 +244,18 @@ def test_replay_resumes_from_the_inner_cursor():
     b.load_state_dict(a.state_dict())
     x, y = a.next_batch(), b.next_batch()
     assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_fixed_conversation_batches_are_a_seeded_sample_sorted_by_length():
+    g = torch.Generator().manual_seed(1)
+    examples = [(list(range(n)), [True] * n) for n in torch.randint(2, 30, (40,), generator=g).tolist()]
+    batches = fixed_conversation_batches(examples, pad_id=0, batch_size=4, n_batches=3, seed=7)
+    assert len(batches) == 3 and all(b["idx"].shape[0] == 4 for b in batches)
+    lengths = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
+    assert lengths == sorted(lengths)                          # sorted within the sample: less padding
+    assert [b["idx"].tolist() for b in batches] == [
+        b["idx"].tolist() for b in fixed_conversation_batches(examples, pad_id=0, batch_size=4, n_batches=3, seed=7)]
+    other = fixed_conversation_batches(examples, pad_id=0, batch_size=4, n_batches=3, seed=8)
+    assert lengths != [int(n) for b in other for n in b["attention_mask"].sum(1)]  # a sample, not the shortest
+    everything = fixed_conversation_batches(examples, pad_id=0, batch_size=4, n_batches=100, seed=7)
+    assert sum(b["idx"].shape[0] for b in everything) == len(examples)            # at most every example once

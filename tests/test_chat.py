@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from llm.artifacts import save_model_dir
-from llm.chat import COMMANDS, Chat, TextStream, _parser, main, render, render_prompt, run_command
+from llm.chat import COMMANDS, Chat, TextStream, _parser, main, run_command
+from llm.template import render, render_prompt
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT
@@ -233,7 +234,7 @@ def test_the_history_keeps_the_system_message_and_whole_exchanges(tok, model_dir
 
 def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
     from llm.artifacts import load_model_dir
-    from llm.chat import ContextError
+    from llm.template import ContextError
     chat = Chat(load_model_dir(model_dir)[0], tok, system="Be brief.", temperature=0.0, max_new_tokens=8)
     chat.reply("hi")
     before = list(chat.history)
@@ -245,7 +246,7 @@ def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
 def test_fit_context_drops_the_fewest_earliest_exchanges_and_counts_as_the_template_does(tok):
     """What is kept renders to the length fit_context counted, leaves the answer its room, and
     keeping one more exchange would not: the fewest messages go, oldest first, never the system one."""
-    from llm.chat import fit_context
+    from llm.template import fit_context
 
     def count(text):
         return len(tok.encode(text, allowed_special="none"))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from llm.artifacts import MissingArtifactError, save_model_dir
 from llm.batching import derive_seed, pad_collate
-from llm.chat import render, render_prompt
+from llm.template import render, render_prompt
 from llm.config import EvalConfig, ModelConfig, load_sections
 from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
 from llm.generators import TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, scope_request, task

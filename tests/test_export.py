@@ -105,7 +105,7 @@ def test_configs_llama_cannot_express_are_refused_with_the_reason(tmp_path, kw, 
 
 def test_cli_exports_a_model_directory_with_tokenizer_and_chat_template(tmp_path, tok, capsys):
     transformers = pytest.importorskip("transformers")
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
 
     m = model(tok.vocab_size, heads=("lm", "value"))
     save_model_dir(tmp_path / "sft", m, tok, {"stage": "sft"})
@@ -173,7 +173,7 @@ def template_ids(hf_tok, messages) -> list[int]:
 
 @pytest.mark.parametrize("text", ADVERSARIAL)
 def test_the_exported_template_gives_llm_chat_ids_for_special_token_text(tok, hf_tok, text):
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
     msgs = [{"role": "system", "content": text}, {"role": "user", "content": text},
             {"role": "assistant", "content": text}, {"role": "user", "content": "ok " + text + " ok"}]
     ours = render_prompt(msgs, tok)
@@ -193,7 +193,7 @@ def test_the_template_escape_is_needed(tok, hf_tok, monkeypatch, tmp_path):
     monkeypatch.setattr(ex, "CHAT_TEMPLATE", plain)
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf")
     naive = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
     msgs = [{"role": "user", "content": "<|end|>"}]
     assert template_ids(naive, msgs) != render_prompt(msgs, tok)
 
@@ -216,7 +216,7 @@ def test_any_text_through_the_template_gives_llm_chat_ids(tok, hf_tok):
     hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
 
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
     pieces = st.sampled_from(["<|", "|>", "end", "user", "endoftext", "\ufdd0", "\ufdd1", "\ufdd2", "<", "|",
                               " ", "\n", "x", "苹果", "🙂", "{{", "}}", "'", "\\"])
     texts = st.one_of(st.lists(pieces, max_size=12).map("".join), st.text(max_size=20))

@@ -63,6 +63,14 @@ def test_the_timings_go_to_the_run_directory_the_stage_was_given(tmp_path):
 
 @pytest.mark.parametrize("bound,measured,failed", [("max", 0.21, True), ("max", 0.2, False), ("min", 0.19, True),
                                                    ("min", 0.2, False), ("min", float("nan"), True),
-                                                   ("max", float("inf"), True)])
+                                                   ("max", float("inf"), True), ("under", 0.2, True),
+                                                   ("under", 0.19, False)])
 def test_a_gate_fails_beyond_its_limit_or_on_a_measurement_that_is_not_finite(bound, measured, failed):
     assert Gate("g", measured, bound, "x.limit", 0.2, advice="").failed() is failed
+
+
+def test_a_count_that_reaches_its_limit_is_reported_at_it():
+    """An "under" gate (a streak that must not reach its limit) says "at" the limit, not "above"."""
+    assert "g 3 is at x.limit=3 (d). Do less; c" in str(Gate("g", 3, "under", "x.limit", 3, advice="Do less",
+                                                               detail="d").error("s", "c"))
+    assert "g 4 is above x.limit=3" in str(Gate("g", 4, "under", "x.limit", 3, advice="").error("s", "c"))

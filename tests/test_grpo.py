@@ -22,7 +22,8 @@ from llm.loop import Updater
 from llm.metrics import read_metrics
 from llm.model import GPT
 from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
-from llm.rl import MathPrompts, run_rl
+from llm.prompts import MathPrompts
+from llm.rl import run_rl
 from llm.rollout import Rollout
 from llm.runtime import Runtime
 from tests.conftest import ROOT, dvc_command
@@ -416,11 +417,18 @@ def test_infinite_gradient_norm_is_caught():
         up.minimize(m.wte.weight.sum() * 1e-3)  # a finite loss
 
 
-def test_no_informative_group_for_n_steps_fails_with_a_message(tmp_path):
+def test_no_informative_group_for_n_steps_ends_the_run_and_fails_its_gate(tmp_path):
     cfg = grpo_cfg(max_steps=10, max_zero_std_steps=3)
     algo = grpo(cfg, reward_fn=lambda ro, p: (torch.zeros(len(ro)), {}))
+    res = run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False,
+                 stop_early=algo.stalled)
+    assert res.step == 3 and algo.stalled()                   # ended there, not at max_steps
+    gate = algo.zero_std_gate(res.history)
+    assert gate.failed()
     with pytest.raises(QualityGateError, match=r"no informative group.* 3 is at grpo.max_zero_std_steps=3 \(up to step 3;"):
-        run_rl(algo, cfg, CPU, stage="grpo", run_dir=tmp_path, fingerprint="fp", progress=False)
+        raise gate.error("grpo", "no model was written")
+    algo.zero_std_streak = 2                                   # one step short of the limit passes
+    assert not algo.stalled() and not algo.zero_std_gate(res.history).failed()
 
 
 def test_rl_config_checks_levels():
@@ -559,6 +567,8 @@ def test_grpo_stage_quality_gates_fail_without_writing_a_model(tmp_path):
     p = run_stage(tmp_path / "b", "grpo")
     assert p.returncode == 1 and "no informative group" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "b/models/grpo").exists()
+    failed = json.loads((tmp_path / "b/runs/grpo/failed_metrics.json").read_text())   # the one end-of-stage path
+    assert failed["steps"] == 2 and failed["frac_reward_zero_std_mean"] == 1.0
 
 
 def test_the_reward_trend_is_fitted_after_the_curriculum():

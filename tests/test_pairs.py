@@ -307,7 +307,7 @@ def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_
 def test_errors_sft_would_make_are_wrong_steps_the_model_itself_predicts():
     from types import SimpleNamespace
 
-    from llm.chat import render_prompt
+    from llm.template import render_prompt
     from llm.pairs import errors_sft_would_make
     from llm.tokenizer import Tokenizer
     tok = Tokenizer.train(["12 + 7 = 19\n19 * 2 = 38\n#### 38 What is 12 + 7?"] * 4, vocab_size=300,

@@ -19,13 +19,14 @@ import torch
 import yaml
 
 from llm.artifacts import load_model_dir, save_model_dir
-from llm.chat import render
+from llm.template import render
 from llm.config import ModelConfig, TrainConfig
 from llm.generators import math_problem, preference_pair, task, task_preference_pair
 from llm.metrics import read_metrics
 from llm.model import GPT
-from llm.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches, pair_metrics
-from llm.reward_model import RewardModel, bradley_terry_loss, reward, reward_loss_fn, score_sequences
+from llm.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches
+from llm.reward_model import (RewardModel, bradley_terry_loss, evaluate_pairs, pair_metrics, reward, reward_loss_fn,
+                              score_sequences)
 from llm.runtime import Runtime
 from llm.tokenizer import Tokenizer
 from llm.trainer import train
@@ -270,6 +271,37 @@ def test_pair_metrics():
     assert m["by_kind"] == {"a": {"n": 2, "accuracy": 0.5, "margin": 0.5},
                             "b": {"n": 2, "accuracy": 0.5, "margin": 0.5}}
     assert m["reward_chosen_mean"] == 1.5 and m["reward_rejected_std"] == pytest.approx(math.sqrt(0.5))
+
+
+def test_evaluate_pairs_reports_the_head_alone_the_likelihood_baseline_and_the_generated_pairs():
+    V, MARK = 50, 5
+    gpt = tiny_gpt(V, seed=3, heads=("lm", "reward"))
+    gpt.add_head("reward_logprob", marker=MARK)
+    with torch.no_grad():
+        gpt.reward_logprob_head.weight.fill_(50.0)   # the feature decides
+    gpt.eval()
+    g = random.Random(0)
+    pair = lambda kind: EncodedPair([1, MARK] + [g.randrange(6, 40) for _ in range(3)],
+                                    [1, MARK] + [g.randrange(6, 40) for _ in range(4)], 2, kind)
+    val, generated = [pair("math") for _ in range(12)], [pair("task") for _ in range(5)]
+    records = [{"sft_logp_chosen": -1.0, "sft_logp_rejected": -2.0}, {"sft_logp_chosen": -3.0, "sft_logp_rejected": -2.0},
+               {"sft_logp_chosen": -1.0, "sft_logp_rejected": -1.5},
+               {}]                                                   # the last carries no likelihood
+    weight = gpt.reward_logprob_head.weight.detach().clone()
+
+    m = evaluate_pairs(gpt, val, sft_records=records, generated=generated, pad_id=V - 1, batch_size=4)
+    score = lambda model, pairs: pair_metrics(
+        score_sequences(model, [p.chosen for p in pairs], pad_id=V - 1, batch_size=4),
+        score_sequences(model, [p.rejected for p in pairs], pad_id=V - 1, batch_size=4), [p.kind for p in pairs])
+    assert {k: m[k] for k in score(gpt, val)} == score(gpt, val)
+    assert m["sft_likelihood_accuracy"] == pytest.approx(2 / 3)
+    assert (m["generated_accuracy"], m["generated_by_kind"]) == (score(gpt, generated)["accuracy"],
+                                                                  score(gpt, generated)["by_kind"])
+    head_alone = tiny_gpt(V, seed=3, heads=("lm", "reward")).eval()
+    assert m["accuracy_without_likelihood"] == score(head_alone, val)["accuracy"] != m["accuracy"]
+    assert torch.equal(gpt.reward_logprob_head.weight, weight)          # the feature is back afterwards
+    plain = evaluate_pairs(head_alone, val, sft_records=[], generated=generated, pad_id=V - 1, batch_size=4)
+    assert plain["accuracy_without_likelihood"] is None and plain["sft_likelihood_accuracy"] is None
 
 
 # ---------------------------------------------------------------------------

@@ -503,7 +503,7 @@ def test_a_sampled_batch_does_not_depend_on_the_batches_before_it(world):
     (seed, b), whatever ran before it (a generator shared by the batches would hand batch 1
     whatever batch 0 left of its stream)."""
     from llm.batching import derive_seed
-    from llm.chat import user_prompt
+    from llm.template import user_prompt
     from llm.evaluate import generate_answers
     from llm.generate import generate
     tok, model = world["tok"], world["base"]  # the barely trained model: its samples vary with the draws

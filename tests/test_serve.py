@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from llm.artifacts import load_model_dir, save_model_dir
-from llm.chat import BOS, END, render_prompt
+from llm.template import BOS, END, render_prompt
 from llm.config import ModelConfig
 from llm.generate import generate
 from llm.model import GPT

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from llm.chat import fit_context, render_prompt
+from llm.template import fit_context, render_prompt
 from llm.serve import make_app
 from tests.browser import chromium
 from tests.test_serve import HI, SEQ_LEN, Server, babbler, expected, post, raw, tok  # noqa: F401 (tok: a fixture)

@@ -717,21 +717,16 @@ def test_sft_batches_without_replay_are_the_bucket_batches_they_always_were():
     """sft.replay_fraction 0 (the default) hands the loop exactly the batches of the length-bucket
     sampler and the padding collate, as SFT built them before replay existed; above 0 the same
     conversations come first in every batch."""
-    from types import SimpleNamespace
-
-    from llm.batching import BucketBatchSampler, ExampleBatches, pad_collate, replay_rows
-    from stages.sft import training_batches
+    from llm.batching import BucketBatchSampler, ExampleBatches, conversation_batches, pad_collate, replay_rows
     g = torch.Generator().manual_seed(0)
     examples = [(ids := torch.randint(5, 50, (int(n),), generator=g).tolist(), [j % 3 == 0 for j in range(len(ids))])
                 for n in torch.randint(3, 40, (60,), generator=g)]
-    rt = Runtime(device=torch.device("cpu"), dtype=torch.float32)
-    cfg = SimpleNamespace(batch_size=8, bucket_width=5, replay_fraction=0.0)
     today = ExampleBatches(BucketBatchSampler([len(ids) for ids, _ in examples], batch_size=8, bucket_width=5, seed=9),
                            lambda ix: pad_collate([examples[i][0] for i in ix], pad_id=0,
                                                   loss_masks=[examples[i][1] for i in ix]))
-    default = training_batches(examples, 0, cfg, 9, rt)
-    replayed = training_batches(examples, 0, SimpleNamespace(**{**vars(cfg), "replay_fraction": 0.25}), 9, rt,
-                                np.arange(500, dtype=np.uint16))
+    default = conversation_batches(examples, pad_id=0, batch_size=8, bucket_width=5, seed=9)
+    replayed = conversation_batches(examples, pad_id=0, batch_size=8, bucket_width=5, seed=9,
+                                    replay=np.arange(500, dtype=np.uint16), replay_fraction=0.25)
     for _ in range(30):
         a, b, c = today.next_batch(), default.next_batch(), replayed.next_batch()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
