@@ -14,6 +14,7 @@ Data: the pipeline's token shards (--tokens: train.bin, val.bin, meta.json, as s
 reads them) when they exist; otherwise the first --doc-mb MB of the English text under
 /usr/share/doc (bench/tokenizer.py's corpus) as bytes (vocabulary 256, the last 10 % held out):
 real text without a tokenizer, so the embedding and the head are smaller than the profile's.
+That text changes as packages are installed: compare runs only where the printed sha256 agrees.
 
 The AdamW run's final validation loss is the target. For every Muon run: the steps it needs to
 reach that loss (linear between its evaluations, every --eval-every steps; a run that never
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -64,7 +66,8 @@ def load_tokens(tokens: Path, doc_mb: float) -> tuple[np.ndarray, np.ndarray, in
     docs, source = english_docs(int(doc_mb * 1e6))
     data = np.frombuffer("\n\n".join(docs).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
     cut = int(len(data) * 0.9)
-    return data[:cut], data[cut:], 256, f"{source}, {len(data)} bytes as tokens ({tokens} not found)"
+    digest = hashlib.sha256(data.tobytes()).hexdigest()[:12]  # /usr/share/doc changes as packages come and go
+    return data[:cut], data[cut:], 256, f"{source}, {len(data)} bytes as tokens, sha256 {digest} ({tokens} not found)"
 
 
 def run_once(cfg: PretrainConfig, model_cfg, seed: int, train_tok, val_tok) -> dict:
