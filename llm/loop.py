@@ -55,7 +55,7 @@ from llm.checkpoint import checkpoint_path, find_resume, quarantine_stale, save_
 from llm.config import LoopConfig
 from llm.errors import CheckpointError, NonFiniteError
 from llm.monitor import Monitor, Plots
-from llm.optim import build_optimizer, lr_for, set_lr
+from llm.optim import build_optimizers, lr_for, set_lr
 from llm.runtime import Runtime, all_gather_object, all_reduce, barrier
 from llm.threads import auto_tuner, check_counts, stage_candidates, usable_cpus
 
@@ -91,7 +91,8 @@ APPLIED, SKIPPED, OVERFLOW = "applied", "skipped", "overflow"
 
 
 class Updater:
-    """AdamW over the model's trainable parameters, the schedule, clipping and the non-finite policy.
+    """The optimizers over the model's trainable parameters (AdamW, or Muon and AdamW: cfg.optimizer),
+    the schedule, clipping and the non-finite policy.
 
     After a backward (`backward(loss)` scales it for fp16), `apply(stats)` unscales, clips at
     cfg.grad_clip, reads `stats` (a 1-D tensor whose first entry is the loss) and the gradient
@@ -106,7 +107,7 @@ class Updater:
         self.cfg, self.stage, self.say, self.rt = cfg, stage, say, rt
         self.sum_gradients = sum_gradients and rt.distributed
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, cfg, rt.device)
+        self.optimizers = build_optimizers(model, cfg, rt.device, key=stage)
         self.scaler = torch.amp.GradScaler(rt.device.type) if rt.dtype == torch.float16 else None
         self.skips = 0      # updates dropped by the non-finite policy
         self.overflows = 0  # fp16 overflows (the scaler's business)
@@ -116,7 +117,7 @@ class Updater:
         """Set and return the learning rate of step `step` (0-based)."""
         self.step = step
         lr = lr_for(step, self.cfg)
-        set_lr(self.optimizer, lr)
+        set_lr(self.optimizers, lr)
         return lr
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -126,7 +127,8 @@ class Updater:
         if self.sum_gradients:
             stats = self._sum_over_ranks(stats)
         if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor
@@ -136,22 +138,25 @@ class Updater:
                                       gnorm.detach().double().reshape(1).to(stats.device)]).tolist()
         loss_v = values[0]
         if math.isfinite(loss_v) and math.isfinite(gnorm_v):
+            for opt in self.optimizers:
+                if self.scaler is not None:
+                    self.scaler.step(opt)
+                else:
+                    opt.step()
             if self.scaler is not None:
-                self.scaler.step(self.optimizer)
                 self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             return APPLIED, values, gnorm_v
         if self.scaler is not None and math.isfinite(loss_v) and self.scaler.get_scale() > 1.0:
             # fp16 overflow: the scaler skips the update and halves the scale. Once the scale is
             # down to 1 the gradients are really non-finite, and the policy below decides.
-            self.scaler.step(self.optimizer)
+            for opt in self.optimizers:
+                self.scaler.step(opt)
             self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             self.overflows += 1
             return OVERFLOW, values, gnorm_v
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         if self.scaler is not None:
             self.scaler.update()
         stage = self.stage
@@ -166,6 +171,10 @@ class Updater:
                                  f"{self.cfg.nonfinite_budget}; last: {what}")
         self.say(what + f"; update skipped ({self.skips}/{self.cfg.nonfinite_budget} of the budget)")
         return SKIPPED, values, gnorm_v
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     def _sum_over_ranks(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum every rank's gradients and `stats` in one all-reduce (a parameter this rank's loss
@@ -257,7 +266,7 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
                                                          set_optimizer_state_dict)
     run_dir = Path(run_dir)
     say = (lambda m: print(m, flush=True)) if rt.is_main else (lambda m: None)
-    optimizer = updater.optimizer
+    optimizers = updater.optimizers  # one state dict for all of them, keyed by parameter name
     sd_opts = StateDictOptions(full_state_dict=True, cpu_offload=rt.distributed)
 
     # --- resume -------------------------------------------------------------------------
@@ -275,7 +284,7 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
     if ck is not None:
         set_model_state_dict(model, ck.model_state, options=StateDictOptions(full_state_dict=True, strict=True))
         ts = ck.train_state
-        set_optimizer_state_dict(model, optimizer, ts["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizers, ts["optimizer"], options=StateDictOptions(full_state_dict=True))
         updater.load_state_dict(ts["updater"])
         body.load_state_dict(ts["body"])
         step, train_time, eval_time, elapsed0 = ts["step"], ts["train_time_s"], ts["eval_time_s"], ts["elapsed_s"]
@@ -325,7 +334,7 @@ def run_loop(body: StepBody, updater: Updater, cfg: LoopConfig, rt: Runtime, *, 
         nonlocal saved
         # every rank joins (FSDP gathers shards); rank 0 writes
         model_state = get_model_state_dict(model, options=sd_opts)
-        optim_state = get_optimizer_state_dict(model, optimizer, options=sd_opts)
+        optim_state = get_optimizer_state_dict(model, optimizers, options=sd_opts)
         path = None
         if rt.is_main:
             state = {"step": at, "optimizer": optim_state, "updater": updater.state_dict(), "body": body.state_dict(),

@@ -117,6 +117,20 @@ def test_cross_field_rules():
     assert "tokenizer.vocab_size: must be at least 256 bytes + 6 special tokens" in msg
 
 
+def test_the_optimizer_is_chosen_per_stage_and_checked_by_key():
+    d = _base()
+    d["pretrain"]["optimizer"], d["sft"]["optimizer"], d["sft"]["muon_lr"] = "muon", "adamw", 0.03
+    p = load_params_text(_dump(d))
+    assert (p.pretrain.optimizer, p.sft.optimizer, p.sft.muon_lr, p.dpo.optimizer) == ("muon", "adamw", 0.03, "adamw")
+    d["grpo"]["optimizer"] = "sgd"
+    d["pretrain"]["distributed"] = "fsdp"
+    with pytest.raises(ConfigError) as e:
+        load_params_text(_dump(d))
+    assert "grpo.optimizer: expected one of 'adamw', 'muon', got 'sgd'" in str(e.value)
+    assert "pretrain.optimizer: muon does not run under pretrain.distributed: fsdp" in str(e.value)
+    assert len(e.value.problems) == 2
+
+
 def test_dpo_trainable_must_name_something():
     d = _base()
     d["dpo"]["trainable"] = []

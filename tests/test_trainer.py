@@ -20,7 +20,7 @@ import torch
 from llm.batching import WindowSampler, fixed_windows
 from llm.config import CommonConfig, ConfigError, ModelConfig, TrainConfig
 from llm.model import GPT
-from llm.optim import build_optimizer, lr_at, param_groups, set_trainable
+from llm.optim import build_optimizer, build_optimizers, lr_at, param_groups, set_lr, set_trainable
 from llm.errors import NonFiniteError
 from llm.metrics import read_metrics
 from llm.monitor import Plots
@@ -178,6 +178,30 @@ def test_build_optimizer_is_fused_adamw_with_our_groups_and_betas():
         torch.testing.assert_close(params[n].detach(), w, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_muon_takes_the_block_matrices_and_adamw_the_rest():
+    """nanochat's split: Muon on the transformer blocks' weight matrices; the embedding, an untied
+    LM head, norms and biases in AdamW's groups (decay and no_decay as with AdamW alone)."""
+    m = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, bias=True,
+                        tie_embeddings=False))
+    muon, adamw = build_optimizers(m, tcfg(optimizer="muon", muon_lr=0.02), "cpu")
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {g["name"]: set(g["param_names"]) for opt in (muon, adamw) for g in opt.param_groups}
+    blocks = {f"blocks.{i}.{w}.weight" for i in (0, 1) for w in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert names["muon"] == blocks
+    assert names["decay"] == {"lm_head.weight"}
+    assert "wte.weight" in names["no_decay"] and "blocks.0.attn.qkv.bias" in names["no_decay"]
+    assert set().union(*names.values()) == {n for n, _ in m.named_parameters()}  # each parameter somewhere
+    assert [type(o) for o in build_optimizers(m, tcfg(), "cpu")] == [torch.optim.AdamW]
+
+
+def test_the_schedule_scales_muons_lr_as_it_scales_adamws():
+    m = tiny_model()
+    opts = build_optimizers(m, tcfg(optimizer="muon", lr=3e-3, muon_lr=0.03), "cpu")
+    set_lr(opts, 1.5e-3)  # half the peak
+    lrs = {g["name"]: g["lr"] for opt in opts for g in opt.param_groups}
+    assert lrs == {"muon": pytest.approx(0.015, rel=1e-12), "no_decay": 1.5e-3}  # tied head: no AdamW decay group
+
+
 # ---------------------------------------------------------------------------
 # Gradient accumulation
 
@@ -260,15 +284,17 @@ def test_activation_checkpointing_gives_the_same_gradients():
 # ---------------------------------------------------------------------------
 # Exact resume, signals, staleness
 
-def test_resume_after_a_crash_is_bitwise_identical(tmp_path):
-    ref, ref_model = run(tmp_path / "ref", tsv=tmp_path / "ref.tsv")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_a_crash_is_bitwise_identical(tmp_path, optimizer):
+    cfg = tcfg(optimizer=optimizer)
+    ref, ref_model = run(tmp_path / "ref", cfg, tsv=tmp_path / "ref.tsv")
 
     def crash(model, batch, loss):
         raise RuntimeError("simulated crash")
 
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(tmp_path / "run", loss_fn=Inject(5, crash), tsv=tmp_path / "run.tsv")  # during step 6; newest ckpt: 4
-    res, model = run(tmp_path / "run", model=tiny_model(seed=99), tsv=tmp_path / "run.tsv")
+        run(tmp_path / "run", cfg, loss_fn=Inject(5, crash), tsv=tmp_path / "run.tsv")  # during step 6; newest ckpt: 4
+    res, model = run(tmp_path / "run", cfg, model=tiny_model(seed=99), tsv=tmp_path / "run.tsv")
     assert res.resumed_from == 4
     assert losses(res) == losses(ref)  # every per-step loss, lr and grad norm, bit for bit
     assert [r["val_loss"] for r in res.val_history] == [r["val_loss"] for r in ref.val_history]
@@ -340,16 +366,18 @@ def test_nan_loss_with_raise_names_the_step(tmp_path):
         run(tmp_path, loss_fn=Inject(2, _nan))
 
 
-def test_nan_loss_with_skip_changes_nothing_and_is_counted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_nan_loss_with_skip_changes_nothing_and_is_counted(tmp_path, monkeypatch, optimizer):
     import llm.loop as loop
     made = []
-    real_build = loop.build_optimizer
-    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: made.append(real_build(*a, **k)) or made[-1])
+    real_build = loop.build_optimizers
+    monkeypatch.setattr(loop, "build_optimizers", lambda *a, **k: made.extend(real_build(*a, **k)) or made)
     calls, snaps = [0], []
 
     def snapshot(model):
         ps = list(model.parameters())
-        return ([p.detach().clone() for p in ps], [{k: v.clone() for k, v in made[0].state[p].items()} for p in ps])
+        return ([p.detach().clone() for p in ps],
+                [{k: v.clone() for opt in made for k, v in opt.state.get(p, {}).items()} for p in ps])
 
     def loss_fn(model, batch):
         s, w = lm_loss(model, batch)
@@ -362,12 +390,13 @@ def test_nan_loss_with_skip_changes_nothing_and_is_counted(tmp_path, monkeypatch
                 s = s * float("nan")
         return s, w
 
-    res, _ = run(tmp_path, tcfg(nonfinite_policy="skip", nonfinite_budget=1), loss_fn=loss_fn)
+    res, _ = run(tmp_path, tcfg(nonfinite_policy="skip", nonfinite_budget=1, optimizer=optimizer), loss_fn=loss_fn)
     assert res.metrics["nonfinite_skips"] == 1 and res.step == 8
     (p_before, o_before), (p_after, o_after) = snaps
     assert all(torch.equal(a, b) for a, b in zip(p_before, p_after))  # no parameter moved
-    for a, b in zip(o_before, o_after):  # no moment, no Adam step count changed
-        assert a.keys() == {"step", "exp_avg", "exp_avg_sq"} and all(torch.equal(a[k], b[k]) for k in a)
+    for a, b in zip(o_before, o_after):  # no moment, no Adam step count, no Muon momentum changed
+        assert a.keys() in ({"step", "exp_avg", "exp_avg_sq"}, {"momentum_buffer"})
+        assert all(torch.equal(a[k], b[k]) for k in a)
     # the schedule did not advance: the retry is step 4 with step 4's lr
     assert res.train_history[3]["lr"] == lr_at(3, lr=3e-3, min_lr=3e-4, warmup_steps=2, max_steps=8)
 
@@ -561,10 +590,12 @@ def _assert_same(a, b, exact=True, atol=0.0):
 # The uninterrupted runs that the subprocess tests compare against (tests/conftest.py's
 # `reference_runs` runs each once per session). "dropout" is the run the kill/resume tests
 # repeat (dropout on: its masks follow the sample); the other cases run without dropout, so that
-# 1 and 2 processes see the same numbers.
+# 1 and 2 processes see the same numbers. A case's "strategies" limits its 2-rank runs (FSDP2
+# refuses Muon).
 FROZEN = ["norm_f.weight", "blocks.1.mlp.*"]
 CASES = {"dropout": {"dropout": 0.1}, "plain": {"dropout": 0.0}, "supervised": {"dropout": 0.0, "supervised": True},
-         "frozen": {"dropout": 0.0, "trainable": FROZEN}}
+         "frozen": {"dropout": 0.0, "trainable": FROZEN},
+         "muon": {"dropout": 0.0, "cfg": {"optimizer": "muon"}, "strategies": ["ddp"]}}
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -607,10 +638,11 @@ def _launch2(opt: dict | list[dict]) -> list[tuple[int, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy, reference_runs):
-    """SIGTERM on rank 0 only: every rank stops at the same step, one checkpoint, exact resume."""
-    base = {**CASES["dropout"], "distributed": strategy}
+@pytest.mark.parametrize("strategy, case", [("ddp", "dropout"), ("fsdp", "dropout"), ("ddp", "muon")])
+def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy, case, reference_runs):
+    """SIGTERM on rank 0 only: every rank stops at the same step, one checkpoint (with Muon's and
+    AdamW's states under `muon`), exact resume."""
+    base = {**CASES[case], "distributed": strategy}
     stop = _launch2({**base, "run_dir": str(tmp_path / "run"), "out": str(tmp_path / "x"), "term_at_attempt": 4})
     assert [rc for rc, _ in stop] == [128 + signal.SIGTERM] * 2, stop
     assert (tmp_path / "run" / "ckpt-00000005" / "manifest.json").is_file()
@@ -618,7 +650,7 @@ def test_distributed_sigterm_then_resume_is_bitwise_identical(tmp_path, strategy
     assert [rc for rc, _ in again] == [0, 0], again
     got = _result(str(tmp_path / "run"))
     assert got[0]["resumed_from"] == 5
-    _assert_same(got, reference_runs("dropout", strategy))
+    _assert_same(got, reference_runs(case, strategy))
 
 
 def _two_match_one(reference_runs, case: str, strategy: str):
@@ -641,6 +673,18 @@ def test_two_gloo_processes_match_one_process(reference_runs, strategy):
 def test_logits_at_supervised_positions_two_processes_match_one(reference_runs, strategy):
     """SFT's loss passes the positions through the DDP and FSDP2 wrappers' forward."""
     _two_match_one(reference_runs, "supervised", strategy)
+
+
+@pytest.mark.slow
+def test_muon_two_processes_match_one(reference_runs):
+    """Muon under DDP: every rank orthogonalises the same summed gradient."""
+    _two_match_one(reference_runs, "muon", "ddp")
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_is_refused_naming_the_keys(tmp_path):
+    got = _launch2({**CASES["muon"], "distributed": "fsdp", "run_dir": str(tmp_path / "run"), "out": str(tmp_path / "x")})
+    assert all(rc != 0 and "test.optimizer: muon does not run under test.distributed: fsdp" in out for rc, out in got), got
 
 
 @pytest.mark.slow
