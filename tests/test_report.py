@@ -1,5 +1,6 @@
 """The report card: offline HTML, provenance header, summary table with paired changes, the
-sentences per stage, samples marked right or wrong, plots; checked in headless Chromium too."""
+sentences per stage, samples marked right or wrong, plots; checked in headless Chromium too, where
+nothing may run off a page 1280 px wide."""
 from __future__ import annotations
 
 import datetime
@@ -388,29 +389,40 @@ class _Dom(html.parser.HTMLParser):
         self.tags.append((tag, dict(attrs)))
 
 
-def _dump_dom(browser: str, page) -> _Dom:
-    """The DOM after load, from headless Chromium with networking off: in an empty network
-    namespace where `unshare` allows it, and with every host unresolvable and a dead proxy."""
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "--virtual-time-budget=10000",
-           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", page.as_uri()]
+def _chromium_cmd(browser: str, page, *flags: str) -> list[str]:
+    """Headless Chromium on `page` with networking off: in an empty network namespace where
+    `unshare` allows it, and with every host unresolvable and a dead proxy."""
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=10000",
+           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", *flags, page.as_uri()]
     if shutil.which("unshare") and subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0:
         cmd = ["unshare", "-rn", *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return cmd
+
+
+def _dump_dom(browser: str, page, *flags: str) -> _Dom:
+    """The DOM after load (`flags`: more Chromium switches, e.g. the window size)."""
+    r = subprocess.run(_chromium_cmd(browser, page, "--dump-dom", *flags), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     dom = _Dom()
     dom.feed(r.stdout)
     return dom
 
 
-@pytest.mark.slow
-def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
+def _probed_report(metrics, tmp_path, probe: str):
+    """(Chromium, a copy of the fixture's report with `probe` run at its end); skipped without Chromium."""
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
     _run(metrics)
-    probe = tmp_path / "probe.html"
-    probe.write_text((metrics / "report.html").read_text().replace("</body>", _PROBE + "</body>"))
-    dom = _dump_dom(browser, probe)
+    page = tmp_path / "probed.html"
+    page.write_text((metrics / "report.html").read_text().replace("</body>", probe + "</body>"))
+    return browser, page
+
+
+@pytest.mark.slow
+def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
+    browser, page = _probed_report(metrics, tmp_path, _PROBE)
+    dom = _dump_dom(browser, page)
     assert any(t == "body" and a.get("data-probe") == "done" for t, a in dom.tags), "the page did not finish loading"
     rows = [a for t, a in dom.tags if t == "tr" and a.get("class") == "model"]
     assert len(rows) == 3  # base, sft, grpo
@@ -544,3 +556,45 @@ def test_without_the_variants_the_report_says_what_is_missing(metrics):
     assert "metrics/eval/ppo_rm.json: missing" in md and "metrics/eval/grpo_random.json: missing" in md
     assert "No per-step history of PPO on the reward model alone" in md and "GRPO against its control" not in md
     assert (metrics / "report_overopt.png").stat().st_size > 0   # a placeholder: dvc.yaml declares the file
+
+
+# Added to a copy of the page only. At load, every element whose box ends right of the window is
+# recorded, except inside a box that scrolls sideways on purpose (`overflow-x: auto | scroll`,
+# which must itself fit); the body records the page's scroll width and height, and the overflows.
+_OVERFLOW_PROBE = """<script>
+window.addEventListener("load", () => {
+  const W = document.documentElement.clientWidth, out = [];
+  const scrolls = el => ["auto", "scroll"].includes(getComputedStyle(el).overflowX);
+  const inScroller = el => { for (let p = el.parentElement; p; p = p.parentElement) if (scrolls(p)) return true;
+                             return false; };
+  for (const el of document.body.querySelectorAll("*")) {
+    const r = el.getBoundingClientRect();
+    if (r.width > 0 && r.right > W + 0.5 && !inScroller(el))
+      out.push(el.tagName.toLowerCase() + (el.className ? "." + el.className : "") + " right=" + Math.round(r.right));
+  }
+  const b = document.body;
+  b.setAttribute("data-client-width", W);
+  b.setAttribute("data-scroll-width", document.documentElement.scrollWidth);
+  b.setAttribute("data-scroll-height", document.documentElement.scrollHeight);
+  b.setAttribute("data-overflow", JSON.stringify(out));
+});
+</script>"""
+
+
+@pytest.mark.slow
+def test_nothing_runs_off_the_page_at_1280_px(metrics, tmp_path):
+    """At a window 1280 px wide the page never scrolls sideways and no box ends past its right
+    edge (a wide table scrolls inside its own box). A full-page screenshot is left in tmp_path
+    (report_1280.png) for a person to look at."""
+    browser, page = _probed_report(metrics, tmp_path, _OVERFLOW_PROBE)
+    dom = _dump_dom(browser, page, "--window-size=1280,900")
+    [body] = [a for t, a in dom.tags if t == "body"]
+    assert "data-overflow" in body, "the probe did not run"
+    assert int(body["data-client-width"]) == 1280
+    assert json.loads(body["data-overflow"]) == [] and int(body["data-scroll-width"]) <= 1280, body
+
+    shot = tmp_path / "report_1280.png"
+    height = min(int(body["data-scroll-height"]), 16000)
+    r = subprocess.run(_chromium_cmd(browser, metrics / "report.html", f"--window-size=1280,{height}",
+                                     f"--screenshot={shot}"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
