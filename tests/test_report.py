@@ -17,7 +17,7 @@ from llm.config import CommonConfig, ReportConfig
 from llm.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
                         stage_headline_rows, stage_summary, stage_times, summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
-from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
+from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure
 from stages.report import run
 
 CFG = ReportConfig(max_samples=3, confidence=0.95, bootstrap_samples=2000)
@@ -598,3 +598,58 @@ def test_nothing_runs_off_the_page_at_1280_px(metrics, tmp_path):
     r = subprocess.run(_chromium_cmd(browser, metrics / "report.html", f"--window-size=1280,{height}",
                                      f"--screenshot={shot}"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
+
+
+def _legend_collisions(fig) -> list[str]:
+    """Each legend that touches another legend or a plot's box with its title, labels and ticks,
+    or runs off the figure."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    page = fig.bbox
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    plots = [ax for ax in fig.axes if ax.axison and ax.get_visible()]
+    out = []
+    for i, leg in enumerate(legends):
+        box = leg.get_window_extent(r)
+        out += [f"legend {i} / legend {j}" for j, other in enumerate(legends[i + 1:], i + 1)
+                if box.overlaps(other.get_window_extent(r))]
+        out += [f"legend {i} / plot {ax.get_title()!r}" for ax in plots if box.overlaps(ax.get_tightbbox(r))]
+        if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1):
+            out.append(f"legend {i} runs off the figure")
+    return out
+
+
+def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
+    """Every series of the RL panels at once, with intervals and a KL below 0 (the longest legends),
+    the evaluation of three models and the over-optimisation panels."""
+    plt = _plt()
+    steps = [float(s) for s in range(30)]
+    rl = {f"{run}{suffix}.tsv": {"step": steps, "kl": [(-1) ** s * 1e-3 for s in range(30)],
+                                 "reward": [s / 30 for s in range(30)], "accuracy": [s / 40 for s in range(30)],
+                                 "math_exact_match": [0.85] * 30, "math_exact_match_lo": [0.8] * 30,
+                                 "math_exact_match_hi": [0.9] * 30}
+          for run in ("ppo", "ppo_rm", "grpo", "grpo_random") for suffix in ("", "_val")}
+    data = collect(metrics)
+    curve = {"sqrt_kl": steps, "proxy": steps, "gold": steps, "proxy_smooth": steps, "gold_smooth": steps,
+             "window": 2, "peak_sqrt_kl": 29.0, "still_rising": True}
+    figures = {"RL curves": curves_figure(rl)[0], "fixture curves": curves_figure(data["curves"])[0],
+               "evaluation": eval_figure(data["evals"]), "over-optimisation": overopt_figure(curve)}
+    found = {name: _legend_collisions(fig) for name, fig in figures.items()}
+    n_legends = {name: len(fig.legends) + sum(ax.get_legend() is not None for ax in fig.axes)
+                 for name, fig in figures.items()}
+    for fig in figures.values():
+        plt.close(fig)
+    assert n_legends == {"RL curves": 5, "fixture curves": 4, "evaluation": 1, "over-optimisation": 2}
+    assert found == {name: [] for name in figures}
+
+
+def test_a_rate_is_drawn_on_its_whole_range_and_kl_names_its_estimator():
+    curves = {"grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85, 0.86, 0.87]},
+              "grpo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]},
+              "ppo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]}}
+    fig, _ = curves_figure(curves)
+    acc, kl = fig.axes[0], fig.axes[1]
+    labels = [line.get_label() for line in kl.lines]
+    _plt().close(fig)
+    assert acc.get_ylim() == (0.0, 1.0)
+    assert labels == ["PPO (ppo.kl_estimator)", "GRPO (k3)"] and "estimated" in kl.get_ylabel()
