@@ -14,19 +14,19 @@ held-out rate logged with its interval is drawn with it as a band. The KL during
 run's sampled training estimate, its estimator named in the legend (k1 can fall below 0).
 
 Every legend sits outside the plots, in a row of its own under its panel (the models' legend of
-the evaluation under the whole figure), so it never covers a line, a label or another legend.
+the evaluation above the whole figure), so it never covers a line, a label or another legend.
 
 Over-optimisation (Gao, Schulman and Hilton 2022): PPO against the reward model alone
 (ppo_rm), each step a point at sqrt(KL to SFT) of its rollouts, the RM score (the proxy it is
 trained on) and the verifier's accuracy (the gold) in two panels with their moving averages
 along the KL axis, and the gold's peak marked.
 
-Evaluation: accuracy per skill as grouped bars with 95% intervals; the win rate against SFT;
-KL to SFT (nats/token, as everywhere) in its own panel on a log axis, because the base
-model's KL (a different model) is orders of magnitude above the others' and would flatten
-every other on a linear one. SFT's KL to itself is 0 and
-an estimate below zero is sampling noise of the estimator around zero: neither has a place
-on a log axis, so each is written at the bottom of the panel instead.
+Evaluation: accuracy per skill as grouped bars with 95% intervals, on a row of its own; under
+it the win rate against SFT and KL to SFT (nats/token, as everywhere) on a log axis, because
+the base model's KL (a different model) is orders of magnitude above the others' and would
+flatten every other on a linear one. SFT's KL to itself is 0 and an estimate below zero is
+sampling noise of the estimator around zero: neither has a place on a log axis, so each is
+written at the bottom of the panel instead.
 
 matplotlib (Agg backend), imported lazily; PNG bytes carry no version string, so the same
 inputs give the same bytes.
@@ -197,10 +197,20 @@ def eval_figure(evals: dict[str, dict]):
     if not panels:
         return None
     plt = _plt()
-    widths = {"skills": max(3.0, 0.55 * len(skills) * max(1, len(models)) / 2.2), "win": 2.6, "kl": 2.8}
-    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths[p] for p in panels) + 1.0, 3.8), squeeze=False,
-                             gridspec_kw={"width_ratios": [widths[p] for p in panels]}, layout="constrained")
-    for ax, panel in zip(axes.flat, panels):
+    widths = {"skills": max(3.0, 0.55 * len(skills) * max(1, len(models)) / 2.2),
+              "win": max(2.6, 0.4 * len(win) + 0.5), "kl": max(2.8, 0.4 * len(kl) + 0.5)}
+    # the skills on a row of their own, the win rate and KL under them: a figure about as wide as
+    # the page, so that the page shows it near its own size
+    under = [p for p in panels if p != "skills"]
+    ratios = [widths[p] for p in under] or [widths["skills"]]
+    spare = widths["skills"] - sum(ratios) if skills else 0.0
+    if spare > 0:
+        under, ratios = under + ["."], ratios + [spare]
+    mosaic = ([["skills"] * len(ratios)] if skills else []) + ([under] if set(under) - {"."} else [])
+    fig, axes_of = plt.subplot_mosaic(mosaic, width_ratios=ratios, figsize=(sum(ratios) + 0.6, 3.5 * len(mosaic) + 0.5),
+                                      layout="constrained")
+    axes = [axes_of[p] for p in panels]
+    for ax, panel in zip(axes, panels):
         if panel == "skills":
             w = 0.8 / max(1, len(models))
             for j, m in enumerate(models):
@@ -229,10 +239,12 @@ def eval_figure(evals: dict[str, dict]):
             ax.set_title("win rate vs SFT (RM judge)", fontsize=10)
         else:
             _kl_panel(ax, kl, evals)
+        if panel != "skills":  # model names written vertically, so that long ones (grpo_random) keep clear of their neighbours
+            plt.setp(ax.get_xticklabels(), rotation=90)
         ax.tick_params(labelsize=8)
         ax.grid(axis="y", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()  # the models, when the skills panel is drawn
-    fig.legend(handles, labels, loc="outside lower center", ncol=max(1, len(labels)), fontsize=8, frameon=False,
+    handles, labels = axes[0].get_legend_handles_labels()  # the models, when the skills panel is drawn
+    fig.legend(handles, labels, loc="outside upper center", ncol=max(1, len(labels)), fontsize=8, frameon=False,
                title="error bars: 95% intervals", title_fontsize=8)
     return fig
 
@@ -251,7 +263,8 @@ def _kl_panel(ax, models: list[str], evals: dict[str, dict]) -> None:
             hi = evals[m].get("kl_hi", v)
             ax.errorbar([i], [v], yerr=[[v - max(lo, floor / 3)], [max(0.0, hi - v)]], fmt="o", ms=6,
                         color=COLORS.get(m), capsize=3)
-            ax.annotate(f"{v:.3g}", (i, v), textcoords="offset points", xytext=(6, 2), fontsize=7)
+            ax.annotate(f"{v:.2g}", (i, max(v, hi)), textcoords="offset points", xytext=(0, 4), ha="center",
+                        va="bottom", fontsize=6.5)  # above its interval, clear of the neighbours
         else:  # staggered, so that neighbours' labels do not overlap
             text = "0\n(itself)" if v == 0 else f"{v:.1g}\n(< 0: noise)"
             ax.text(i, floor / 2 * (4 if i % 2 else 1), text, ha="center", va="bottom", fontsize=6.5,

@@ -600,9 +600,9 @@ def test_nothing_runs_off_the_page_at_1280_px(metrics, tmp_path):
     assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
 
 
-def _legend_collisions(fig) -> list[str]:
+def _collisions(fig) -> list[str]:
     """Each legend that touches another legend or a plot's box with its title, labels and ticks,
-    or runs off the figure."""
+    or runs off the figure; each tick label or note that touches another in its plot."""
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
     page = fig.bbox
@@ -616,12 +616,17 @@ def _legend_collisions(fig) -> list[str]:
         out += [f"legend {i} / plot {ax.get_title()!r}" for ax in plots if box.overlaps(ax.get_tightbbox(r))]
         if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1):
             out.append(f"legend {i} runs off the figure")
+    for ax in plots:
+        for texts in (ax.get_xticklabels(), ax.texts):
+            boxes = [(t.get_text(), t.get_window_extent(r)) for t in texts if t.get_text()]
+            out += [f"{a!r} / {b!r} in {ax.get_title()!r}" for k, (a, box) in enumerate(boxes)
+                    for b, other in boxes[k + 1:] if box.overlaps(other)]
     return out
 
 
 def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
     """Every series of the RL panels at once, with intervals and a KL below 0 (the longest legends),
-    the evaluation of three models and the over-optimisation panels."""
+    the evaluation of three models and of all seven, and the over-optimisation panels."""
     plt = _plt()
     steps = [float(s) for s in range(30)]
     rl = {f"{run}{suffix}.tsv": {"step": steps, "kl": [(-1) ** s * 1e-3 for s in range(30)],
@@ -632,14 +637,19 @@ def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
     data = collect(metrics)
     curve = {"sqrt_kl": steps, "proxy": steps, "gold": steps, "proxy_smooth": steps, "gold_smooth": steps,
              "window": 2, "peak_sqrt_kl": 29.0, "still_rising": True}
+    kls = {"base": 3.35, "sft": 0.0, "ppo": 0.00117, "ppo_rm": 0.000375, "grpo": 0.00216, "grpo_random": 0.00104,
+           "dpo": -0.0002}
+    seven = {m: _eval(0.8, kl=kl, kl_lo=kl / 2, kl_hi=kl * 2, win_rate_vs_sft=0.5) for m, kl in kls.items()}
     figures = {"RL curves": curves_figure(rl)[0], "fixture curves": curves_figure(data["curves"])[0],
-               "evaluation": eval_figure(data["evals"]), "over-optimisation": overopt_figure(curve)}
-    found = {name: _legend_collisions(fig) for name, fig in figures.items()}
+               "evaluation": eval_figure(data["evals"]), "evaluation of seven": eval_figure(seven),
+               "over-optimisation": overopt_figure(curve)}
+    found = {name: _collisions(fig) for name, fig in figures.items()}
     n_legends = {name: len(fig.legends) + sum(ax.get_legend() is not None for ax in fig.axes)
                  for name, fig in figures.items()}
     for fig in figures.values():
         plt.close(fig)
-    assert n_legends == {"RL curves": 5, "fixture curves": 4, "evaluation": 1, "over-optimisation": 2}
+    assert n_legends == {"RL curves": 5, "fixture curves": 4, "evaluation": 1, "evaluation of seven": 1,
+                         "over-optimisation": 2}
     assert found == {name: [] for name in figures}
 
 
