@@ -108,7 +108,6 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
         return None, []
     from llm.monitor import smooth
 
-    plt = _plt()
     entries = max(len(lines) + _below_zero(lines) for _, _, lines in panels)
     fig, axes, legend_rows = _panel_grid(len(panels), ncol=3, width=4.4, height=3.0, legend_lines=entries)
     for ax, legend_row, (title, ylabel, lines) in zip(axes, legend_rows, panels):
@@ -131,8 +130,7 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
         if _below_zero(lines):  # an estimate below 0 (k1): KL itself is not
             ax.axhline(0.0, color="k", lw=0.8, ls=":", label="0 (KL is never below; a k1 estimate can be)")
         if ylabel in RATES:  # the whole range: a change of one point looks like one, not like a climb
-            ax.set_ylim(0, 1)
-            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
+            _rate_axis(ax)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -140,6 +138,12 @@ def curves_figure(curves: dict[str, dict[str, list[float]]]):
         ax.grid(alpha=0.3)
         _legend_below(ax, legend_row)
     return fig, [t for t, _, _ in panels]
+
+
+def _rate_axis(ax) -> None:
+    """A rate's whole range, 0 to 100%."""
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(_plt().FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
 
 
 def _below_zero(lines) -> bool:
@@ -225,8 +229,7 @@ def eval_figure(evals: dict[str, dict]):
                 ax.bar(xs, vals, width=w, yerr=[err_lo, err_hi], capsize=2, color=COLORS.get(m), label=m,
                        error_kw={"lw": 0.8})
             ax.set_xticks(range(len(skills)), [label for _, label in skills], fontsize=8)
-            ax.set_ylim(0, 1)
-            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
+            _rate_axis(ax)
             ax.set_title("accuracy by skill (greedy; sampled: T=1)", fontsize=10)
         elif panel == "win":
             vals = [evals[m]["win_rate_vs_sft"] for m in win]
@@ -234,8 +237,7 @@ def eval_figure(evals: dict[str, dict]):
             hi = [max(0.0, evals[m].get("win_rate_vs_sft_hi", v) - v) for m, v in zip(win, vals)]
             ax.bar(win, vals, yerr=[lo, hi], capsize=3, color=[COLORS.get(m) for m in win])
             ax.axhline(0.5, color="gray", ls="--", lw=0.8)
-            ax.set_ylim(0, 1)
-            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{100 * y:.0f}%"))
+            _rate_axis(ax)
             ax.set_title("win rate vs SFT (RM judge)", fontsize=10)
         else:
             _kl_panel(ax, kl, evals)
@@ -300,7 +302,8 @@ def overopt_figure(curve: dict | None):
                                                                       ("gold", "verifier accuracy (gold)", "C2"))):
         ax.plot(x, curve[key], "o", ms=2.5, color=color, alpha=0.3)
         ax.plot(x, curve[f"{key}_smooth"], "-", lw=1.6, color=color, label=f"mean of {curve['window']}")
-        if key == "gold":
+        if key == "gold":  # a rate: its whole range, as in the training curves
+            _rate_axis(ax)
             ax.axvline(curve["peak_sqrt_kl"], color="k", lw=0.8, ls="--",
                        label="still rising at the end" if curve["still_rising"] else
                        "highest at the start: never rose" if curve.get("never_rose") else

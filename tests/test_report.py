@@ -635,7 +635,8 @@ def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
                                  "math_exact_match_hi": [0.9] * 30}
           for run in ("ppo", "ppo_rm", "grpo", "grpo_random") for suffix in ("", "_val")}
     data = collect(metrics)
-    curve = {"sqrt_kl": steps, "proxy": steps, "gold": steps, "proxy_smooth": steps, "gold_smooth": steps,
+    rates = [s / 30 for s in range(30)]
+    curve = {"sqrt_kl": steps, "proxy": steps, "gold": rates, "proxy_smooth": steps, "gold_smooth": rates,
              "window": 2, "peak_sqrt_kl": 29.0, "still_rising": True}
     kls = {"base": 3.35, "sft": 0.0, "ppo": 0.00117, "ppo_rm": 0.000375, "grpo": 0.00216, "grpo_random": 0.00104,
            "dpo": -0.0002}
@@ -654,6 +655,12 @@ def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
 
 
 def test_a_rate_is_drawn_on_its_whole_range_and_kl_names_its_estimator():
+    gold = [0.85, 0.86, 0.87]
+    overopt = overopt_figure({"sqrt_kl": [0.0, 1.0, 2.0], "proxy": [0.1, 0.5, 0.9], "gold": gold,
+                              "proxy_smooth": [0.1, 0.5, 0.9], "gold_smooth": gold, "window": 2, "peak_sqrt_kl": 2.0,
+                              "still_rising": True})
+    assert overopt.axes[1].get_ylim() == (0.0, 1.0)  # the gold, a verifier's accuracy
+    _plt().close(overopt)
     curves = {"grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85, 0.86, 0.87]},
               "grpo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]},
               "ppo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]}}
