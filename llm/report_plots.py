@@ -241,8 +241,8 @@ def eval_figure(evals: dict[str, dict]):
             ax.set_title("win rate vs SFT (RM judge)", fontsize=10)
         else:
             _kl_panel(ax, kl, evals)
-        if panel != "skills":  # model names written vertically, so that long ones (grpo_random) keep clear of their neighbours
-            plt.setp(ax.get_xticklabels(), rotation=90)
+        if panel != "skills" and len(ax.get_xticks()) > 4:  # many model names: written vertically, so that
+            plt.setp(ax.get_xticklabels(), rotation=90)     # long ones (grpo_random) keep clear of their neighbours
         ax.tick_params(labelsize=8)
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()  # the models, when the skills panel is drawn
