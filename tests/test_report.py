@@ -1,5 +1,6 @@
 """The report card: offline HTML, provenance header, summary table with paired changes, the
-sentences per stage, samples marked right or wrong, plots; checked in headless Chromium too."""
+sentences per stage, samples marked right or wrong, plots; checked in headless Chromium too, where
+nothing may run off a page 1280 px wide."""
 from __future__ import annotations
 
 import datetime
@@ -16,7 +17,7 @@ from llm.config import CommonConfig, ReportConfig
 from llm.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
                         stage_headline_rows, stage_summary, stage_times, summary_rows)
 from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
-from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png
+from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure
 from stages.report import run
 
 CFG = ReportConfig(max_samples=3, confidence=0.95, bootstrap_samples=2000)
@@ -388,29 +389,40 @@ class _Dom(html.parser.HTMLParser):
         self.tags.append((tag, dict(attrs)))
 
 
-def _dump_dom(browser: str, page) -> _Dom:
-    """The DOM after load, from headless Chromium with networking off: in an empty network
-    namespace where `unshare` allows it, and with every host unresolvable and a dead proxy."""
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "--virtual-time-budget=10000",
-           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", page.as_uri()]
+def _chromium_cmd(browser: str, page, *flags: str) -> list[str]:
+    """Headless Chromium on `page` with networking off: in an empty network namespace where
+    `unshare` allows it, and with every host unresolvable and a dead proxy."""
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=10000",
+           "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", *flags, page.as_uri()]
     if shutil.which("unshare") and subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0:
         cmd = ["unshare", "-rn", *cmd]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return cmd
+
+
+def _dump_dom(browser: str, page, *flags: str) -> _Dom:
+    """The DOM after load (`flags`: more Chromium switches, e.g. the window size)."""
+    r = subprocess.run(_chromium_cmd(browser, page, "--dump-dom", *flags), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     dom = _Dom()
     dom.feed(r.stdout)
     return dom
 
 
-@pytest.mark.slow
-def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
+def _probed_report(metrics, tmp_path, probe: str):
+    """(Chromium, a copy of the fixture's report with `probe` run at its end); skipped without Chromium."""
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
     _run(metrics)
-    probe = tmp_path / "probe.html"
-    probe.write_text((metrics / "report.html").read_text().replace("</body>", _PROBE + "</body>"))
-    dom = _dump_dom(browser, probe)
+    page = tmp_path / "probed.html"
+    page.write_text((metrics / "report.html").read_text().replace("</body>", probe + "</body>"))
+    return browser, page
+
+
+@pytest.mark.slow
+def test_the_page_renders_in_headless_chromium(metrics, tmp_path):
+    browser, page = _probed_report(metrics, tmp_path, _PROBE)
+    dom = _dump_dom(browser, page)
     assert any(t == "body" and a.get("data-probe") == "done" for t, a in dom.tags), "the page did not finish loading"
     rows = [a for t, a in dom.tags if t == "tr" and a.get("class") == "model"]
     assert len(rows) == 3  # base, sft, grpo
@@ -544,3 +556,117 @@ def test_without_the_variants_the_report_says_what_is_missing(metrics):
     assert "metrics/eval/ppo_rm.json: missing" in md and "metrics/eval/grpo_random.json: missing" in md
     assert "No per-step history of PPO on the reward model alone" in md and "GRPO against its control" not in md
     assert (metrics / "report_overopt.png").stat().st_size > 0   # a placeholder: dvc.yaml declares the file
+
+
+# Added to a copy of the page only. At load, every element whose box ends right of the window is
+# recorded, except inside a box that scrolls sideways on purpose (`overflow-x: auto | scroll`,
+# which must itself fit); the body records the page's scroll width and height, and the overflows.
+_OVERFLOW_PROBE = """<script>
+window.addEventListener("load", () => {
+  const W = document.documentElement.clientWidth, out = [];
+  const scrolls = el => ["auto", "scroll"].includes(getComputedStyle(el).overflowX);
+  const inScroller = el => { for (let p = el.parentElement; p; p = p.parentElement) if (scrolls(p)) return true;
+                             return false; };
+  for (const el of document.body.querySelectorAll("*")) {
+    const r = el.getBoundingClientRect();
+    if (r.width > 0 && r.right > W + 0.5 && !inScroller(el))
+      out.push(el.tagName.toLowerCase() + (el.className ? "." + el.className : "") + " right=" + Math.round(r.right));
+  }
+  const b = document.body;
+  b.setAttribute("data-client-width", W);
+  b.setAttribute("data-scroll-width", document.documentElement.scrollWidth);
+  b.setAttribute("data-scroll-height", document.documentElement.scrollHeight);
+  b.setAttribute("data-overflow", JSON.stringify(out));
+});
+</script>"""
+
+
+@pytest.mark.slow
+def test_nothing_runs_off_the_page_at_1280_px(metrics, tmp_path):
+    """At a window 1280 px wide the page never scrolls sideways and no box ends past its right
+    edge (a wide table scrolls inside its own box). A full-page screenshot is left in tmp_path
+    (report_1280.png) for a person to look at."""
+    browser, page = _probed_report(metrics, tmp_path, _OVERFLOW_PROBE)
+    dom = _dump_dom(browser, page, "--window-size=1280,900")
+    [body] = [a for t, a in dom.tags if t == "body"]
+    assert "data-overflow" in body, "the probe did not run"
+    assert int(body["data-client-width"]) == 1280
+    assert json.loads(body["data-overflow"]) == [] and int(body["data-scroll-width"]) <= 1280, body
+
+    shot = tmp_path / "report_1280.png"
+    height = min(int(body["data-scroll-height"]), 16000)
+    r = subprocess.run(_chromium_cmd(browser, metrics / "report.html", f"--window-size=1280,{height}",
+                                     f"--screenshot={shot}"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr[-2000:]
+
+
+def _collisions(fig) -> list[str]:
+    """Each legend that touches another legend or a plot's box with its title, labels and ticks,
+    or runs off the figure; each tick label or note that touches another in its plot."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    page = fig.bbox
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    plots = [ax for ax in fig.axes if ax.axison and ax.get_visible()]
+    out = []
+    for i, leg in enumerate(legends):
+        box = leg.get_window_extent(r)
+        out += [f"legend {i} / legend {j}" for j, other in enumerate(legends[i + 1:], i + 1)
+                if box.overlaps(other.get_window_extent(r))]
+        out += [f"legend {i} / plot {ax.get_title()!r}" for ax in plots if box.overlaps(ax.get_tightbbox(r))]
+        if not (page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1):
+            out.append(f"legend {i} runs off the figure")
+    for ax in plots:
+        for texts in (ax.get_xticklabels(), ax.texts):
+            boxes = [(t.get_text(), t.get_window_extent(r)) for t in texts if t.get_text()]
+            out += [f"{a!r} / {b!r} in {ax.get_title()!r}" for k, (a, box) in enumerate(boxes)
+                    for b, other in boxes[k + 1:] if box.overlaps(other)]
+    return out
+
+
+def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
+    """Every series of the RL panels at once, with intervals and a KL below 0 (the longest legends),
+    the evaluation of three models and of all seven, and the over-optimisation panels."""
+    plt = _plt()
+    steps = [float(s) for s in range(30)]
+    rl = {f"{run}{suffix}.tsv": {"step": steps, "kl": [(-1) ** s * 1e-3 for s in range(30)],
+                                 "reward": [s / 30 for s in range(30)], "accuracy": [s / 40 for s in range(30)],
+                                 "math_exact_match": [0.85] * 30, "math_exact_match_lo": [0.8] * 30,
+                                 "math_exact_match_hi": [0.9] * 30}
+          for run in ("ppo", "ppo_rm", "grpo", "grpo_random") for suffix in ("", "_val")}
+    data = collect(metrics)
+    rates = [s / 30 for s in range(30)]
+    curve = {"sqrt_kl": steps, "proxy": steps, "gold": rates, "proxy_smooth": steps, "gold_smooth": rates,
+             "window": 2, "peak_sqrt_kl": 29.0, "still_rising": True}
+    kls = {"base": 3.35, "sft": 0.0, "ppo": 0.00117, "ppo_rm": 0.000375, "grpo": 0.00216, "grpo_random": 0.00104,
+           "dpo": -0.0002}
+    seven = {m: _eval(0.8, kl=kl, kl_lo=kl / 2, kl_hi=kl * 2, win_rate_vs_sft=0.5) for m, kl in kls.items()}
+    figures = {"RL curves": curves_figure(rl)[0], "fixture curves": curves_figure(data["curves"])[0],
+               "evaluation": eval_figure(data["evals"]), "evaluation of seven": eval_figure(seven),
+               "over-optimisation": overopt_figure(curve)}
+    found = {name: _collisions(fig) for name, fig in figures.items()}
+    n_legends = {name: len(fig.legends) + sum(ax.get_legend() is not None for ax in fig.axes)
+                 for name, fig in figures.items()}
+    for fig in figures.values():
+        plt.close(fig)
+    assert n_legends == {"RL curves": 5, "fixture curves": 4, "evaluation": 1, "evaluation of seven": 1,
+                         "over-optimisation": 2}
+    assert found == {name: [] for name in figures}
+
+
+def test_a_rate_is_drawn_on_its_whole_range_and_kl_names_its_estimator():
+    gold = [0.85, 0.86, 0.87]
+    overopt = overopt_figure({"sqrt_kl": [0.0, 1.0, 2.0], "proxy": [0.1, 0.5, 0.9], "gold": gold,
+                              "proxy_smooth": [0.1, 0.5, 0.9], "gold_smooth": gold, "window": 2, "peak_sqrt_kl": 2.0,
+                              "still_rising": True})
+    assert overopt.axes[1].get_ylim() == (0.0, 1.0)  # the gold, a verifier's accuracy
+    _plt().close(overopt)
+    curves = {"grpo_val.tsv": {"step": [0.0, 3.0, 6.0], "math_exact_match": [0.85, 0.86, 0.87]},
+              "grpo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]},
+              "ppo.tsv": {"step": [1.0, 2.0], "kl": [0.01, 0.02]}}
+    fig, _ = curves_figure(curves)
+    acc, kl = fig.axes[0], fig.axes[1]
+    labels = [line.get_label() for line in kl.lines]
+    _plt().close(fig)
+    assert acc.get_ylim() == (0.0, 1.0)
+    assert labels == ["PPO (ppo.kl_estimator)", "GRPO (k3)"] and "estimated" in kl.get_ylabel()
