@@ -212,6 +212,7 @@ def test_a_corrupt_checkpoint_is_refused_before_anything_is_written(run, tmp_pat
 def _sft_section(**over) -> dict:
     sec = dict(bucket_width=8, eval_math_problems=2, max_new_tokens=8, min_source_examples=0, max_steps=6,
                batch_size=4, grad_accum=1, distributed="ddp", lr=3e-3, min_lr=3e-4, warmup_steps=1, weight_decay=0.0,
+               optimizer="adamw", muon_lr=0.02,
                beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=3, eval_batches=2, log_every=1, checkpoint_every=2,
                keep_checkpoints=3, nonfinite_policy="raise", nonfinite_budget=0, activation_checkpointing=False,
                compile=False, replay_fraction=0.0, average_last=1)

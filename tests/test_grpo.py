@@ -50,6 +50,7 @@ def target_fraction(ro: Rollout, problems: list[dict]):
 
 
 RL_BASE = dict(lr=1e-2, min_lr=1e-2, warmup_steps=0, weight_decay=0.0, beta1=0.9, beta2=0.95, grad_clip=1.0, clip_epsilon=0.2,
+               optimizer="adamw", muon_lr=0.02,
                max_new_tokens=8, temperature=1.0, levels=[1], eval_every=1000, eval_problems=0, max_kl=10.0,
                checkpoint_every=1000, keep_checkpoints=2, nonfinite_policy="raise", nonfinite_budget=0,
                correct_reward=1.0, format_reward=0.2, max_steps=20)

@@ -59,6 +59,7 @@ def tcfg(**kw) -> dict:
     """A training section (TrainConfig keys) for stage tests: a few steps, no frills."""
     base = dict(max_steps=4, batch_size=4, grad_accum=1, distributed="ddp", lr=1.0e-3, min_lr=1.0e-4, warmup_steps=1,
                 weight_decay=0.0, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=2, eval_batches=2, log_every=1,
+                optimizer="adamw", muon_lr=0.02,
                 checkpoint_every=2, keep_checkpoints=2, nonfinite_policy="raise", nonfinite_budget=0,
                 activation_checkpointing=False, compile=False)
     base.update(kw)
