@@ -497,11 +497,11 @@ class BadRecords:
 
 def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction: float = 0.0,
                validate: Callable[[Any], str | None] | None = None,
-               stats: list[ReadStats] | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[dict]:
+               stats: list[ReadStats] | None = None, max_line_bytes: int | None = None) -> Iterator[dict]:
     """Yield one dict per line of a JSONL file.
 
     Bad lines (invalid UTF-8, invalid JSON, not an object, NUL bytes, a lone surrogate,
-    longer than `max_line_bytes`, or `validate(obj)` returning a reason) raise
+    longer than `max_line_bytes` (None: MAX_LINE_BYTES), or `validate(obj)` returning a reason) raise
     `DataError("path:line: reason")` or are skipped and counted, by `on_bad_record`. Blank lines
     are ignored. After the last line the budget is checked; if `stats` is a list the final
     ReadStats is appended.
@@ -516,13 +516,14 @@ def read_jsonl(path: str | Path, on_bad_record: str = "raise", max_bad_fraction:
 
 
 def iter_jsonl(path: str | Path, policy: BadRecords, validate: Callable[[Any], str | None] | None = None,
-               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
+               max_line_bytes: int | None = None) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each good line; bad lines go to `policy` (which may raise).
 
     The caller counts good records (`policy.stats.records += 1`) once it has accepted
     them, so schema checks downstream share the same budget and line numbers.
     """
     path = Path(path)
+    max_line_bytes = MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes  # read now: tests lower it
     with open_regular(path) as f:
         for lineno, start, raw in _raw_lines(f, path, max_line_bytes):
             if raw is None:

@@ -411,12 +411,12 @@ def check_thread_counts(candidates: list[int], body: StepBody, updater: Updater,
                         step: int, step_context: Callable[[], Any] = contextlib.nullcontext) -> dict:
     """Which of `candidates` give step `step` of `body` one thread's bits here (llm/threads.py
     check_counts): the step runs once at each count from the same saved state (the model, the
-    optimizer, the updater, the body's state and the global RNG), which is restored after each,
+    optimizers, the updater, the body's state and the global RNG), which is restored after each,
     so the run goes on exactly as if nothing had run. The bits compared are the model's state and
-    the optimizer's (Adam's moments hold the gradient's bits). Under torchrun every rank keeps
-    only the counts that every rank kept."""
-    optimizer = updater.optimizer
-    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    the optimizers' (Adam's moments and Muon's momentum hold the gradient's bits). Under torchrun
+    every rank keeps only the counts that every rank kept."""
+    optimizers = updater.optimizers
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
                            "updater": updater.state_dict(), "body": body.state_dict()})
     rng = torch.get_rng_state()
 
@@ -426,11 +426,12 @@ def check_thread_counts(candidates: list[int], body: StepBody, updater: Updater,
             with step_context():
                 row = body.step(step, updater)
             trained = list(model.state_dict().values()) + [
-                t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+                t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
             return None if row is None else state_digest(trained)
         finally:
             model.load_state_dict(saved["model"])
-            optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+            for o, state in zip(optimizers, saved["optimizers"]):
+                o.load_state_dict(copy.deepcopy(state))
             updater.load_state_dict(copy.deepcopy(saved["updater"]))
             body.load_state_dict(copy.deepcopy(saved["body"]))
             torch.set_rng_state(rng)

@@ -363,7 +363,9 @@ def test_grpo_curriculum_steps_need_curriculum_levels():
 
 
 def test_list_items_are_range_checked_with_their_line():
-    text = (ROOT / "params.yaml").read_text().replace("math_levels: [1, 2, 3, 4]", "math_levels: [1, 2, 9]")
+    text = (ROOT / "params.yaml").read_text().replace("math_levels:\n  - 1\n  - 2\n  - 3\n  - 4\n",
+                                                      "math_levels: [1, 2, 9]\n")
+    assert "math_levels: [1, 2, 9]" in text  # params.yaml writes the list as `dvc exp run -S` does
     with pytest.raises(ConfigError) as e:
         load_params_text(text, "params.yaml")
     assert e.value.problems == [f"params.yaml:{_line_of(text, 'math_levels:')}: prepare.math_levels[2]: expected an"

@@ -145,7 +145,8 @@ class GradRecorder(Updater):
     def minimize(self, loss):
         loss.backward()
         self.grads = [p.grad.clone() for p in self.params]
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         return True, 0.0
 
 
