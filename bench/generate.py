@@ -1,4 +1,4 @@
-"""Benchmark: cached decoding (llm/generate.py) against Hugging Face transformers, with its floors.
+"""Benchmark: cached decoding (llm/sample/generate.py) against Hugging Face transformers, with its floors.
 
     python bench/generate.py [--rounds 3] [--batches 1 64] [--threads 1 0] [--new 256]
     python bench/generate.py --size 4,4,128,4096    # the tiny CPU preset instead (layers,heads,width,vocab)
@@ -9,7 +9,7 @@ fp32); HF's is GPT2LMHeadModel (the same parameter count up to its position tabl
 decodes --new tokens greedily after a --prompt token prompt with the KV cache; tokens/s = batch x
 new tokens / wall time, prefill included. Decoders:
 
-  fast    generate(model, ...): llm/generate.py's FastDecoder ((in, out) weight copies, addmm,
+  fast    generate(model, ...): llm/sample/generate.py's FastDecoder ((in, out) weight copies, addmm,
           keys rotated straight into the cache)
   plain   generate(model, ..., fast=False): every step through GPT.hidden_states
   hf      transformers' generate(do_sample=False, use_cache=True), with min_new_tokens so that
@@ -53,8 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, ratios, rotations, show, summary  # noqa: E402
 from llm.config import ModelConfig  # noqa: E402
-from llm.generate import FastDecoder, generate  # noqa: E402
-from llm.model import GPT, NORM_EPS  # noqa: E402
+from llm.nn.model import GPT, NORM_EPS  # noqa: E402
+from llm.sample.generate import FastDecoder, generate  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def breakdown(model: GPT, B: int, prompt: int, steps: int, clock) -> dict[str, f
     products inside real steps, each timed by a wrapper around torch.mm / torch.addmm; `other`
     the step with every product replaced by a preallocated result (torch.mm / torch.addmm swapped
     for the run, then restored), i.e. everything but the products."""
-    import llm.generate as G
+    import llm.sample.generate as G
     dec = G.FastDecoder(model)
     outs: dict[tuple[int, int], torch.Tensor] = {}
 

@@ -12,35 +12,35 @@ Without CUDA it refuses (exit 2) unless `--cpu-plumbing` is given. Parts, in ord
 0. speedrun: the gpu-speedrun profile's whole DAG at its own step counts, from nothing, on the
    device, in a scratch copy of the work tree (`python -m llm.rehearse`'s machinery, nothing cut),
    with common.nproc = the number of GPUs found. One row per stage: wall seconds (process start
-   included) and, for a stage that trains through llm/trainer.py (pretrain, sft, reward, dpo), its
+   included) and, for a stage that trains through llm/train/trainer.py (pretrain, sft, reward, dpo), its
    tokens/s (tokens_seen / train_time_s of metrics/run/<stage>.json), TFLOP/s and MFU by two counts
    of FLOPs per token (see `flop_counts`); then one row per evaluated model from
    metrics/eval/<model>.json: math greedy and sampled, pass@k, tasks, bare arithmetic. It takes
    about 8 minutes on one H100 by the estimate in docs/gpu.md, so at the default --budget-s it
    leaves room for little else: `--parts dag,pretrain,rl,stages,resume` runs the rest.
 1. dag: the gpu-13m profile's whole DAG on the device (bf16), each stage cut to one step as
-   `python -m llm.rehearse` cuts it (llm/rehearse.py), in a scratch copy of the work tree:
+   `python -m llm.rehearse` cuts it (llm/tools/rehearse.py), in a scratch copy of the work tree:
    every stage's code path on CUDA at the profile's model shapes. One row per stage.
 2. pretrain: the 77m and 406m presets at their profiles' batch (grad_accum 1) and seq_len, bf16
-   autocast, eager and `torch.compile`d, through llm.trainer.train (the loop every stage uses) on
+   autocast, eager and `torch.compile`d, through llm.train.trainer.train (the loop every stage uses) on
    uniformly random tokens: tokens/s over the steps after the warm-up (the loop's own elapsed_s),
-   MFU = flops_per_token x tokens/s / the card's dense bf16 peak (llm.monitor.peak_flops), and
-   torch.cuda.max_memory_allocated against llm/memory.py's estimate of the pretrain stage
+   MFU = flops_per_token x tokens/s / the card's dense bf16 peak (llm.train.monitor.peak_flops), and
+   torch.cuda.max_memory_allocated against llm/nn/memory.py's estimate of the pretrain stage
    without its 1 GiB of CUDA context (which the allocator does not see).
-3. rl: one PPO step and one GRPO step (llm/ppo.py, llm/grpo.py) at 77m with the gpu-77m profile's
+3. rl: one PPO step and one GRPO step (llm/post/ppo.py, llm/post/grpo.py) at 77m with the gpu-77m profile's
    ppo / grpo settings, from a random policy (it never emits its stop token, so every response runs
-   to max_new_tokens: the most memory), random prompts as long as llm/memory.py assumes
+   to max_new_tokens: the most memory), random prompts as long as llm/nn/memory.py assumes
    (PROMPT_TOKENS), PPO's reward from a random reward model with the likelihood feature; peak
    allocated memory against the estimate's largest phase of the rollout, scoring and update (the
    held-out evaluation is not run).
 4. stages: 3 optimizer steps (STAGE_STEPS) each of SFT, the reward model and DPO at 77m with the
    gpu-77m profile's settings (batch_size; the reward's likelihood feature and train_trunk; DPO's
-   trainable and loss_type) but grad_accum 1, bf16 autocast, eager, through llm.trainer.train with
+   trainable and loss_type) but grad_accum 1, bf16 autocast, eager, through llm.train.trainer.train with
    each stage's own loss: SFT's supervised_lm_loss, the reward model's Bradley-Terry loss, DPO's
    loss on reference log-probs that the frozen reference computes first and that stays on the
    device, as in the stage. Random tokens at full length (SFT: seq_len targets; each side of a
    pair: seq_len tokens) whose answer is every position after a one-token prompt: the case
-   llm/memory.py bounds, since it takes the logits at every position. Peak allocated memory against
+   llm/nn/memory.py bounds, since it takes the logits at every position. Peak allocated memory against
    the estimate of the stage's train phase without the CUDA context; a stage passes when its losses
    are finite. Then 10 steps (FP16_STEPS) of 77m pretraining under fp16 autocast, the loop's
    GradScaler path: whether every loss is finite, the loss scale at the end (read from the last
@@ -79,12 +79,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from llm.config import GRPOConfig, PPOConfig, TrainConfig  # noqa: E402
-from llm.memory import CUDA_CONTEXT, GIB, format_table, model_config, stage_memory  # noqa: E402
-from llm.model import GPT  # noqa: E402
-from llm.monitor import Plots, peak_flops  # noqa: E402
-from llm.profile import render  # noqa: E402
+from llm.nn.memory import CUDA_CONTEXT, GIB, format_table, model_config, stage_memory  # noqa: E402
+from llm.nn.model import GPT  # noqa: E402
 from llm.runtime import Runtime  # noqa: E402
-from llm.trainer import lm_loss, train  # noqa: E402
+from llm.tools.profile import render  # noqa: E402
+from llm.train.monitor import Plots, peak_flops  # noqa: E402
+from llm.train.trainer import lm_loss, train  # noqa: E402
 
 PROFILES = ROOT / "env" / "profiles"
 MARKER = 1               # the RL steps' random prompts end with it, as a chat prompt ends with <|assistant|>
@@ -188,7 +188,7 @@ EVAL_COLUMNS = (("math greedy", "math_exact_match"), ("math sampled", "math_samp
 def flop_counts(params: dict) -> tuple[int, int]:
     """Training FLOPs per token of the profile's model by two counts: (this project's, nanochat's).
 
-    This project's (llm/model.py GPT.flops_per_token): 6 x every weight that takes part in a matmul,
+    This project's (llm/nn/model.py GPT.flops_per_token): 6 x every weight that takes part in a matmul,
     the tied embedding included because the LM head multiplies by it, + 12 x n_layer x n_head x
     head_dim x seq_len for attention. nanochat's: 6 x the non-embedding parameters + 12 x n_layer x
     n_embd x seq_len. The attention terms agree (n_head x head_dim = n_embd); nanochat's model has
@@ -203,7 +203,7 @@ def flop_counts(params: dict) -> tuple[int, int]:
 
 def stage_throughput(repo: Path, stage: str, flops: tuple[int, int], peak: float | None) -> dict:
     """tokens/s, TFLOP/s and MFU (both counts) of a trained stage from its metrics in `repo`."""
-    from llm.metrics import read_metrics
+    from llm.train.metrics import read_metrics
     m = read_metrics(repo / "metrics" / f"{stage}.json")
     tokens, secs = m.get("tokens_seen"), m.get("train_time_s")
     if not tokens or not secs:
@@ -231,7 +231,7 @@ def eval_rows(repo: Path, models: list[str]) -> list[dict]:
 
 
 def part_speedrun(s: Setup, tmp: Path) -> list[dict]:
-    from llm.rehearse import run
+    from llm.tools.rehearse import run
     params = render(s.speedrun_profile, PROFILES)[0]
     flops, peak = flop_counts(params), peak_flops(s.rt.device, s.rt.dtype)
     with contextlib.redirect_stdout(sys.stderr):  # each stage's line as it ends; stdout holds the table
@@ -259,7 +259,7 @@ def part_speedrun(s: Setup, tmp: Path) -> list[dict]:
 # 1. the DAG
 
 def part_dag(s: Setup, tmp: Path) -> list[dict]:
-    from llm.rehearse import run
+    from llm.tools.rehearse import run
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON
         rc, rows = run(s.dag_profile, only=s.dag_only, tmp=tmp, device=s.rt.device.type, plan=s.dag_plan)
     return [{"part": "dag", "what": f"{s.dag_profile} {r.stage}", "ok": r.ok, "seconds": r.seconds,
@@ -286,7 +286,7 @@ def random_tokens(vocab: int, n: int, seed: int) -> np.ndarray:
 
 def windows(tokens: np.ndarray, seq_len: int, cfg: TrainConfig):
     """Pretraining's batch source: random windows of `tokens`."""
-    from llm.batching import WindowSampler
+    from llm.data.batching import WindowSampler
     return WindowSampler(tokens, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=1, seed=0)
 
 
@@ -357,10 +357,10 @@ def part_pretrain(s: Setup, tmp: Path) -> list[dict]:
 # 3. one PPO and one GRPO step
 
 def part_rl(s: Setup, tmp: Path) -> list[dict]:
-    from llm.grpo import GRPO
-    from llm.ppo import PPO
-    from llm.loop import Updater
-    from llm.memory import PROMPT_TOKENS
+    from llm.nn.memory import PROMPT_TOKENS
+    from llm.post.grpo import GRPO
+    from llm.post.ppo import PPO
+    from llm.train.loop import Updater
 
     params = profile_params(s.rl_profile, s.rl_overrides)
     mcfg = model_config(params)
@@ -395,8 +395,8 @@ def part_rl(s: Setup, tmp: Path) -> list[dict]:
                 rm.add_head("reward_logprob", marker=MARKER)
             rm = rm.to(s.rt.device).eval().requires_grad_(False)
 
-            def reward_fn(ro, problems):  # the RM's score, as llm/rewards.py's, without decoding text
-                from llm.reward_model import reward
+            def reward_fn(ro, problems):  # the RM's score, as llm/sample/rewards.py's, without decoding text
+                from llm.nn.reward_model import reward
                 with torch.no_grad():
                     return reward(rm, ro.tokens, ro.attention_mask).float().cpu(), {}
             algo = PPO(policy, ref, cfg, prompts_fn=prompts_fn, reward_fn=reward_fn, stop_ids=stop, pad_id=pad,
@@ -436,8 +436,8 @@ def answer_rows(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
 
 
 def random_pairs(n: int, vocab: int, seq_len: int) -> list:
-    """n preference pairs whose sides are seq_len tokens: the longest llm.preference keeps."""
-    from llm.preference import EncodedPair
+    """n preference pairs whose sides are seq_len tokens: the longest llm.data.preference keeps."""
+    from llm.data.preference import EncodedPair
     rows = answer_rows(2 * n, vocab, seq_len, seed=3)
     return [EncodedPair(chosen=rows[i], rejected=rows[n + i], prompt_len=1) for i in range(n)]
 
@@ -465,8 +465,8 @@ def measure(rt: Runtime, params: dict, stage: str, what: str, model: torch.nn.Mo
 
 def stage_sft(s: Setup, params: dict, run_dir: Path) -> dict:
     """SFT's step; compiled (sft.compile) it takes the full-head loss, as stages/sft.py does."""
-    from llm.batching import BucketBatchSampler, ExampleBatches, pad_collate
-    from llm.trainer import supervised_lm_loss
+    from llm.data.batching import BucketBatchSampler, ExampleBatches, pad_collate
+    from llm.train.trainer import supervised_lm_loss
     mcfg, c = model_config(params), params["sft"]
     seqs = answer_rows(c["batch_size"] * STAGE_STEPS, mcfg.vocab_size, mcfg.seq_len + 1, seed=2)
     masks = [[False] + [True] * mcfg.seq_len] * len(seqs)  # every target supervised
@@ -482,9 +482,9 @@ def stage_sft(s: Setup, params: dict, run_dir: Path) -> dict:
 
 
 def stage_reward(s: Setup, params: dict, run_dir: Path) -> dict:
-    from llm.optim import set_trainable
-    from llm.preference import pair_batches
-    from llm.reward_model import RewardModel, reward_loss_fn
+    from llm.data.preference import pair_batches
+    from llm.nn.optim import set_trainable
+    from llm.nn.reward_model import RewardModel, reward_loss_fn
     mcfg, c = model_config(params), params["reward"]
     gpt = GPT(mcfg, seed=0)
     gpt.add_head("reward", seed=1)
@@ -502,9 +502,9 @@ def stage_reward(s: Setup, params: dict, run_dir: Path) -> dict:
 
 
 def stage_dpo(s: Setup, params: dict, run_dir: Path) -> dict:
-    from llm.dpo import dpo_loss_fn, reference_logprobs
-    from llm.optim import set_trainable
-    from llm.preference import pair_batches
+    from llm.data.preference import pair_batches
+    from llm.nn.optim import set_trainable
+    from llm.post.dpo import dpo_loss_fn, reference_logprobs
     mcfg, c = model_config(params), params["dpo"]
     # the frozen reference stays on the device while the policy trains, as in the stage and its estimate
     reference = GPT(mcfg, seed=0).to(s.rt.device).requires_grad_(False).eval()
@@ -523,7 +523,7 @@ def stage_dpo(s: Setup, params: dict, run_dir: Path) -> dict:
 
 
 def fp16_pretrain(s: Setup, params: dict, run_dir: Path) -> dict:
-    from llm.checkpoint import checkpoint_path, load_checkpoint
+    from llm.train.checkpoint import checkpoint_path, load_checkpoint
     params = {**params, "common": {**params["common"], "dtype": "fp16"}}
     mcfg, c = model_config(params), params["pretrain"]
     rt = Runtime(s.rt.device, torch.float16)  # the loop's Updater takes a GradScaler for it
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the speedrun part takes its stages from a --save-speedrun-plan FILE")
     args = ap.parse_args(argv)
     if args.save_dag_plan or args.save_speedrun_plan:
-        from llm.rehearse import run
+        from llm.tools.rehearse import run
         dag, speedrun = ("smoke", "smoke") if args.cpu_plumbing else ("gpu-13m", "gpu-speedrun")
         device = "cpu" if args.cpu_plumbing else "cuda"
         try:
@@ -669,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                gib(r.get("peak_gib")), gib(r.get("estimate_gib")), r["note"]] for r in rows]
     total = time.perf_counter() - t_start
     print("\n".join(format_table(cells)))
-    print(f"device {dev}; torch {torch.__version__}; total {total:.0f} s; estimate = llm/memory.py's, without the"
+    print(f"device {dev}; torch {torch.__version__}; total {total:.0f} s; estimate = llm/nn/memory.py's, without the"
           f" 1 GiB CUDA context the allocator does not see")
     print(json.dumps({"bench": "gpu_check", "device": dev, "torch": torch.__version__, "total_s": total,
                       "plumbing": args.cpu_plumbing, "rows": rows}))

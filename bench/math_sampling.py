@@ -6,7 +6,7 @@ For the first --problems of data/prepared/rl/val.jsonl, per level and overall:
 
   - greedy: exact match of the greedy answer (as `eval` measures it);
   - sampled: the mean exact match of k answers sampled at --temperature;
-  - maj@k: the answer most of the k samples give (parsed with llm.rewards.parse_answer; a tie
+  - maj@k: the answer most of the k samples give (parsed with llm.sample.rewards.parse_answer; a tie
     goes to the answer seen first) is right;
   - pass@k: at least one of the k samples is right;
   - slips: among the wrong samples, the share that contain an equation `a op b = c` whose c
@@ -32,7 +32,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.rewards import is_correct, parse_answer, to_number  # noqa: E402
+from llm.sample.rewards import is_correct, parse_answer, to_number  # noqa: E402
 
 _EQUATION = re.compile(r"(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(-?\d+)")
 
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: not found; run `dvc repro {stage}` first (or pass another path)", file=sys.stderr)
             return 1
 
-    from llm.artifacts import load_model_dir
-    from llm.evaluate import answer_questions
-    from llm.prompts import read_problems
+    from llm.eval.evaluate import answer_questions
+    from llm.nn.artifacts import load_model_dir
+    from llm.sample.prompts import read_problems
 
     model, tok, _ = load_model_dir(args.model, heads=("lm",))
     problems = read_problems(args.data, limit=args.problems)

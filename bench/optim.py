@@ -1,10 +1,10 @@
-"""Benchmark: time to a loss. AdamW against Muon-for-matrices (llm/optim.py), paired, same run.
+"""Benchmark: time to a loss. AdamW against Muon-for-matrices (llm/nn/optim.py), paired, same run.
 
     python bench/optim.py [--profile cpu] [--steps 300] [--seeds 3] [--muon-lr 0.02 ...] [--tokens data/tokens]
     python bench/optim.py --steps 30 --seeds 2 --muon-lr 0.02 0.04 --eval-every 3 --eval-batches 2  # short, a sweep
 
 Trains the profile's pretraining (its model, batch, schedule and AdamW settings, from
-env/profiles/<profile>.yaml) through the project's own loop (llm.trainer.train), once with
+env/profiles/<profile>.yaml) through the project's own loop (llm.train.trainer.train), once with
 `optimizer: adamw` and once per --muon-lr with `optimizer: muon`, from the same initial weights
 on the same batches. Per seed the runs alternate, the first one rotated every seed (A B, B A, ...
 with a sweep: A B C, B C A, ...). --steps shortens the run: max_steps, and warmup_steps scaled
@@ -46,13 +46,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import loadavg, machine, rotations, summary  # noqa: E402
-from llm.batching import WindowSampler, fixed_windows, open_tokens  # noqa: E402
 from llm.config import PretrainConfig, load_params_text  # noqa: E402
-from llm.model import GPT  # noqa: E402
-from llm.monitor import Plots  # noqa: E402
-from llm.profile import render, to_yaml  # noqa: E402
+from llm.data.batching import WindowSampler, fixed_windows, open_tokens  # noqa: E402
+from llm.nn.model import GPT  # noqa: E402
 from llm.runtime import Runtime  # noqa: E402
-from llm.trainer import train  # noqa: E402
+from llm.tools.profile import render, to_yaml  # noqa: E402
+from llm.train.monitor import Plots  # noqa: E402
+from llm.train.trainer import train  # noqa: E402
 
 
 def load_tokens(tokens: Path, doc_mb: float) -> tuple[np.ndarray, np.ndarray, int, str]:

@@ -2,13 +2,13 @@
 
     python bench/rl_step.py [--model models/sft] [--params params.yaml] [--rounds 3] [--device auto]
 
-Runs the stages' own step code (llm/grpo.py, llm/ppo.py) with the settings of params.yaml's
+Runs the stages' own step code (llm/post/grpo.py, llm/post/ppo.py) with the settings of params.yaml's
 `grpo` and `ppo` sections (the `cpu` profile by default): GRPO prompts_per_step x group_size
 completions, PPO rollout_prompts rollouts with ppo.epochs passes of ppo.minibatch_size
 minibatches, the verifier reward on math problems from data/prepared/rl/train.jsonl at the
 sections' `levels` (GRPO at its curriculum levels: its first steps). Each step is split into
 
-    rollout_s   sampling with the KV cache (llm/rollout.py -> llm/generate.py)
+    rollout_s   sampling with the KV cache (llm/sample/rollout.py -> llm/sample/generate.py)
     scoring_s   reward + reference log-probs (+ PPO: old log-probs and values), no_grad
     update_s    the optimizer steps over minibatches
 
@@ -35,23 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from llm.batching import derive_seed  # noqa: E402
 from llm.config import load_params  # noqa: E402
-from llm.grpo import GRPO  # noqa: E402
-from llm.ppo import PPO  # noqa: E402
-from llm.loop import Updater  # noqa: E402
-from llm.rewards import verifier_reward  # noqa: E402
-from llm.prompts import MathPrompts, read_problems  # noqa: E402
-from llm.shares import step_generator  # noqa: E402
+from llm.data.batching import derive_seed  # noqa: E402
+from llm.post.grpo import GRPO  # noqa: E402
+from llm.post.ppo import PPO  # noqa: E402
+from llm.post.shares import step_generator  # noqa: E402
 from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
+from llm.sample.prompts import MathPrompts, read_problems  # noqa: E402
+from llm.sample.rewards import verifier_reward  # noqa: E402
+from llm.train.loop import Updater  # noqa: E402
 
 PARTS = ("rollout_s", "scoring_s", "update_s")
 
 
 def load_policy(path: Path, params, device):
-    from llm.artifacts import load_model_dir
-    from llm.model import GPT
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
+    from llm.nn.artifacts import load_model_dir
+    from llm.nn.model import GPT
     if (path / "model.safetensors").is_file():
         model, tok, _ = load_model_dir(path, device=device, heads=("lm",))
         return model, tok, f"{path}"

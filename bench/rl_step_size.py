@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.artifacts import load_model_dir  # noqa: E402
-from llm.losses import aggregate, group_advantages  # noqa: E402
-from llm.rewards import verifier_reward  # noqa: E402
-from llm.prompts import MathPrompts, read_problems  # noqa: E402
-from llm.rollout import response_forward, rollout  # noqa: E402
+from llm.nn.artifacts import load_model_dir  # noqa: E402
+from llm.nn.losses import aggregate, group_advantages  # noqa: E402
+from llm.sample.prompts import MathPrompts, read_problems  # noqa: E402
+from llm.sample.rewards import verifier_reward  # noqa: E402
+from llm.sample.rollout import response_forward, rollout  # noqa: E402
 
 
 def main() -> None:

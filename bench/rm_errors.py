@@ -4,7 +4,7 @@
 
 Scores every held-out pair of --data (val.jsonl) with the reward model, then splits the
 `wrong_answer` pairs (chosen: the correct solution; rejected: the same solution with one step's
-result off by some delta, carried to the end, llm/generators.py `wrong_solution`) by
+result off by some delta, carried to the end, llm/data/generators.py `wrong_solution`) by
 
   - the size of the slip |delta|: 1-2, 3-9 or 10 or more;
   - whether the slip changed the last digit of that step's result;
@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.artifacts import load_model_dir  # noqa: E402
-from llm.preference import encode_pairs  # noqa: E402
-from llm.reward_model import score_sequences  # noqa: E402
+from llm.data.preference import encode_pairs  # noqa: E402
+from llm.nn.artifacts import load_model_dir  # noqa: E402
+from llm.nn.reward_model import score_sequences  # noqa: E402
 
 
 def slip(chosen: str, rejected: str) -> tuple[int, int, int, int] | None:

@@ -5,10 +5,10 @@
 Each measurement starts N gloo processes (with the environment torchrun gives its workers)
 that do the same global work whatever N is:
 
-  pretrain  llm.trainer.train of the `tiny` preset (1.3M parameters, vocabulary 4096) on random
+  pretrain  llm.train.trainer.train of the `tiny` preset (1.3M parameters, vocabulary 4096) on random
             tokens: seq_len 256, global batch grad_accum 2 x batch_size 16 = 32 sequences per step
             (each of 2 processes runs one micro-batch of 16, one process both);
-  grpo      llm.grpo.GRPO on the same model: 8 prompts of 16-23 random tokens x group 8, up to
+  grpo      llm.post.grpo.GRPO on the same model: 8 prompts of 16-23 random tokens x group 8, up to
             48 new tokens each, beta 0.04 (the reference's forward too), one epoch of minibatches
             of 32, a synthetic reward (the share of one token id in each response).
 
@@ -49,7 +49,7 @@ def child(opt: dict) -> None:
     import torch
 
     from llm.config import CommonConfig, GRPOConfig, ModelConfig, TrainConfig
-    from llm.model import GPT
+    from llm.nn.model import GPT
     from llm.runtime import Runtime, setup_runtime
 
     torch.set_num_threads(opt["threads"])
@@ -63,8 +63,8 @@ def child(opt: dict) -> None:
                 nonfinite_budget=0, max_steps=opt["steps"])
     run_dir = tempfile.mkdtemp(prefix="bench-scale-")
     if opt["task"] == "pretrain":
-        from llm.batching import WindowSampler
-        from llm.trainer import train
+        from llm.data.batching import WindowSampler
+        from llm.train.trainer import train
         cfg = TrainConfig(batch_size=16, grad_accum=2, eval_batches=1, log_every=10 ** 6,
                           activation_checkpointing=False, compile=False, **loop)
         tokens = np.random.default_rng(0).integers(0, V, 200_000).astype(np.uint16)
@@ -75,8 +75,8 @@ def child(opt: dict) -> None:
         rows = res.train_history
         tokens = sum(r["tokens_per_s"] * r["step_s"] for r in rows)
     else:
-        from llm.grpo import GRPO
-        from llm.rl import run_rl
+        from llm.post.grpo import GRPO
+        from llm.post.rl import run_rl
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, V, (16 + i % 8,), generator=g).tolist() for i in range(8)]
 

@@ -3,8 +3,8 @@
     python bench/threads.py [--rounds 3] [--steps 16] [--params params.yaml] [--stage pretrain]
 
 The step is the stage's own: its model and batch size from params.yaml (vocab_size from
-`tokenizer.vocab_size`, as the tokenizer stage makes it), llm/optim.py's AdamW and
-llm/trainer.py's lm_loss, forward + backward + optimizer step on random tokens, fp32 on the CPU.
+`tokenizer.vocab_size`, as the tokenizer stage makes it), llm/nn/optim.py's AdamW and
+llm/train/trainer.py's lm_loss, forward + backward + optimizer step on random tokens, fp32 on the CPU.
 A "stage" here is --steps such steps (after one warm-up step at the start of the run), timed as a
 whole; the three settings' stages run side by side, step i of each (in rotated order) before
 step i + 1 of any, so that the machine's load, which changes by the second on a shared machine,
@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, ratios, rotations, show, summary  # noqa: E402
 from llm.config import ModelConfig, load_sections  # noqa: E402
-from llm.model import GPT  # noqa: E402
-from llm.optim import build_optimizer  # noqa: E402
+from llm.nn.model import GPT  # noqa: E402
+from llm.nn.optim import build_optimizer  # noqa: E402
 from llm.threads import auto_tuner, usable_cpus  # noqa: E402
-from llm.trainer import lm_loss  # noqa: E402
+from llm.train.trainer import lm_loss  # noqa: E402
 
 
 def train_step(model: GPT, opt, batch: dict) -> None:

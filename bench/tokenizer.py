@@ -1,4 +1,4 @@
-"""Benchmark: our BPE (llm/tokenizer.py) against HF `tokenizers`, rustbpe and tiktoken, same run.
+"""Benchmark: our BPE (llm/data/tokenizer.py) against HF `tokenizers`, rustbpe and tiktoken, same run.
 
     python bench/tokenizer.py [--sizes 2] [--langs en zh] [--rounds 3] [--engines ours hf rustbpe tiktoken]
     python bench/tokenizer.py --sizes 64 --rounds 1          # the large corpora (minutes per round)
@@ -74,8 +74,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, rotations, show, summary  # noqa: E402
+from llm.data.tokenizer import CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
-from llm.tokenizer import CONTROL_TOKENS, SPLIT_PATTERN, Tokenizer, _findall, has_han  # noqa: E402
 
 VOCAB = 4096
 DOC_ROOT = Path("/usr/share/doc")

@@ -1,17 +1,17 @@
-"""Benchmark: the full training loop (llm/trainer.py) against a bare step, same model, same run.
+"""Benchmark: the full training loop (llm/train/trainer.py) against a bare step, same model, same run.
 
     python bench/train_loop.py [--rounds 3] [--steps 20] [--device auto] [--n-layer 4 --n-embd 128 ...]
 
 Both sides train the same GPT (same config, same initial weights) with the same AdamW
-(llm.optim.build_optimizer) on batches of the same shape:
+(llm.nn.optim.build_optimizer) on batches of the same shape:
 
   bare   for each step: grad_accum x (forward, loss, backward) on batches sampled before the
          clock starts (a new one for every micro-batch, as the loop gets) and already on the
          device, optimizer.step(), zero_grad(); one synchronize at the end. The loss is the
-         trainer's own (llm/trainer.py lm_loss: the blocked cross-entropy of llm/losses.py),
+         trainer's own (llm/train/trainer.py lm_loss: the blocked cross-entropy of llm/nn/losses.py),
          scaled as the trainer scales it (sum over the step's tokens / their number), so the
          two sides differ only by the loop around them.
-  loop   llm.trainer.train(): sampling windows from a token array (WindowSampler), moving
+  loop   llm.train.trainer.train(): sampling windows from a token array (WindowSampler), moving
          them to the device, token-weighted accumulation, grad-norm clipping, the
          non-finite check (one host sync per step), the LR schedule, the per-step TSV row,
          TensorBoard every log_every steps, the tqdm bar (to /dev/null). No evaluation, and
@@ -46,13 +46,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import loadavg, machine, summary  # noqa: E402
-from llm.batching import WindowSampler  # noqa: E402
 from llm.config import CommonConfig, ModelConfig, TrainConfig  # noqa: E402
-from llm.model import GPT  # noqa: E402
-from llm.optim import build_optimizer  # noqa: E402
-from llm.monitor import Plots  # noqa: E402
+from llm.data.batching import WindowSampler  # noqa: E402
+from llm.nn.model import GPT  # noqa: E402
+from llm.nn.optim import build_optimizer  # noqa: E402
 from llm.runtime import Runtime, resolve_device, resolve_dtype  # noqa: E402
-from llm.trainer import lm_loss, train  # noqa: E402
+from llm.train.monitor import Plots  # noqa: E402
+from llm.train.trainer import lm_loss, train  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -170,7 +170,7 @@ def main() -> None:
                       "bare_ms_median": round(1000 * mb, 3), "loop_ms_median": round(1000 * ml, 3),
                       "overhead_pct": round(overhead, 2),
                       "paired_overhead_pct_median": round(paired, 2), "paired_overhead_pct": summary(paired_all, 2),
-                      "loss": "llm.trainer.lm_loss on both sides",
+                      "loss": "llm.train.trainer.lm_loss on both sides",
                       "target_pct": 5.0, "meets_target": overhead < 5.0, "machine": machine(load0)}))
 
 

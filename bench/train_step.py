@@ -7,10 +7,10 @@ copied into this repository), e.g. `git clone https://github.com/karpathy/nanoGP
 
 Size: 6 layers, 384 wide, 6 heads, vocab 8192, batch 8 x 256 tokens, fp32 on the CPU, no
 dropout, no biases. One step = forward + cross-entropy + backward + AdamW step; the loss is
-each model's own (nanoGPT's F.cross_entropy in its forward; ours llm/trainer.py's lm_loss, the
+each model's own (nanoGPT's F.cross_entropy in its forward; ours llm/train/trainer.py's lm_loss, the
 one the pipeline trains with), and so is the optimizer (`--optimizer own`, the default:
 nanoGPT's configure_optimizers, which takes torch's foreach AdamW on the CPU and the fused one
-only on CUDA; ours llm/optim.py's build_optimizer, fused on the CPU too). `--optimizer same`
+only on CUDA; ours llm/nn/optim.py's build_optimizer, fused on the CPU too). `--optimizer same`
 gives every model torch's default AdamW instead, to separate model cost from optimizer cost.
 Models:
   nanogpt       nanoGPT's GPT (LayerNorm, learned positions, GELU MLP 4x, tied embeddings)
@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import loadavg, machine, summary  # noqa: E402
 from llm.config import ModelConfig, TrainConfig  # noqa: E402
-from llm.model import GPT  # noqa: E402
-from llm.optim import build_optimizer  # noqa: E402
+from llm.nn.model import GPT  # noqa: E402
+from llm.nn.optim import build_optimizer  # noqa: E402
 from llm.threads import usable_cpus  # noqa: E402
-from llm.trainer import lm_loss  # noqa: E402
+from llm.train.trainer import lm_loss  # noqa: E402
 
 L, H, C, V, B, T = 6, 6, 384, 8192, 8, 256
 LR, BETAS, WD = 1e-4, (0.9, 0.95), 0.1  # every model's AdamW, whichever set-up builds it
@@ -70,7 +70,7 @@ def load_nanogpt(path: str):
 
 
 def ours_loss(m: GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy the way the pipeline computes it (llm/trainer.py lm_loss)."""
+    """Mean next-token cross-entropy the way the pipeline computes it (llm/train/trainer.py lm_loss)."""
     loss_sum, n = lm_loss(m, {"idx": x, "targets": y})
     return loss_sum / n
 

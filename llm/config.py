@@ -140,7 +140,7 @@ _RDZV_ID = re.compile(rf"^([A-Za-z0-9_.-]{{1,64}}|{_VAR})$")
 
 # The keys of `common` that say where a run is placed, not what it computes: a checkpoint's
 # fingerprint leaves them out, so a run checkpointed on 2 processes resumes on 1 (the data
-# order and the global batch do not depend on them; llm/batching.py).
+# order and the global batch do not depend on them; llm/data/batching.py).
 PLACEMENT_KEYS = ("nproc", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout")
 
 
@@ -161,7 +161,7 @@ class SourceConfig:
         return []
 
 
-# The instruction task kinds that llm/generators.py draws, in the order `prepare.task_weights`
+# The instruction task kinds that llm/data/generators.py draws, in the order `prepare.task_weights`
 # lists their shares (here so that the params check knows them before any data is made).
 TASK_KINDS = ("reverse", "uppercase", "sort", "count_words", "last_word", "repeat", "max")
 
@@ -245,7 +245,7 @@ class TokenizerConfig:
     max_train_chars: int = _f(lo=0, hi=10 ** 15, doc="train on at most this many characters; 0 = all")
 
     def check(self, key: str) -> list[str]:
-        n_special = 6  # llm.tokenizer.CONTROL_TOKENS; kept in step by tests/test_config.py
+        n_special = 6  # llm.data.tokenizer.CONTROL_TOKENS; kept in step by tests/test_config.py
         floor = 256 + n_special + len(self.required_tokens)
         if self.vocab_size < floor:
             return [f"{key}.vocab_size: must be at least 256 bytes + {n_special} special tokens"
@@ -318,7 +318,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class LoopConfig:
-    """The knobs of the run skeleton (llm/loop.py), the same names in every training section."""
+    """The knobs of the run skeleton (llm/train/loop.py), the same names in every training section."""
     max_steps: int = _f(lo=1, hi=MAX_STEPS)
     lr: float = _f(lo=0.0, hi=MAX_LR, lo_open=True)
     min_lr: float = _f(lo=0.0, hi=MAX_LR, doc="the cosine schedule ends here; = lr keeps the rate constant after warmup")
@@ -328,7 +328,7 @@ class LoopConfig:
     beta2: float = _f(lo=0.0, hi=1.0)
     optimizer: Literal["adamw", "muon"] = _f("adamw", added=True, doc="adamw: AdamW over every parameter; muon:"
                                             " Muon over the transformer blocks' weight matrices, AdamW (lr, beta1,"
-                                            " beta2) over embeddings, the LM head, norms and biases (llm/optim.py)")
+                                            " beta2) over embeddings, the LM head, norms and biases (llm/nn/optim.py)")
     muon_lr: float = _f(0.02, lo=0.0, hi=MAX_LR, lo_open=True, added=True, doc="Muon's peak learning rate"
                         " (optimizer: muon); the schedule scales it as it scales lr")
     grad_clip: float = _f(lo=0.0, hi=MAX_LIMIT, doc="max global grad norm; 0 = no clipping")
@@ -349,7 +349,7 @@ class LoopConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig(LoopConfig):
-    """The supervised training loop (llm/trainer.py): pretrain, SFT, reward model, DPO.
+    """The supervised training loop (llm/train/trainer.py): pretrain, SFT, reward model, DPO.
 
     The global batch of an optimizer step is batch_size x grad_accum sequences whatever the
     number of processes: each of N processes runs grad_accum / N micro-batches of batch_size."""
@@ -452,7 +452,7 @@ class RewardConfig(TrainConfig):
                                 " generated preference pairs; the rest are comparisons of SFT's own answers (the"
                                 " samples stage)")
     logprob_feature: bool = _f(doc="add a learned multiple of the response's mean log-probability under the"
-                                   " trunk's LM head to the head's reward (llm/reward_model.py)")
+                                   " trunk's LM head to the head's reward (llm/nn/reward_model.py)")
     train_trunk: bool = _f(doc="false: only the reward head (and the likelihood feature's weight) learn; the SFT"
                                " trunk stays as it is (a linear probe)")
     head_init: Literal["random", "zero"] = _f("random", added=True, doc="with logprob_feature, zero: the reward head"
@@ -597,7 +597,7 @@ class EvalConfig:
     confidence: float = _f(lo=0.5, hi=0.999)
     num_threads: int = _f(lo=0, hi=MAX_WORKERS, doc="torch CPU threads for eval; 0 = common.num_threads. Decoding a small model is"
                           " per-op overhead bound, where more threads can be slower (docs/log.md)")
-    detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/clean.py); empty = toxicity unavailable")
+    detoxify_checkpoint: str = _f(doc="path to Detoxify weights (see llm/data/clean.py); empty = toxicity unavailable")
     toxicity_threshold: float = _f(lo=0.0, hi=1.0, doc="a response scoring above this counts as toxic")
     context_items: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many held-out math problems and"
                             " bare calculations asked again after an out-of-scope request, after an instruction"

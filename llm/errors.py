@@ -1,19 +1,19 @@
 """The failures of a training run that are not about its params or its data.
 
 Bad params (`llm.config.ConfigError`), bad data (`llm.fileio.DataError`) and bad model
-directories (`llm.artifacts.ArtifactError`) each have their class beside the code that finds
+directories (`llm.nn.artifacts.ArtifactError`) each have their class beside the code that finds
 them. These are raised from several places, and every stage reports them the same way:
 
 - `NonFiniteError`: a NaN or Inf where training cannot go on: a non-finite loss or gradient
   norm under `nonfinite_policy: raise` (or the skip budget spent), from the training loop
-  (llm/loop.py); or, in debug mode (llm/model.py `enable_debug`), the first sub-module whose
+  (llm/train/loop.py); or, in debug mode (llm/nn/model.py `enable_debug`), the first sub-module whose
   output holds one.
 - `QualityGateError`: a stage trained to the end but its output is not fit to hand on (reward
   model accuracy below `reward.min_accuracy`, KL above `*.max_kl`), or a run that learns nothing
   (no informative GRPO group for `grpo.max_zero_std_steps` steps). Every gate fails with one
   message shape: which gate, measured vs limit, the params key to change, what to do; no model
-  is written (the end of a stage checks its gates first: llm/finish.py).
-- `CheckpointError`: a checkpoint that cannot be trusted (llm/checkpoint.py): a bad manifest,
+  is written (the end of a stage checks its gates first: llm/train/finish.py).
+- `CheckpointError`: a checkpoint that cannot be trusted (llm/train/checkpoint.py): a bad manifest,
   a hash that does not match, a non-finite tensor.
 - `DiskFullError`: the disk or the user's quota filled up while an output was written. The
   atomic writes of llm/fileio.py raise it naming the output (what it replaced is left as it

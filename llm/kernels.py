@@ -1,6 +1,6 @@
 """Hand-written CPU backward passes: the speed tricks, kept apart from the plain math.
 
-llm/model.py and llm/losses.py read as plain PyTorch. At four places they ask `active(x)` and,
+llm/nn/model.py and llm/nn/losses.py read as plain PyTorch. At four places they ask `active(x)` and,
 when it says yes, call a function from here instead: the same numbers (up to float rounding)
 with a backward written by hand. Each one exists because a profile of the CPU training step
 showed the plain version's backward paying for memory traffic that the math does not need:
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # The target of a position that is not supervised (F.cross_entropy's default ignore_index). Defined
-# here, the lowest module that reads it; llm.batching writes it and llm.losses imports it from here.
+# here, the lowest module that reads it; llm.data.batching writes it and llm.nn.losses imports it from here.
 IGNORE_INDEX = -100
 
 _enabled = True
@@ -77,7 +77,7 @@ class RMSNorm(torch.autograd.Function):
 
 
 def _rotate(x: Tensor, freqs: Tensor) -> Tensor:
-    """The rotation of llm.model.apply_rope, op for op: adjacent pairs of x times complex freqs."""
+    """The rotation of llm.nn.model.apply_rope, op for op: adjacent pairs of x times complex freqs."""
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, hd/2) complex
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)  # (B, T, H, hd)
 
@@ -142,7 +142,7 @@ class CrossEntropySum(torch.autograd.Function):
 
     The forward only reads the logits (logsumexp per row) and the backward writes
     softmax(logits) * dL/dloss minus the one-hot once, each block while it is in the cache.
-    `overwrite`: the gradient takes the logits' memory (see llm.losses.cross_entropy_sum).
+    `overwrite`: the gradient takes the logits' memory (see llm.nn.losses.cross_entropy_sum).
     """
 
     @staticmethod

@@ -39,7 +39,7 @@ the one of a single process. What the launcher reports:
   reached, a machine that never joins): "<stage>: the rendezvous at HOST:PORT ...", exit 1;
 - a process that fails: the launcher stops the others, and the stage prints the failing
   rank's own message (a stage error, an exception, or the signal that killed it), exit 1;
-- SIGTERM/SIGINT: passed on to the processes, which checkpoint and stop (llm/loop.py).
+- SIGTERM/SIGINT: passed on to the processes, which checkpoint and stop (llm/train/loop.py).
 
 A ConfigError from the params, or any error a user, an input file or a full disk can cause
 (STAGE_ERRORS, plus the stage's own `errors`; a full disk names the file being written, or else

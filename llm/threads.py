@@ -1,7 +1,7 @@
 """How many CPU threads torch uses: `common.num_threads`, and `auto`, which measures.
 
     n = apply_num_threads(common.num_threads)   # when a stage starts (llm/runtime.py setup_runtime)
-    probe = check_counts(candidates, step_state)  # under auto, before the first step (llm/loop.py)
+    probe = check_counts(candidates, step_state)  # under auto, before the first step (llm/train/loop.py)
     tuner = auto_tuner(stage, say, probe["kept"])  # None: the stage stays on 1
     n = tuner.before_step(); ...one step...; tuner.after_step(seconds)
     tuner.release()                             # back to 1 for an evaluation, and after the loop
@@ -21,7 +21,7 @@ that the OS has handed to another process holds up all the others; next to a CPU
 two threads on two CPUs can run a step several times slower than one (bench/threads.py,
 bench/README.md). A count chosen once goes stale when such a process arrives or leaves
 mid-stage, and the load seen in /proc/stat does not say how much a given step suffers from it.
-So between steps (never inside one) the training loop (llm/loop.py) asks `ThreadTuner`: every
+So between steps (never inside one) the training loop (llm/train/loop.py) asks `ThreadTuner`: every
 `every` steps it runs `trial_steps` steps at each other allowed count, compares the fastest
 step of each with the fastest of the last steps at the current count (a step is only ever
 slowed by what else runs, so the fastest is the steadier figure), keeps the fastest count, and
@@ -36,7 +36,7 @@ every step's row of the history has its `num_threads`).
 Reproducibility under `auto`: a different count can change floating-point results (how a
 reduction or a matrix product is split between threads), and which counts do depends on the CPU
 and the tensor shapes, so `auto` checks them on the machine it runs on. Before a stage's first
-step (between steps only) the loop (llm/loop.py) saves the model, the optimizer, the step
+step (between steps only) the loop (llm/train/loop.py) saves the model, the optimizer, the step
 body's state and the RNG, runs that same real step once at each allowed count, restores the
 saved state after each (the run's own steps are the ones it would have run without the check)
 and keeps only the counts whose parameters and Adam moments after the step are bit-identical
@@ -49,7 +49,7 @@ differently only on shapes the checked step did not have, or only by chance on o
 a library whose split depends on something other than the shape and the count (memory
 alignment). So the check is only used where every step has one shape: pretrain, whose batches
 are batch_size windows of seq_len tokens. SFT's batches are padded to their longest example
-(llm/batching.py BucketBatchSampler), so their shape changes from step to step, and one shape
+(llm/data/batching.py BucketBatchSampler), so their shape changes from step to step, and one shape
 vouches for no other: measured on the 2-core AMD EPYC machine (one step of the tiny model from
 one state, padded lengths 8, 16, ..., 256), 4 threads gave one thread's bits at 28 of 32 lengths,
 the longest included, and other bits at 16, 40, 80 and 88 (3 threads: other bits at 21 of

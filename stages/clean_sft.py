@@ -12,7 +12,7 @@ and writes, each atomically:
 
     --out            {train,val}.jsonl: the kept records, unchanged and in input order
     --metrics        per split: in, kept, dropped per reason; seconds per step; near-dup and
-                     decontam details; a capped list of dropped samples with the reason (llm/clean.py)
+                     decontam details; a capped list of dropped samples with the reason (llm/data/clean.py)
 
 Both splits go through dedupe, near-dedupe, length and toxicity; only `train` is
 decontaminated (val is not trained on, and sft/val holds the rl/val questions on purpose).
@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from llm.clean import REASONS, LazyEmbedder, clean, load_toxicity_scorer, record_problem, summarize
+from llm.data.clean import REASONS, LazyEmbedder, clean, load_toxicity_scorer, record_problem, summarize
 from llm.fileio import DataError, atomic_dir, read_jsonl, write_jsonl
-from llm.metrics import write_metrics
+from llm.train.metrics import write_metrics
 
 INPUTS = {"sft": "the conversations: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory",
           "eval_prompts": "held-out math (test.jsonl, val.jsonl) to decontaminate against"}
@@ -67,8 +67,8 @@ def _summary_lines(metrics: dict) -> list[str]:
 
 def run(common, cfg, device: str, *, sft: Path, tokenizer: Path, eval_prompts: Path, out: Path, metrics_path: Path,
         progress: bool = True) -> dict:
-    from llm.template import render
-    from llm.tokenizer import Tokenizer
+    from llm.data.template import render
+    from llm.data.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     data = {s: list(read_jsonl(sft / f"{s}.jsonl", validate=record_problem)) for s in SPLITS}

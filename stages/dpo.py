@@ -7,11 +7,11 @@ initialisation and the frozen reference) and the pairs of stage `pairs` ({train,
 {"prompt", "chosen", "rejected", "kind", ...}).
 
 The reference is the SFT model, frozen: its log-probs of every train and val answer
-(llm/dpo.py: the sum over the answer tokens and the closing <|end|>; their mean for IPO) are
+(llm/post/dpo.py: the sum over the answer tokens and the closing <|end|>; their mean for IPO) are
 computed once up front and ride in the batches, so the training loop runs the policy only.
 Loss `dpo.loss_type`: `sigmoid` = DPO `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`,
 with `dpo.label_smoothing` > 0 conservative DPO (cDPO); `ipo` = IPO. Trained with
-llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
+llm/train/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
 `dpo.trainable` names the parameters that learn, as globs: ['*'] = all of them; the cpu
 profile's ['norm_f.weight'] trains only the final norm's gains (128 numbers on `tiny`), so
 DPO can rescale the SFT model's output distribution (sharpen or flatten it, per feature) but
@@ -28,7 +28,7 @@ distribution scores. KL to SFT (`kl`): for the first `dpo.kl_prompts` unique hel
 prompts, one response per prompt is sampled from the policy at temperature 1 (up to
 `dpo.max_new_tokens` tokens); kl is the mean over those response tokens of the exact per-token
 KL(pi(. | context) || ref(. | context)) summed over the vocabulary (nats per token);
-kl_seq is the mean per-response sum (llm.rollout.sampled_kl).
+kl_seq is the mean per-response sum (llm.sample.rollout.sampled_kl).
 
 Quality gate: kl above `dpo.max_kl` fails the stage with exit code 1 and the numbers;
 then the model, the metrics and the plots are not written (the previous outputs stay; the
@@ -42,18 +42,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from llm.batching import derive_seed
 from llm.config import CommonConfig, DPOConfig, fingerprint
-from llm.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
+from llm.data.batching import derive_seed
+from llm.data.preference import fixed_pair_batches, load_pair_splits, pair_batches
 from llm.fileio import sha256_tree
-from llm.finish import Gate, finish_stage, run_plots
-from llm.optim import set_trainable
-from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches
-from llm.reward_model import pair_metrics
-from llm.rollout import sampled_kl
+from llm.nn.optim import set_trainable
+from llm.nn.reward_model import pair_metrics
+from llm.post.dpo import dpo_loss_fn, dpo_metrics, reference_logprobs
 from llm.runtime import Runtime, full_model_state, setup_runtime
+from llm.sample.rollout import sampled_kl
 from llm.stage import stage_main, training_outputs
-from llm.trainer import train
+from llm.train.finish import Gate, finish_stage, run_plots
+from llm.train.trainer import train
 
 STAGE = "dpo"
 INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
@@ -63,8 +63,8 @@ OUTPUTS = training_outputs("the DPO model directory")
 
 def run(common: CommonConfig, cfg: DPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir
-    from llm.model import GPT
+    from llm.nn.artifacts import load_model_dir
+    from llm.nn.model import GPT
 
     t_start = time.perf_counter()
     policy, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))
@@ -154,7 +154,7 @@ def kl_gate(m: dict, cfg: DPOConfig) -> Gate:
 def heldout_prompts(pairs, tok, seq_len: int) -> list[list[int]]:
     """The held-out pairs' prompts for the KL to the SFT model: unique, in file order, shorter than
     the context."""
-    from llm.template import render_prompt
+    from llm.data.template import render_prompt
 
     prompts, seen = [], set()
     for i in pairs.val_kept:

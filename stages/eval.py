@@ -15,7 +15,7 @@ and `eval` sections of params.yaml and
     --scope      requests outside the model's skills, "Write a poem about the sea." (may be empty)
     --tokens     val.bin, meta.json: held-out pretraining text, for perplexity and bits per byte
 
-and computes (llm/evaluate.py evaluate_model): perplexity and bits per byte on
+and computes (llm/eval/evaluate.py evaluate_model): perplexity and bits per byte on
 `eval.ppl_batches` fixed windows of val.bin (held-out Shakespeare: `val_bpb`, lower is better,
 beside `val_bpb_uniform`, a uniform guess over the vocabulary; a fine-tuned model far above the
 base model has forgotten the language); greedy exact match on the first
@@ -30,7 +30,7 @@ the files have items; with `eval.context_items`, the first that many test proble
 calculations asked again after an out-of-scope request, after an instruction task and under
 three system messages (short, "You are a helpful assistant.", one no training conversation
 has), scored beside the same items alone, per language, with the drop in points between them
-(`context_math_*`, `context_arithmetic_*`: llm/evaluate.py `score_context`); pass@k and the
+(`context_math_*`, `context_arithmetic_*`: llm/eval/evaluate.py `score_context`); pass@k and the
 sampled accuracy (`eval.pass_k` samples at `eval.temperature` on
 `eval.pass_k_problems` problems) with bootstrap intervals; the reward model's mean score of
 the greedy answers to `eval.rm_prompts` problems and the win rate against SFT's greedy answers
@@ -40,7 +40,7 @@ from the model at temperature 1; 0 for SFT itself); the Detoxify toxicity rate w
 and whether the reward model's score follows correctness on this model's own answers: `rm_auc`,
 the share of (right, wrong) pairs among its scored greedy math answers in which the right one
 scores higher (0.5 = the score says nothing about being right), with its interval and the mean
-score of each group (llm/paired.py rm_separation).
+score of each group (llm/eval/paired.py rm_separation).
 Sampling is seeded from (common.seed, part, batch): two runs give the same file. With
 `common.nproc` > 1 it runs under torchrun, each rank generating and scoring a share of every
 batch loop; rank 0 writes files byte for byte equal to a one-process run's (timings aside).
@@ -51,18 +51,18 @@ Writes
     --samples    sample generations, math and RM samples (not metrics); the timings go to
                  runs/eval@<name>/run.json, which DVC does not track
     --items      one line per scored item: its outcome (right or wrong, or a score), no texts
-                 (llm/evaluate.py ITEM_SETS); the report pairs these with the parent model's
+                 (llm/eval/evaluate.py ITEM_SETS); the report pairs these with the parent model's
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from llm.batching import derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, EvalConfig
+from llm.data.batching import derive_seed, fixed_windows, open_tokens
+from llm.eval.paired import rm_separation
 from llm.fileio import DataError, atomic_write_json, read_jsonl, write_jsonl
-from llm.metrics import timings_path
-from llm.paired import rm_separation
+from llm.train.metrics import timings_path
 
 STAGE = "eval"
 MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
@@ -104,8 +104,8 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
     """Evaluate the model `name` in directory `model`; write (rank 0) and return (metrics, samples).
     rt: a distributed llm.runtime.Runtime shares the work out over its ranks. multiturn, scope:
     None scores neither (the command line always passes them)."""
-    from llm.artifacts import load_model_dir
-    from llm.evaluate import evaluate_model
+    from llm.eval.evaluate import evaluate_model
+    from llm.nn.artifacts import load_model_dir
     from llm.runtime import resolve_device
 
     if name not in MODELS:
@@ -139,7 +139,7 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
 
     toxicity = None
     if cfg.detoxify_checkpoint:
-        from llm.clean import load_toxicity_scorer
+        from llm.data.clean import load_toxicity_scorer
         try:
             toxicity = load_toxicity_scorer(cfg.detoxify_checkpoint, device=dev)
         except (FileNotFoundError, ValueError) as e:  # the loader names clean_sft's key; this is eval's

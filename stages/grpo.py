@@ -10,20 +10,20 @@ Reads the `common` and `grpo` sections of params.yaml and
 
 Each step samples grpo.prompts_per_step problems (grpo.curriculum_levels for the first
 grpo.curriculum_steps steps, then grpo.levels), grpo.group_size completions each, scores them
-with the safe verifier (llm.rewards.math_reward: correct_reward + format_reward, capped) and
-updates the policy with the clipped surrogate + beta * k3 KL (llm/grpo.py). With
+with the safe verifier (llm.sample.rewards.math_reward: correct_reward + format_reward, capped) and
+updates the policy with the clipped surrogate + beta * k3 KL (llm/post/grpo.py). With
 grpo.oversample k > 1 it samples k times as many problems and trains on the first
 prompts_per_step groups whose rewards differ (dynamic sampling). With
 `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores whole groups of
 the step's prompts, and the trajectory is one process's up to the order of float sums
-(llm/shares.py). Held-out exact
+(llm/post/shares.py). Held-out exact
 match (greedy), held-out reward and KL to the reference are measured before the first step,
 every grpo.eval_every steps and at the end.
 
 `--variant grpo_random` (dvc.yaml's stage grpo_random) runs it as `grpo_random` with
 grpo.reward_control forced to shuffled and everything else from the `grpo` section (the same
 seed, so the same prompts): a control whose rewards are each step's real ones given to random
-samples (llm/grpo.py), so that the report can tell how much of GRPO's change the verifier's
+samples (llm/post/grpo.py), so that the report can tell how much of GRPO's change the verifier's
 information explains. Its metrics and meta.json record the variant and what it forces; the
 forced value is in its fingerprint. `dvc exp run -S grpo.reward_control=shuffled` runs the
 control as `grpo` itself.
@@ -55,9 +55,9 @@ VARIANTS = {"grpo_random": {"reward_control": "shuffled"}}   # name: the keys of
 
 def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: Path, run_dir: Path, model: Path,
         metrics: Path, plots: Path, progress: bool = True, name: str = STAGE) -> dict:
-    from llm.grpo import GRPO
-    from llm.rl import finish_rl_stage, setup_rl_stage
-    from llm.shares import step_generator
+    from llm.post.grpo import GRPO
+    from llm.post.rl import finish_rl_stage, setup_rl_stage
+    from llm.post.shares import step_generator
 
     # both level lists are checked now, not at step curriculum_steps
     setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data,
@@ -91,7 +91,7 @@ def run(common: CommonConfig, cfg: GRPOConfig, rt: Runtime, *, sft: Path, data: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm.rl import rl_stage_main
+    from llm.post.rl import rl_stage_main
     return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS, variants=VARIANTS)
 
 

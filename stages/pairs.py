@@ -10,7 +10,7 @@ one (a user's own SFT data) and those prompts are paired by its scores: the only
 gives, on data it never trained on. Adversarial format-broken pairs (`pairs.adversarial_fraction`
 of the output) come from math prompts with a right answer, tied prompts first. Each pair keeps
 its prompt's split, so DPO's held-out pairs are the reward model's held-out prompts.
-The procedure is llm/pairs.py's.
+The procedure is llm/post/pairs.py's.
 
 Writes the pairs directory ({train,val}.jsonl: records {"id", "prompt", "chosen",
 "rejected", "kind", "source", "scorer", "reward_chosen", "reward_rejected", "preference_score",
@@ -26,17 +26,17 @@ import random
 import time
 from pathlib import Path
 
-from llm import pairs as lib
-from llm.artifacts import load_model_dir
-from llm.batching import derive_seed
-from llm.template import render_prompt
 from llm.config import CommonConfig, PairsConfig
+from llm.data.batching import derive_seed
+from llm.data.preference import encode_response
+from llm.data.template import render_prompt
 from llm.fileio import DataError, atomic_dir, atomic_write_text, read_jsonl, sha256_tree, write_jsonl
-from llm.metrics import write_metrics
-from llm.preference import encode_response
-from llm.reward_model import score_sequences
+from llm.nn.artifacts import load_model_dir
+from llm.nn.reward_model import score_sequences
+from llm.post import pairs as lib
 from llm.runtime import Runtime, setup_runtime
 from llm.stage import stage_main
+from llm.train.metrics import write_metrics
 
 STAGE = "pairs"
 INPUTS = {"samples": "the samples directory (samples.jsonl)", "rm": "the reward model directory"}

@@ -7,16 +7,16 @@ Reads the `common` and `ppo` sections of params.yaml and
     --sft     the policy's starting point (a value head is added on its trunk) and the frozen reference
     --rm      the reward model (a model directory with a "reward" head), used when
               ppo.reward_source is rm, or rm+verifier (its score plus the verifier's reward,
-              llm.rewards.rm_verifier_reward)
+              llm.sample.rewards.rm_verifier_reward)
     --data    train.jsonl: math problems whose questions are the rollout prompts (ppo.levels);
               val.jsonl: held-out problems (the first ppo.eval_problems)
 
 Each step samples ppo.rollout_prompts prompts, one response each, scores them (RM or verifier),
 adds the per-token KL penalty (ppo.kl_estimator, coefficient from the adaptive KL controller),
 runs GAE and ppo.epochs passes of clipped-surrogate + clipped-value + entropy updates over
-minibatches (llm/ppo.py). A KL outside [kl_alert_low, kl_alert_high] is reported as an ALERT.
+minibatches (llm/post/ppo.py). A KL outside [kl_alert_low, kl_alert_high] is reported as an ALERT.
 With `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores a share of
-the prompts, and the trajectory is one process's up to the order of float sums (llm/shares.py).
+the prompts, and the trajectory is one process's up to the order of float sums (llm/post/shares.py).
 Held-out exact match (greedy), held-out reward (sampled responses scored the same way) and KL
 to the reference are measured before the first step, every ppo.eval_every steps and at the end.
 
@@ -40,8 +40,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from llm.batching import derive_seed
 from llm.config import CommonConfig, PPOConfig
+from llm.data.batching import derive_seed
 from llm.runtime import Runtime
 from llm.stage import training_outputs
 
@@ -55,9 +55,9 @@ VARIANTS = {"ppo_rm": {"reward_source": "rm"}}   # name: the keys of the ppo sec
 
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, progress: bool = True, name: str = STAGE) -> dict:
-    from llm.ppo import PPO
-    from llm.rl import finish_rl_stage, setup_rl_stage
-    from llm.shares import step_generator
+    from llm.post.ppo import PPO
+    from llm.post.rl import finish_rl_stage, setup_rl_stage
+    from llm.post.shares import step_generator
 
     setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
                            reward_source=cfg.reward_source, rm=rm, section=STAGE, overrides=VARIANTS.get(name))
@@ -84,7 +84,7 @@ def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llm.rl import rl_stage_main
+    from llm.post.rl import rl_stage_main
     return rl_stage_main(STAGE, __doc__, run, argv, inputs=INPUTS, outputs=OUTPUTS, variants=VARIANTS)
 
 

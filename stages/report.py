@@ -9,17 +9,17 @@ and whatever exists, under the metrics directory, of
     <stage>.json                                      tokenizer, tokenize, pretrain, clean_sft, sft,
                                                       reward, pairs, dpo, ppo, ppo_rm,
                                                       grpo, grpo_random
-    plots/*.tsv                                       per-step training curves (llm/monitor.py)
+    plots/*.tsv                                       per-step training curves (llm/train/monitor.py)
 
 A missing file is listed under "Not available" in the report, never invented. Compares each
-model with its parent on the same items (llm/paired.py: McNemar's exact test and a paired
+model with its parent on the same items (llm/eval/paired.py: McNemar's exact test and a paired
 bootstrap with `report.bootstrap_samples` resamples, intervals at `report.confidence`, seeded
 from `common.seed`), and writes, into the same directory:
 
     paired.json          the paired changes, {"<model>_vs_<parent>": {skill: {"delta", "lo", "hi",
                          "p_value", "significant", ...}}}, a DVC metric: `dvc metrics diff` shows
                          how a change of params moved them
-    report.md            the report card (llm/report.py): header with profile, commit, date,
+    report.md            the report card (llm/eval/report.py): header with profile, commit, date,
                          machine and stage times; summary table; what each stage changed, in
                          words; curves; samples marked right or wrong
     report.html          the same, one self-contained file: no scripts, no network, images as
@@ -28,7 +28,7 @@ from `common.seed`), and writes, into the same directory:
     report_eval.png      accuracy per skill, win rate and KL to SFT (log axis) per model
     report_overopt.png   over-optimisation: ppo_rm's RM score (proxy) and verifier accuracy (gold)
                          per step against sqrt(KL to SFT), from plots/ppo_rm.tsv
-    summary.json         the headline numbers per model (llm/metrics.py headline), a DVC metric
+    summary.json         the headline numbers per model (llm/train/metrics.py headline), a DVC metric
                          that `dvc exp show` compares across experiments
 
 `report.max_samples` caps the items shown per sample group.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from llm.config import CommonConfig, ReportConfig
 from llm.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text
-from llm.metrics import headline
+from llm.train.metrics import headline
 
 STAGE = "report"
 INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and plots/ (it writes the report there)"}
@@ -48,9 +48,9 @@ INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and pl
 def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
         params: Path = Path("params.yaml")) -> tuple[dict, dict]:
     """Write the report files under metrics_dir; returns (what was collected, the paired changes)."""
-    from llm.report import collect, overopt_curve, paired_deltas, paired_metrics, provenance
-    from llm.report_plots import curves_png, eval_png, overopt_png, placeholder_png
-    from llm.report_render import find_urls, render_html, render_markdown
+    from llm.eval.report import collect, overopt_curve, paired_deltas, paired_metrics, provenance
+    from llm.eval.report_plots import curves_png, eval_png, overopt_png, placeholder_png
+    from llm.eval.report_render import find_urls, render_html, render_markdown
 
     data = collect(metrics_dir, max_samples=cfg.max_samples)
     paired = paired_deltas(data["items"], confidence=cfg.confidence, n_boot=cfg.bootstrap_samples, seed=common.seed)

@@ -15,13 +15,13 @@ two of the policy's answers to one problem. (Where SFT's samples never disagree 
 warns and falls back to the generated pairs alone; `held_out_on` says which.)
 
 The model is the SFT model plus a `Linear(n_embd, 1)` reward head read at the last real token
-(llm/reward_model.py, right for any padding side). With `reward.logprob_feature` the reward also adds
+(llm/nn/reward_model.py, right for any padding side). With `reward.logprob_feature` the reward also adds
 a learned weight (starting at 1) times the mean log-probability the model's own LM head gives
 the answer's tokens. With `reward.train_trunk: false` only the head and that weight learn (a
 linear probe). Each answer is rendered with the chat template as prompt + answer + <|end|>; pairs
 longer than the context are dropped and counted. Loss: Bradley-Terry
 `-log sigmoid(r_chosen - r_rejected - margin)` with labels smoothed by `reward.label_smoothing`,
-trained with llm/trainer.py (one batch = B pairs, weight B; checkpoints, resume, non-finite
+trained with llm/train/trainer.py (one batch = B pairs, weight B; checkpoints, resume, non-finite
 policy and `torchrun` as in every training stage).
 
 After training, every held-out pair is scored: accuracy (r_chosen > r_rejected), mean margin,
@@ -46,17 +46,17 @@ from pathlib import Path
 
 import torch
 
-from llm.batching import derive_seed
-from llm.template import ROLE_TOKENS
 from llm.config import CommonConfig, RewardConfig, fingerprint
+from llm.data.batching import derive_seed
+from llm.data.preference import fixed_pair_batches, load_pair_splits, pair_batches
+from llm.data.template import ROLE_TOKENS
 from llm.fileio import sha256_tree
-from llm.finish import Gate, finish_stage, run_plots
-from llm.optim import set_trainable
-from llm.preference import fixed_pair_batches, load_pair_splits, pair_batches
-from llm.reward_model import RewardModel, evaluate_pairs, reward_loss_fn
+from llm.nn.optim import set_trainable
+from llm.nn.reward_model import RewardModel, evaluate_pairs, reward_loss_fn
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
-from llm.trainer import train
+from llm.train.finish import Gate, finish_stage, run_plots
+from llm.train.trainer import train
 
 STAGE = "reward"
 INPUTS = {"sft": "the SFT model directory", "data": "generated preference pairs: train.jsonl, val.jsonl",
@@ -66,8 +66,8 @@ OUTPUTS = training_outputs("the reward model directory")
 
 def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data: Path, samples: Path,
         run_dir: Path, model: Path, metrics: Path, plots: Path, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir
-    from llm.model import GPT
+    from llm.nn.artifacts import load_model_dir
+    from llm.nn.model import GPT
 
     t0 = time.perf_counter()
     gpt, tok, sft_meta = load_model_dir(sft, device="cpu", heads=("lm",))

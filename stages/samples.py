@@ -10,7 +10,7 @@ answers and the SFT conversations (the prompts of non-math sources are the task 
 This is the one place where the policy's samples are drawn. The reward model learns from the
 comparisons made here (it never labels its own training data), and the `pairs` stage makes
 DPO's pairs from the same samples, adding the reward model's labels only where no verifier can
-check an answer. The procedure, seeded from (common.seed, "pairs"), is llm/pairs.py's: prompts
+check an answer. The procedure, seeded from (common.seed, "pairs"), is llm/post/pairs.py's: prompts
 (each assigned to train or val, `pairs.val_fraction` of them to val), samples at several
 temperatures, the verifier's score of each (math and bare calculations by their number,
 generated instruction tasks by their reference text with `pairs.verify_tasks`), SFT's
@@ -34,15 +34,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from llm import pairs as lib
-from llm.artifacts import load_model_dir
-from llm.batching import derive_seed
-from llm.template import render_prompt
 from llm.config import CommonConfig, PairsConfig
+from llm.data.batching import derive_seed
+from llm.data.template import render_prompt
 from llm.fileio import atomic_dir, write_jsonl
-from llm.metrics import write_metrics
+from llm.nn.artifacts import load_model_dir
+from llm.post import pairs as lib
 from llm.runtime import Runtime, setup_runtime
 from llm.stage import stage_main
+from llm.train.metrics import write_metrics
 
 STAGE = "samples"
 SEED_NAME = "pairs"  # the seed the pairs stage drew its samples with before this stage existed: the same draws

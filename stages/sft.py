@@ -6,26 +6,26 @@ Reads the `common` and `sft` sections of params.yaml, the pretrained model (and 
 tokenizer), the cleaned conversations ({train,val}.jsonl: {"id", "messages", "source"}) and
 held-out math problems for the final exact-match check.
 
-Each conversation is rendered with the chat template (llm/template.py); the loss covers only
+Each conversation is rendered with the chat template (llm/data/template.py); the loss covers only
 assistant tokens and their closing <|end|>. Conversations longer than the context are
 cut at the end; one left with no supervised token is dropped and counted. Batches come from
-a length-bucketing sampler (`sft.bucket_width`; llm/batching.py conversation_batches) so
+a length-bucketing sampler (`sft.bucket_width`; llm/data/batching.py conversation_batches) so
 padding stays small; the padding mask is combined with the causal mask inside attention. A source with fewer training
 conversations than `sft.min_source_examples` is repeated whole until it has at least that
 many: the generated instruction tasks of a small kind (reversing one of 30 words has 60
 prompts) are otherwise a few dozen conversations among twenty thousand; what it costs or buys
 at each learning rate is in docs/log.md. The loop is
-llm/trainer.py's, with the same checkpoints, resume, non-finite policy and `torchrun` support
+llm/train/trainer.py's, with the same checkpoints, resume, non-finite policy and `torchrun` support
 as pretrain.
 
 With `sft.replay_fraction` above 0, each batch of conversations gets windows of the pretraining
 text (--tokens train.bin, as long as the batch) appended, that share of its rows, with the loss
-on every one of their tokens (llm/batching.py ReplayBatches): fine-tuning on conversations
+on every one of their tokens (llm/data/batching.py ReplayBatches): fine-tuning on conversations
 alone lets the model forget the language it read in pretraining. The validation loss stays the
 conversations' own; `assistant_tokens_trained` then counts the text's scored tokens too.
 
 With `sft.average_last` above 1 the model written is the mean of the weights at the run's last
-that many checkpoints (llm/average.py), and its metrics give the validation loss of both
+that many checkpoints (llm/train/average.py), and its metrics give the validation loss of both
 (`val_loss` of the model written, `val_loss_last` of the final weights).
 
 Writes the SFT model directory, its metrics (train/val masked loss, assistant tokens trained,
@@ -38,16 +38,16 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from llm.average import average_checkpoints
-from llm.batching import (conversation_batches, derive_seed, fixed_conversation_batches, open_tokens,
-                          upsample_sources)
-from llm.template import render_all
 from llm.config import CommonConfig, SFTConfig, fingerprint
+from llm.data.batching import (conversation_batches, derive_seed, fixed_conversation_batches, open_tokens,
+                               upsample_sources)
+from llm.data.template import render_all
 from llm.fileio import DataError, read_jsonl, sha256_file, sha256_tree
-from llm.finish import finish_stage, run_plots
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
-from llm.trainer import evaluate, lm_loss, supervised_lm_loss, train
+from llm.train.average import average_checkpoints
+from llm.train.finish import finish_stage, run_plots
+from llm.train.trainer import evaluate, lm_loss, supervised_lm_loss, train
 
 STAGE = "sft"
 INPUTS = {"base": "the pretrained model directory", "data": "cleaned conversations: train.jsonl, val.jsonl",
@@ -88,7 +88,7 @@ def _evaluate_average(out_model, averaged: list[int], m: dict, val_batches, loss
 
 def _math_check(model, tok, math_val: Path, cfg: SFTConfig) -> dict:
     """Greedy exact match on the first sft.eval_math_problems held-out problems, and three samples."""
-    from llm.evaluate import math_eval
+    from llm.eval.evaluate import math_eval
 
     problems = list(read_jsonl(math_val))[: cfg.eval_math_problems]
     ev = math_eval(model, tok, problems, max_new_tokens=cfg.max_new_tokens, batch_size=64)
@@ -97,8 +97,8 @@ def _math_check(model, tok, math_val: Path, cfg: SFTConfig) -> dict:
 
 def run(common: CommonConfig, cfg: SFTConfig, rt: Runtime, *, base: Path, data: Path, math_val: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, tokens: Path | None = None, progress: bool = True) -> dict | None:
-    from llm.artifacts import load_model_dir
-    from llm.model import GPT
+    from llm.nn.artifacts import load_model_dir
+    from llm.nn.model import GPT
 
     gpt, tok, base_meta = load_model_dir(base, device="cpu", heads=("lm",))
     seq_len = gpt.config.seq_len

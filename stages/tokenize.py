@@ -32,9 +32,9 @@ from typing import Iterator
 import numpy as np
 
 from llm.config import TokenizeConfig
+from llm.data.tokenizer import Tokenizer
 from llm.fileio import DataError, atomic_dir, atomic_write_json, read_jsonl
-from llm.metrics import write_metrics
-from llm.tokenizer import Tokenizer
+from llm.train.metrics import write_metrics
 
 INPUTS = {"text": "the pretraining text: train.jsonl, val.jsonl", "tokenizer": "the tokenizer directory"}
 OUTPUTS = {"out": "the token shards directory", "metrics": "the metrics JSON"}

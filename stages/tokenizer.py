@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Iterator
 
 from llm.config import TokenizerConfig
+from llm.data.tokenizer import Tokenizer, has_han
 from llm.fileio import DataError, atomic_dir, read_jsonl
-from llm.metrics import write_metrics
-from llm.tokenizer import Tokenizer, has_han
+from llm.train.metrics import write_metrics
 
 INPUTS = {"prepared": "the prepared data directory (the files above are read from it)"}
 OUTPUTS = {"out": "the tokenizer directory", "metrics": "the metrics JSON"}

@@ -1,4 +1,4 @@
-"""llm/artifacts.py against hostile and careless model directories: every file is checked
+"""llm/nn/artifacts.py against hostile and careless model directories: every file is checked
 (types, bounds, hashes, the safetensors header against the config) before a tensor is read or
 a module built, so each edit below is refused by name, quickly and in little memory, even
 when meta.json's hashes were recomputed to match (they guard against corruption, not an
@@ -15,11 +15,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llm.artifacts import ArtifactError, MissingArtifactError, load_model_dir, save_model_dir
 from llm.config import ModelConfig
+from llm.data.tokenizer import Tokenizer
 from llm.fileio import sha256_file
-from llm.model import GPT
-from llm.tokenizer import Tokenizer
+from llm.nn.artifacts import ArtifactError, MissingArtifactError, load_model_dir, save_model_dir
+from llm.nn.model import GPT
 from tests.conftest import bounded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +72,7 @@ def test_loading_a_model_does_not_import_the_compiler(saved, tmp_path, pos):
         model, tok, _ = load_model_dir(saved)
         cfg = {**vars(model.config), "pos": "learned"}
         d = save_model_dir(tmp_path / "learned", GPT(ModelConfig(**cfg)), tok, {"stage": "sft", "fingerprint": "fp"})
-    code = ("import sys; from llm.artifacts import load_model_dir; m, _, _ = load_model_dir(sys.argv[1]);"
+    code = ("import sys; from llm.nn.artifacts import load_model_dir; m, _, _ = load_model_dir(sys.argv[1]);"
             " m(m.wte.weight.new_zeros(1, 4, dtype=__import__('torch').long));"
             " print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=120,
@@ -167,20 +167,20 @@ def test_an_integer_weight_is_refused_naming_the_tensor(saved, tmp_path):
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer/tokenizer.txt", "tokenizer/tokenizer_meta.json"])
 def test_a_file_padded_to_100_gb_is_refused_before_it_is_hashed(saved, tmp_path, monkeypatch, name):
     """A sparse file costs no disk, but hashing it reads every byte (10 GB took 23 s)."""
-    import llm.artifacts
+    import llm.nn.artifacts
 
     d = _copy(saved, tmp_path)
     try:
         os.truncate(d / name, 100 << 30)
     except OSError:
         pytest.skip("this file system cannot hold a sparse file of 100 GB")
-    hash_file = llm.artifacts.sha256_file
+    hash_file = llm.nn.artifacts.sha256_file
 
     def small_only(p):
         assert os.path.getsize(p) < 1 << 30, f"hashed {p} ({os.path.getsize(p)} bytes)"
         return hash_file(p)
 
-    monkeypatch.setattr(llm.artifacts, "sha256_file", small_only)
+    monkeypatch.setattr(llm.nn.artifacts, "sha256_file", small_only)
     with bounded(seconds=5, memory=256 << 20), pytest.raises(ArtifactError, match=f"{re.escape(str(d / name))}:"
                                                                                   f" 107374182400 bytes, "):
         load_model_dir(d)

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm.artifacts import load_model_dir, save_model_dir
-from llm.average import average_run, average_states, main
-from llm.checkpoint import CheckpointError, save_checkpoint
-from llm.model import GPT, ModelConfig
-from llm.tokenizer import Tokenizer
+from llm.data.tokenizer import Tokenizer
+from llm.nn.artifacts import load_model_dir, save_model_dir
+from llm.nn.model import GPT, ModelConfig
+from llm.train.average import average_run, average_states, main
+from llm.train.checkpoint import CheckpointError, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -225,7 +225,7 @@ def sft_workspace(tmp_path_factory) -> Path:
     """models/base (a tiny GPT), data/clean_sft/{train,val}.jsonl and data/prepared/rl/val.jsonl."""
     import random
 
-    from llm.generators import math_problem
+    from llm.data.generators import math_problem
 
     ws = tmp_path_factory.mktemp("sft")
     rng = random.Random(0)
@@ -249,7 +249,7 @@ def _run_sft(ws: Path, name: str, **over) -> tuple[dict, Path]:
     import yaml
 
     import stages.sft
-    from llm.metrics import read_metrics
+    from llm.train.metrics import read_metrics
     from tests.conftest import common_params, dvc_command
 
     out = ws / name
@@ -263,7 +263,7 @@ def _run_sft(ws: Path, name: str, **over) -> tuple[dict, Path]:
 
 
 def test_sft_writes_the_mean_of_its_last_checkpoints(sft_workspace):
-    from llm.checkpoint import load_checkpoint
+    from llm.train.checkpoint import load_checkpoint
 
     plain, plain_dir = _run_sft(sft_workspace, "plain")
     avg, avg_dir = _run_sft(sft_workspace, "avg", average_last=3)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from llm.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, ReplayBatches, WindowSampler, derive_seed,
-                          fixed_conversation_batches, fixed_windows, open_tokens, pad_collate, replay_rows,
-                          upsample_sources)
+from llm.data.batching import (IGNORE_INDEX, BucketBatchSampler, ExampleBatches, ReplayBatches, WindowSampler,
+                               derive_seed, fixed_conversation_batches, fixed_windows, open_tokens, pad_collate,
+                               replay_rows, upsample_sources)
 
 TOKENS = (np.arange(10_000) % 997).astype(np.uint16)  # token at i is i % 997: windows are checkable
 

@@ -58,7 +58,7 @@ def test_the_ids_digest_sees_where_documents_end():
 @pytest.mark.usefixtures("one_thread")
 def test_the_decode_split_times_four_ways_and_gives_torch_its_products_back():
     from llm.config import ModelConfig
-    from llm.model import GPT
+    from llm.nn.model import GPT
     bench = load_script(ROOT / "bench/generate.py", "bench_generate")
     mm, addmm = torch.mm, torch.addmm
     model = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)).eval()
@@ -71,7 +71,7 @@ def test_the_decode_split_times_four_ways_and_gives_torch_its_products_back():
 @pytest.mark.usefixtures("one_thread")
 def test_the_small_operation_probe_times_each_operation_after_each_prelude():
     from llm.config import ModelConfig
-    from llm.model import GPT
+    from llm.nn.model import GPT
     bench = load_script(ROOT / "bench/generate.py", "bench_generate")
     model = GPT(ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=16)).eval()
     got = bench.after_products(model, reps=3)

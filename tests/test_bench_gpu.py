@@ -105,8 +105,8 @@ def test_the_speedrun_part_runs_a_profile_at_its_own_step_counts():
 def test_the_speedrun_reads_throughput_and_the_eval_table_from_the_stages_metrics(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
-    from llm.metrics import write_metrics
-    from llm.profile import render
+    from llm.tools.profile import render
+    from llm.train.metrics import write_metrics
     params = render("gpu-speedrun", ROOT / "env" / "profiles")[0]
     ours, nano = gpu_check.flop_counts(params)
     # 77m shape at vocab 4096: the tied head's 6 x 4096 x 512 is the whole difference

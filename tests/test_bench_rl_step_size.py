@@ -32,10 +32,10 @@ def test_a_missing_model_is_named(tmp_path):
 
 
 def _tiny_setup(tmp_path):
-    from llm.artifacts import save_model_dir
     from llm.config import ModelConfig
-    from llm.model import GPT
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
+    from llm.nn.artifacts import save_model_dir
+    from llm.nn.model import GPT
 
     tok = Tokenizer.train(["Tom has 3 apples. He buys 2 more. 3 + 2 = 5 #### 5"] * 4, vocab_size=300,
                           min_frequency=1, jieba=False)

@@ -1,4 +1,4 @@
-"""llm/chat.py's terminal chat: flags, commands, piped JSON Lines, Ctrl-C, context, bad input.
+"""llm/tools/chat.py's terminal chat: flags, commands, piped JSON Lines, Ctrl-C, context, bad input.
 
 Most tests call main() in this process with a fake stdin; the slow ones run
 `python -m llm.chat` as a subprocess (real stdin bytes) and inside tmux (a real terminal,
@@ -17,13 +17,13 @@ import time
 import pytest
 import torch
 
-from llm.artifacts import save_model_dir
-from llm.chat import COMMANDS, Chat, TextStream, _parser, main, run_command
-from llm.template import render, render_prompt
 from llm.config import ModelConfig
-from llm.generate import generate
-from llm.model import GPT
-from llm.tokenizer import Tokenizer
+from llm.data.template import render, render_prompt
+from llm.data.tokenizer import Tokenizer
+from llm.nn.artifacts import save_model_dir
+from llm.nn.model import GPT
+from llm.sample.generate import generate
+from llm.tools.chat import COMMANDS, Chat, TextStream, _parser, main, run_command
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,7 +81,7 @@ def records(out: str) -> list[dict]:
 
 
 def greedy(tok, model_dir, messages, n):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     m, _, _ = load_model_dir(model_dir)
     out = generate(m, [render_prompt(messages, tok)], n, temperature=0.0, pad_id=tok.pad_id,
                    stop_ids=(tok.special["<|end|>"], tok.special["<|endoftext|>"]))
@@ -188,7 +188,7 @@ def test_commands_and_unknown_commands_never_reach_the_model(model_dir, monkeypa
 
 
 def test_temp_command_refuses_nan_and_subnormal_and_keeps_the_temperature(tok, model_dir):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     chat = Chat(load_model_dir(model_dir)[0], tok, temperature=0.5)
     for bad in ("nan", "inf", "1e-320", "-1", "warm", ""):
         assert "0.5" in run_command(chat, f"/temp {bad}") or "usage" in run_command(chat, f"/temp {bad}")
@@ -222,7 +222,7 @@ def test_a_long_conversation_forgets_its_earliest_turns_instead_of_refusing(mode
 
 
 def test_the_history_keeps_the_system_message_and_whole_exchanges(tok, model_dir):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     chat = Chat(load_model_dir(model_dir)[0], tok, system="Be brief.", temperature=0.0, max_new_tokens=20)
     for i in range(4):
         chat.reply(f"question {i}")
@@ -233,8 +233,8 @@ def test_the_history_keeps_the_system_message_and_whole_exchanges(tok, model_dir
 
 
 def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
-    from llm.artifacts import load_model_dir
-    from llm.template import ContextError
+    from llm.data.template import ContextError
+    from llm.nn.artifacts import load_model_dir
     chat = Chat(load_model_dir(model_dir)[0], tok, system="Be brief.", temperature=0.0, max_new_tokens=8)
     chat.reply("hi")
     before = list(chat.history)
@@ -246,7 +246,7 @@ def test_a_refused_message_leaves_the_conversation_as_it_was(tok, model_dir):
 def test_fit_context_drops_the_fewest_earliest_exchanges_and_counts_as_the_template_does(tok):
     """What is kept renders to the length fit_context counted, leaves the answer its room, and
     keeping one more exchange would not: the fewest messages go, oldest first, never the system one."""
-    from llm.template import fit_context
+    from llm.data.template import fit_context
 
     def count(text):
         return len(tok.encode(text, allowed_special="none"))
@@ -293,7 +293,7 @@ def interrupt_after(monkeypatch, n: int) -> None:
 
 
 def test_ctrl_c_mid_answer_keeps_the_part_shown_as_the_answer(tok, model_dir, monkeypatch):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     chat = Chat(load_model_dir(model_dir)[0], tok, temperature=0.0, max_new_tokens=20)
     shown = []
     interrupt_after(monkeypatch, 6)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from llm.checkpoint import (MANIFEST, MODEL_FILE, STATE_TENSORS, CheckpointError, find_resume,
-                            list_checkpoints, load_checkpoint, prune, quarantine_stale, save_checkpoint)
+from llm.train.checkpoint import (MANIFEST, MODEL_FILE, STATE_TENSORS, CheckpointError, find_resume,
+                                  list_checkpoints, load_checkpoint, prune, quarantine_stale, save_checkpoint)
 
 
 class Tied(nn.Module):

@@ -1,4 +1,4 @@
-"""SFT cleaning (llm/clean.py, stages/clean_sft.py): each step drops what it should, and counts add up."""
+"""SFT cleaning (llm/data/clean.py, stages/clean_sft.py): each step drops what it should, and counts add up."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm.clean import (
+from llm.config import CleanSFTConfig
+from llm.data.clean import (
     REASONS,
     LazyEmbedder,
     _clusters,
@@ -24,8 +25,7 @@ from llm.clean import (
     toxicity_filter,
     words,
 )
-from llm.config import CleanSFTConfig
-from llm.metrics import read_metrics
+from llm.train.metrics import read_metrics
 from tests.conftest import dvc_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,7 +326,7 @@ def _write_jsonl(path: Path, recs: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_stage_end_to_end(tmp_path):
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
 
     train = [conv(f"t{i}", f"Reverse the word number {i}: {w}", w[::-1])
              for i, w in enumerate(["castle", "garden", "river", "planet", "window", "silver"])]

@@ -11,8 +11,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from llm.config import (MAX_PARAMS_BYTES, ConfigError, ModelConfig, Params, load_params, load_params_text, load_sections,
-                        section_keys)
+from llm.config import (MAX_PARAMS_BYTES, ConfigError, ModelConfig, Params, load_params, load_params_text,
+                        load_sections, section_keys)
 from tests.conftest import ROOT, bounded
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from llm.config import ModelConfig, TrainConfig
-from llm.losses import sequence_logprob
-from llm.model import GPT
-from llm.dpo import answer_logprobs, dpo_loss, dpo_loss_fn, dpo_metrics, reference_logprobs
-from llm.preference import collate_pairs, fixed_pair_batches, pair_batches
+from llm.data.preference import collate_pairs, fixed_pair_batches, pair_batches
+from llm.nn.losses import sequence_logprob
+from llm.nn.model import GPT
+from llm.post.dpo import answer_logprobs, dpo_loss, dpo_loss_fn, dpo_metrics, reference_logprobs
 from llm.runtime import Runtime
-from llm.trainer import train
+from llm.train.trainer import train
 from tests.test_reward import _toy_pairs, _write_jsonl, make_workspace, run_stage, tcfg, write_params
 
 CPU = Runtime(torch.device("cpu"))
@@ -168,11 +168,11 @@ def test_dpo_stage_end_to_end(tmp_path):
     assert m["n_pairs"] == 16 and m["steps"] == 4 and m["kl_prompts"] == 4 and m["kl"] >= 0
     assert m["rewards_margin"] == pytest.approx(m["rewards_chosen"] - m["rewards_rejected"], abs=1e-6)
     assert sum(v["n"] for v in m["by_kind"].values()) == 16
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     model, _, meta = load_model_dir(ws / "models/dpo")
     assert meta["stage"] == "dpo" and model.head_names == ("lm",)
     # the baseline: the share of held-out pairs the SFT reference's own sequence log-probs rank right
-    from llm.preference import encode_pairs
+    from llm.data.preference import encode_pairs
     sft, tok, _ = load_model_dir(ws / "models/sft", heads=("lm",))
     recs = [json.loads(x) for x in (ws / "data/pairs/val.jsonl").read_text().splitlines()]
     pairs, kept, _ = encode_pairs(recs, tok, sft.config.seq_len)
@@ -192,7 +192,7 @@ def test_dpo_stage_trains_only_the_parameters_dpo_trainable_names(tmp_path):
     write_params(ws, dpo=dict(trainable=["norm_f.weight"], lr=1.0e-2, min_lr=1.0e-3))
     run = run_stage(ws, "dpo")
     assert run.returncode == 0, run.stderr
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     sft = dict(load_model_dir(ws / "models/sft")[0].named_parameters())
     dpo = dict(load_model_dir(ws / "models/dpo")[0].named_parameters())
     changed = {n for n, p in dpo.items() if not torch.equal(p, sft[n])}

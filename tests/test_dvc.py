@@ -37,7 +37,9 @@ def _llm_imports(path: Path, seen: set[str]) -> set[str]:
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "llm":
-            mods = [node.module] if node.module != "llm" else [f"llm.{a.name}" for a in node.names]
+            mods = [node.module] if node.module != "llm" else []
+            mods += [f"{node.module}.{a.name}" for a in node.names
+                     if (ROOT / f"{node.module}.{a.name}".replace(".", "/")).with_suffix(".py").is_file()]
             found.update(mods)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "llm")
@@ -60,7 +62,7 @@ def test_deps_cover_the_llm_modules_a_stage_imports(name, stage):
     script = script.replace("${item}", "x")
     deps = set(stage.get("deps", []))
     assert script in deps, f"stage {name}: {script} missing from deps"
-    needed = _llm_imports(ROOT / script, set()) - {"llm/__init__.py"}
+    needed = {m for m in _llm_imports(ROOT / script, set()) if not m.endswith("__init__.py")}
     missing = sorted(needed - deps)
     assert not missing, f"dvc.yaml stage {name}: deps lack {missing}"
 
@@ -131,7 +133,7 @@ def test_a_stage_lists_exactly_the_params_it_reads(name, stage):
 
 def test_every_profile_holds_the_keys_dvc_yaml_lists():
     """DVC refuses to run a stage whose listed params key is missing from params.yaml."""
-    from llm.profile import available, render
+    from llm.tools.profile import available, render
     listed = {e if isinstance(e, str) else next(iter(e)) for _, st in _stage_defs() for e in st.get("params", [])}
     for profile in available():
         params, _ = render(profile)
@@ -170,11 +172,11 @@ def test_every_path_is_written_once_on_the_command_line_and_declared(name, stage
     OUTPUTS), so a path is written once, here in dvc.yaml: every input option must be one of the
     stage's deps (or a directory of them), every output option one of its outs, metrics or plots
     (but for the run directory, which DVC must not track: the next test); and every data dep and
-    out must be reached through some option, or be the run file of its metrics (llm/metrics.py)."""
+    out must be reached through some option, or be the run file of its metrics (llm/train/metrics.py)."""
     import importlib
 
-    from llm.metrics import run_info_path
     from llm.stage import UNTRACKED_OUTPUTS
+    from llm.train.metrics import run_info_path
 
     module = importlib.import_module(stage["cmd"].split("-m ")[1].split()[0])
     opts, _ = _path_args(stage["cmd"])
@@ -215,14 +217,14 @@ def test_run_directories_are_no_dvc_output_and_git_ignored(name, stage):
 
 @pytest.mark.parametrize("name,stage", list(_stage_defs()))
 def test_metrics_files_have_their_run_file_declared(name, stage):
-    """A stage that writes its metrics with llm.metrics.write_metrics (the training stages through
-    llm.finish.finish_stage) also writes the run file (samples, provenance) beside them: dvc.yaml
+    """A stage that writes its metrics with llm.train.metrics.write_metrics (the training stages through
+    llm.train.finish.finish_stage) also writes the run file (samples, provenance) beside them: dvc.yaml
     declares it as an output that is not a metric, so `dvc metrics diff` never lists it. Its
     timings go to its run directory's run.json (runs/<stage>/run.json), which is no output at all
     and git-ignored, so a rerun that makes the same models leaves dvc.lock as it was."""
     import subprocess
 
-    from llm.metrics import run_info_path, timings_path
+    from llm.train.metrics import run_info_path, timings_path
 
     opts, _ = _path_args(stage["cmd"])
     script = ROOT / (stage["cmd"].split("-m ")[1].split()[0].replace(".", "/") + ".py")

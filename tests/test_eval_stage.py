@@ -19,15 +19,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llm.artifacts import MissingArtifactError, save_model_dir
-from llm.batching import derive_seed, pad_collate
-from llm.template import render, render_prompt
 from llm.config import EvalConfig, ModelConfig, load_sections
-from llm.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
-from llm.generators import TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, scope_request, task
-from llm.metrics import timings_path
-from llm.model import GPT
-from llm.tokenizer import Tokenizer
+from llm.data.batching import derive_seed, pad_collate
+from llm.data.generators import (TASK_KINDS, arithmetic_question, math_problem, multiturn_conversation, scope_request,
+                                 task)
+from llm.data.template import render, render_prompt
+from llm.data.tokenizer import Tokenizer
+from llm.eval.evaluate import evaluate_model, lm_eval, rm_scores, score_math, score_tasks, win_rate
+from llm.nn.artifacts import MissingArtifactError, save_model_dir
+from llm.nn.model import GPT
+from llm.train.metrics import timings_path
 from tests.conftest import ROOT, common_params, dvc_command
 
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
@@ -227,7 +228,7 @@ def test_eval_stage_run_writes_flat_metrics_and_samples(world):
 
 def test_every_rate_is_the_mean_of_its_item_outcomes(world):
     """The item file and the metrics agree: the report's paired deltas rest on the item file."""
-    from llm.paired import read_items
+    from llm.eval.paired import read_items
     from stages.eval import run
     root = world["root"]
     sections = load_sections(["common", "eval"], root / "params.yaml")
@@ -252,12 +253,12 @@ def test_every_rate_is_the_mean_of_its_item_outcomes(world):
 
 def test_eval_says_whether_the_rm_score_follows_correctness(world, monkeypatch):
     """rm_auc is rm_separation of the items the stage writes: the RM's scores by the math outcomes."""
-    from llm.paired import read_items, rm_separation
+    from llm.eval.paired import read_items, rm_separation
     from stages.eval import run
     root = world["root"]
     sections = load_sections(["common", "eval"], root / "params.yaml")
     # a stand-in grader (a fixed function of the answer's text) gives right and wrong answers
-    monkeypatch.setattr("llm.evaluate.is_correct", lambda answer, gold: zlib.crc32(answer.encode()) % 2 == 0)
+    monkeypatch.setattr("llm.eval.evaluate.is_correct", lambda answer, gold: zlib.crc32(answer.encode()) % 2 == 0)
     m, _ = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "auc"))
     items = read_items(root / "auc/ppo_items.jsonl")
     n = min(EVAL_PARAMS["rm_prompts"], EVAL_PARAMS["math_problems"])
@@ -328,7 +329,7 @@ def test_eval_stage_names_a_missing_reward_model(world, tmp_path):
 def test_second_turns_and_out_of_scope_requests_are_scored_only_when_they_have_items(world, monkeypatch):
     """The second turn is answered with the whole earlier conversation as its prompt; its scores,
     and the out-of-scope ones, appear only with items, and every existing key stays as it was."""
-    import llm.evaluate as ev
+    import llm.eval.evaluate as ev
     w = world
     cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
     first = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"}]
@@ -374,7 +375,7 @@ def test_an_out_of_scope_request_after_a_first_exchange_is_asked_with_it_and_sco
     """A request with a "history" (a sum asked and answered first) is answered with that
     conversation as its prompt; the no-math share is reported per turn and per language as well
     as overall, and each item says its turn."""
-    import llm.evaluate as ev
+    import llm.eval.evaluate as ev
     w = world
     cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0})
     history = [{"role": "user", "content": "What is 7 + 5?"}, {"role": "assistant", "content": "7 + 5 = 12\n#### 12"}]
@@ -410,7 +411,7 @@ def test_questions_asked_in_a_context_are_scored_beside_the_same_questions_alone
     out-of-scope request, after a task and under each system message, with the conversation as
     the prompt; each context's rate sits beside the same items' alone and the drop is their
     difference, and no key that existed before changes."""
-    import llm.evaluate as ev
+    import llm.eval.evaluate as ev
     w = world
     cfg = EvalConfig(**{**EVAL_PARAMS, "pass_k_problems": 0, "rm_prompts": 0, "kl_prompts": 0, "context_items": 2})
     scope = [{"id": f"s{i}", "prompt": p, "answer": "I can do sums.", "lang": "en"}

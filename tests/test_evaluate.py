@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm.evaluate import (CONTEXT_SYSTEM, CONTEXTS, bootstrap_interval, context_items, has_math_template, pass_at_k,
-                          score_context, score_multiturn, score_scope, wilson_interval, z_score)
+from llm.eval.evaluate import (CONTEXT_SYSTEM, CONTEXTS, bootstrap_interval, context_items, has_math_template,
+                               pass_at_k, score_context, score_multiturn, score_scope, wilson_interval, z_score)
 
 
 @pytest.mark.parametrize("k,n,lo,hi", [

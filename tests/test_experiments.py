@@ -44,7 +44,7 @@ def test_every_profile_names_its_device_and_dtype():
     """The run-cache keys a stage by params, deps and command, not by the machine: under
     `device: auto` a CUDA run and a CPU run of one profile would share a key, and one machine
     could restore the other's outputs. Every profile names both."""
-    from llm.profile import render
+    from llm.tools.profile import render
 
     for path in sorted((ROOT / "env" / "profiles").glob("*.yaml")):
         common = render(path.stem, ROOT / "env" / "profiles")[0]["common"]
@@ -109,7 +109,7 @@ def test_the_readme_exp_show_view_keeps_every_params_section():
     import re
 
     from llm.config import section_keys
-    from llm.metrics import MODEL_OF_STAGE
+    from llm.train.metrics import MODEL_OF_STAGE
 
     line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.strip().startswith("cols='"))
     pattern = line.strip()[len("cols='"):-1]
@@ -119,4 +119,4 @@ def test_the_readme_exp_show_view_keeps_every_params_section():
     assert {*MODEL_OF_STAGE, "reward"} <= sections
     drop = re.compile(pattern)
     assert not drop.match("Experiment") and not drop.match("ppo.clip_epsilon") and not drop.match("sft.em")
-    assert drop.match("math_exact_match") and drop.match("by_kind.math.n") and drop.match("llm/model.py")
+    assert drop.match("math_exact_match") and drop.match("by_kind.math.n") and drop.match("llm/nn/model.py")

@@ -1,5 +1,5 @@
-"""llm/export.py (HF Llama export, checked with `transformers` as a client) and
-llm/artifacts.py (model directories: round trip, missing and corrupt files)."""
+"""llm/tools/export.py (HF Llama export, checked with `transformers` as a client) and
+llm/nn/artifacts.py (model directories: round trip, missing and corrupt files)."""
 from __future__ import annotations
 
 import json
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm.artifacts import ArtifactError, MissingArtifactError, load_model_dir, save_model_dir
 from llm.config import ModelConfig
-from llm.export import ExportError, export_hf, export_problems, main
+from llm.data.tokenizer import Tokenizer
 from llm.fileio import sha256_file
-from llm.model import GPT, format_count
-from llm.reward_model import reward
-from llm.tokenizer import Tokenizer
+from llm.nn.artifacts import ArtifactError, MissingArtifactError, load_model_dir, save_model_dir
+from llm.nn.model import GPT, format_count
+from llm.nn.reward_model import reward
+from llm.tools.export import ExportError, export_hf, export_problems, main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -83,7 +83,7 @@ def test_left_padded_batches_agree_when_hf_gets_our_position_ids(tmp_path):
 def test_the_logit_check_detects_a_wrong_rope_layout(tmp_path, monkeypatch):
     """Exporting q/k rows in our pair layout, without the rotate_half permutation, must fail
     the 1e-4 check: the test above can tell the two layouts apart."""
-    import llm.export as ex
+    import llm.tools.export as ex
     m = model(97)
     monkeypatch.setattr(ex, "rope_permutation", lambda hd: torch.arange(hd))
     export_hf(m, None, tmp_path / "hf")
@@ -105,7 +105,7 @@ def test_configs_llama_cannot_express_are_refused_with_the_reason(tmp_path, kw, 
 
 def test_cli_exports_a_model_directory_with_tokenizer_and_chat_template(tmp_path, tok, capsys):
     transformers = pytest.importorskip("transformers")
-    from llm.template import render_prompt
+    from llm.data.template import render_prompt
 
     m = model(tok.vocab_size, heads=("lm", "value"))
     save_model_dir(tmp_path / "sft", m, tok, {"stage": "sft"})
@@ -173,7 +173,7 @@ def template_ids(hf_tok, messages) -> list[int]:
 
 @pytest.mark.parametrize("text", ADVERSARIAL)
 def test_the_exported_template_gives_llm_chat_ids_for_special_token_text(tok, hf_tok, text):
-    from llm.template import render_prompt
+    from llm.data.template import render_prompt
     msgs = [{"role": "system", "content": text}, {"role": "user", "content": text},
             {"role": "assistant", "content": text}, {"role": "user", "content": "ok " + text + " ok"}]
     ours = render_prompt(msgs, tok)
@@ -185,7 +185,7 @@ def test_the_exported_template_gives_llm_chat_ids_for_special_token_text(tok, hf
 
 def test_the_template_escape_is_needed(tok, hf_tok, monkeypatch, tmp_path):
     """Without the escape, a typed <|end|> becomes the control token: the test above can fail."""
-    import llm.export as ex
+    import llm.tools.export as ex
     transformers = pytest.importorskip("transformers")
     plain = ex.CHAT_TEMPLATE.replace(
         "m['content'] | replace('\ufdd0', '\ufdd0\ufdd1') | replace('<|', '\ufdd0\ufdd2')", "m['content']")
@@ -193,7 +193,7 @@ def test_the_template_escape_is_needed(tok, hf_tok, monkeypatch, tmp_path):
     monkeypatch.setattr(ex, "CHAT_TEMPLATE", plain)
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf")
     naive = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    from llm.template import render_prompt
+    from llm.data.template import render_prompt
     msgs = [{"role": "user", "content": "<|end|>"}]
     assert template_ids(naive, msgs) != render_prompt(msgs, tok)
 
@@ -216,7 +216,7 @@ def test_any_text_through_the_template_gives_llm_chat_ids(tok, hf_tok):
     hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
 
-    from llm.template import render_prompt
+    from llm.data.template import render_prompt
     pieces = st.sampled_from(["<|", "|>", "end", "user", "endoftext", "\ufdd0", "\ufdd1", "\ufdd2", "<", "|",
                               " ", "\n", "x", "苹果", "🙂", "{{", "}}", "'", "\\"])
     texts = st.one_of(st.lists(pieces, max_size=12).map("".join), st.text(max_size=20))
@@ -305,7 +305,7 @@ def test_a_license_given_goes_into_the_header_and_a_malformed_one_is_refused(tmp
 
 
 def test_model_index_holds_the_headline_metrics_with_their_values(tmp_path, tok):
-    from llm.export import CARD_METRICS
+    from llm.tools.export import CARD_METRICS
     export_hf(model(tok.vocab_size), tok, tmp_path / "hf", name="ppo", meta={"stage": "ppo"},
               metrics={"metrics/eval/ppo.json": EVAL_METRICS})
     head, _ = card_of(tmp_path / "hf")
@@ -485,7 +485,7 @@ def test_export_never_replaces_what_it_did_not_write(workspace, monkeypatch, cap
 
 
 def test_ctrl_c_while_writing_leaves_the_earlier_export_and_no_temp(tmp_path, tok, capsys, monkeypatch):
-    import llm.export
+    import llm.tools.export
     from tests.test_fileio import temps_under, tree_digest
 
     save_model_dir(tmp_path / "sft", model(tok.vocab_size), tok, {"stage": "sft"})
@@ -495,7 +495,7 @@ def test_ctrl_c_while_writing_leaves_the_earlier_export_and_no_temp(tmp_path, to
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.export, "model_card", interrupted)  # after the weights are written
+    monkeypatch.setattr(llm.tools.export, "model_card", interrupted)  # after the weights are written
     assert main([str(tmp_path / "sft"), str(tmp_path / "hf"), "--force"]) == 130
     assert capsys.readouterr().err.strip().endswith(f"export: interrupted; {tmp_path / 'hf'} is as it was")
     assert tree_digest(tmp_path) == before and temps_under(tmp_path) == []

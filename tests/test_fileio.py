@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from llm.errors import MAX_LISTED, capped
-from llm.fileio import (MAX_RECORD_BYTES, DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text, read_jsonl, read_text,
-                        write_jsonl)
+from llm.fileio import (MAX_RECORD_BYTES, DataError, atomic_dir, atomic_file, atomic_write_json, atomic_write_text,
+                        read_jsonl, read_text, write_jsonl)
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -363,8 +363,8 @@ def test_read_text_is_one_read_not_a_loop_over_lines(tmp_path):
 def test_readers_of_small_records_refuse_a_huge_line_without_parsing_it(tmp_path, reader):
     """A math problem or a comparison is a few KB; a 3 MiB line of `{},` would take json.loads
     about 80 MB, so it is refused by its length (MAX_RECORD_BYTES) and never parsed."""
-    from llm.preference import load_pair_splits
-    from llm.rl import read_problems
+    from llm.data.preference import load_pair_splits
+    from llm.post.rl import read_problems
     from tests.conftest import bounded
 
     huge = b'[' + b'{},' * (1 << 20) + b'{}]\n'

@@ -1,4 +1,4 @@
-"""llm/finish.py: the end every training stage shares (gates, model, curves, metrics) and the one shape of a failed gate."""
+"""llm/train/finish.py: the end every training stage shares (gates, model, curves, metrics) and the one shape of a failed gate."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from llm.errors import QualityGateError
-from llm.finish import Gate, finish_stage
+from llm.train.finish import Gate, finish_stage
 from tests.test_grpo import tiny
 
 

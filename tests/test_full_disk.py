@@ -31,7 +31,7 @@ def _stage(ws: Path, stage: str) -> int:
 
 
 def _export(ws: Path) -> int:
-    from llm.export import main
+    from llm.tools.export import main
 
     return main([str(ws / "models/sft"), str(ws / "exported/sft"), "--force"])
 

@@ -1,4 +1,4 @@
-"""llm/generate.py: KV cache == full recomputation, sampling rules, stops, padding, streaming."""
+"""llm/sample/generate.py: KV cache == full recomputation, sampling rules, stops, padding, streaming."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch.distributions import Categorical
 
 from llm.config import ModelConfig
-from llm.generate import FastDecoder, Generation, KVCache, filter_logits, generate, sample_next, sampling_problem
-from llm.model import GPT
+from llm.nn.model import GPT
+from llm.sample.generate import FastDecoder, Generation, KVCache, filter_logits, generate, sample_next, sampling_problem
 
 V, PAD = 53, 0
 

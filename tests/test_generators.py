@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from llm.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, CONTEXT_OPENINGS, MULTITURN_KINDS, SCOPE_ANSWER,
-                            SYSTEM_MESSAGES, TASK_KINDS, MathProblem, arithmetic_question, context_conversation,
-                            math_problem, multiturn_conversation, preference_pair, scope_prompt_count, scope_request,
-                            task, task_preference_pair, wrong_solution)
+from llm.data.generators import (_FOLLOWUPS_EN, _FOLLOWUPS_ZH, CONTEXT_OPENINGS, MULTITURN_KINDS, SCOPE_ANSWER,
+                                 SYSTEM_MESSAGES, TASK_KINDS, MathProblem, arithmetic_question, context_conversation,
+                                 math_problem, multiturn_conversation, preference_pair, scope_prompt_count,
+                                 scope_request, task, task_preference_pair, wrong_solution)
 
 _STEP = re.compile(r"^(-?\d+) ([-+*/]) (\d+) = (-?\d+)$")
 
@@ -216,7 +216,7 @@ def test_math_in_a_context_is_answered_as_if_asked_alone(lang):
 
 
 def test_the_evaluation_asks_under_the_common_system_messages_and_one_no_training_conversation_has():
-    from llm.evaluate import CONTEXT_SYSTEM
+    from llm.eval.evaluate import CONTEXT_SYSTEM
     trained = set(SYSTEM_MESSAGES["en"]) | set(SYSTEM_MESSAGES["zh"])
     for key in ("system_short", "system_helpful"):
         assert set(CONTEXT_SYSTEM[key].values()) <= trained

@@ -1,4 +1,4 @@
-"""GRPO (llm/grpo.py), the RL stages' run in the skeleton (llm/rl.py, llm/loop.py) and stage `grpo`.
+"""GRPO (llm/post/grpo.py), the RL stages' run in the skeleton (llm/post/rl.py, llm/train/loop.py) and stage `grpo`.
 
 The loss pieces (group advantages, clipped surrogate, k3, aggregation) are tested in
 tests/test_losses.py; here: learning a synthetic reward on a tiny model, exact resume of a
@@ -17,15 +17,15 @@ import yaml
 
 from llm.config import GRPOConfig, ModelConfig, RLConfig
 from llm.errors import NonFiniteError, QualityGateError
-from llm.grpo import GRPO
-from llm.loop import Updater
-from llm.metrics import read_metrics
-from llm.model import GPT
-from llm.rewards import rm_reward, rm_verifier_reward, verifier_reward
-from llm.prompts import MathPrompts
-from llm.rl import run_rl
-from llm.rollout import Rollout
+from llm.nn.model import GPT
+from llm.post.grpo import GRPO
+from llm.post.rl import run_rl
 from llm.runtime import Runtime
+from llm.sample.prompts import MathPrompts
+from llm.sample.rewards import rm_reward, rm_verifier_reward, verifier_reward
+from llm.sample.rollout import Rollout
+from llm.train.loop import Updater
+from llm.train.metrics import read_metrics
 from tests.conftest import ROOT, dvc_command
 
 V, PAD, STOP, TARGET = 16, 0, 1, 3
@@ -113,8 +113,8 @@ def test_zero_variance_groups_give_no_policy_gradient(tmp_path):
 def test_step_credit_alone_pushes_up_the_credited_tokens(monkeypatch):
     """Equal outcome rewards (zero group advantage) but +1 credit on each completion's first token:
     those rows are not skipped, and one update raises the first tokens' log-probabilities."""
-    import llm.grpo as grpo_mod
-    from llm.rollout import response_forward
+    import llm.post.grpo as grpo_mod
+    from llm.sample.rollout import response_forward
 
     def first_token_credit(tokenizer, ro):
         c = torch.zeros(ro.response_mask.shape)
@@ -125,8 +125,8 @@ def test_step_credit_alone_pushes_up_the_credited_tokens(monkeypatch):
     algo = GRPO(tiny(), None, cfg, prompts_fn=lambda s: (PROMPTS, [{}] * 8),
                 reward_fn=lambda ro, p: (torch.ones(len(ro)), {}), stop_ids=(STOP,), pad_id=PAD, seed=0,
                 tokenizer=object())
-    from llm.shares import step_generator
-    from llm.rollout import rollout
+    from llm.post.shares import step_generator
+    from llm.sample.rollout import rollout
     ro = rollout(algo.model, [p for p in PROMPTS for _ in range(8)], max_new_tokens=8, temperature=1.0,
                  stop_ids=(STOP,), pad_id=PAD, generator=step_generator(0, "rollout", 0))
     with torch.no_grad():
@@ -173,7 +173,7 @@ def test_leaving_zero_advantage_completions_out_gives_the_same_gradient(loss_agg
 
 
 def test_dynamic_sampling_picks_the_first_groups_whose_rewards_differ():
-    from llm.grpo import first_informative_groups
+    from llm.post.grpo import first_informative_groups
     zero_std = torch.tensor([True, False, True, False, False])
     assert first_informative_groups(zero_std, 2, 3).tolist() == [3, 4, 5, 9, 10, 11]
     assert first_informative_groups(zero_std, 9, 2).tolist() == [2, 3, 6, 7, 8, 9]   # fewer than k: all of them
@@ -249,7 +249,7 @@ def test_under_autocast_the_old_logprobs_come_from_a_full_forward(tmp_path):
 
 def _advantage_inputs(monkeypatch, cfg: GRPOConfig, steps: int = 2) -> tuple[list, list]:
     """(each step's rewards from the reward function, those group_advantages got) over `steps` steps."""
-    import llm.grpo as grpo_mod
+    import llm.post.grpo as grpo_mod
     given, used = [], []
     real = grpo_mod.group_advantages
 
@@ -290,7 +290,7 @@ def test_shuffled_rewards_are_the_real_ones_in_a_seeded_random_order(monkeypatch
 
 
 def test_shuffled_rewards_is_a_seeded_permutation():
-    from llm.grpo import shuffled_rewards
+    from llm.post.grpo import shuffled_rewards
     r = torch.tensor([0.0, 0.2, 1.0, 1.2, 0.0, 1.2, 0.2, 1.0])
     a = shuffled_rewards(r, torch.Generator().manual_seed(3))
     assert torch.equal(a, shuffled_rewards(r, torch.Generator().manual_seed(3)))
@@ -301,7 +301,7 @@ def test_shuffled_rewards_is_a_seeded_permutation():
 def test_the_control_leaves_out_step_credit(monkeypatch):
     """Step credit marks right and wrong step results: the control, which must say nothing about
     correctness, leaves it out."""
-    import llm.grpo as grpo_mod
+    import llm.post.grpo as grpo_mod
     monkeypatch.setattr(grpo_mod, "step_credit", lambda tok, ro: torch.ones(ro.response_mask.shape))
     for control, credited in (("none", True), ("shuffled", False)):
         cfg = grpo_cfg(step_credit=1.0, reward_control=control)
@@ -450,7 +450,7 @@ def test_rl_config_checks_levels():
 
 
 def test_math_prompts_sample_by_level_and_drop_what_does_not_fit(tmp_path):
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
     tok = Tokenizer.train(["What is 2 + 3? #### 5"] * 3, vocab_size=280, min_frequency=1, jieba=False)
     problems = [{"question": "What is 2 + 3?", "answer": "5", "level": 1},
                 {"question": "What is 20 + 30?", "answer": "50", "level": 2},
@@ -491,8 +491,8 @@ def test_math_prompts_sample_by_level_and_drop_what_does_not_fit(tmp_path):
 
 def make_workspace(root: Path, stage: str, overrides: dict | None = None, rm: bool = False) -> dict:
     """A tiny repo: tokenizer + random SFT model (and RM), math data, params.yaml with `stage`."""
-    from llm.artifacts import save_model_dir
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
+    from llm.nn.artifacts import save_model_dir
     qs = [(f"What is {a} + {b}?", str(a + b), 1 + (a + b) % 2) for a in range(1, 7) for b in range(1, 5)]
     text = [f"{q}\n1 + 2 = 3\n#### {s}" for q, s, _ in qs]
     tok = Tokenizer.train(text * 2, vocab_size=300, min_frequency=1, jieba=False)
@@ -543,7 +543,7 @@ def test_grpo_stage_end_to_end_and_rerun_resumes(tmp_path):
     assert [ln.split("\t")[0] for ln in val[1:]] == ["0", "2", "4"]
     assert (tmp_path / "metrics/plots/grpo.png").stat().st_size > 0
     assert list((tmp_path / "runs/grpo/tb").glob("*/events.*"))  # one TensorBoard run per fingerprint
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     model, _, meta = load_model_dir(tmp_path / "models/grpo")
     assert model.head_names == ("lm",) and meta["stage"] == "grpo" and meta["steps"] == 4
     p2 = run_stage(tmp_path, "grpo")  # finished: resumes at the last step, trains nothing
@@ -575,8 +575,8 @@ def test_grpo_stage_quality_gates_fail_without_writing_a_model(tmp_path):
 
 def test_the_reward_trend_is_fitted_after_the_curriculum():
     """A curriculum's easy first steps would read as a fall: GRPO fits the trend after them."""
-    from llm.loop import LoopResult
-    from llm.rl import summarize
+    from llm.post.rl import summarize
+    from llm.train.loop import LoopResult
     hist = [{"step": s, "reward": 0.9 if s <= 3 else 0.5 + 0.01 * s, "kl": 0.0} for s in range(1, 11)]
     result = LoopResult(step=10, history=hist)
     after = summarize(result, trend_after=3)
@@ -588,7 +588,7 @@ def test_the_reward_trend_is_fitted_after_the_curriculum():
 
 
 def test_the_held_out_rewards_change_is_paired_by_problem():
-    from llm.heldout import heldout_reward_change
+    from llm.post.heldout import heldout_reward_change
     start = [0.0, 1.0, 1.0, 0.2, 1.2, 0.0] * 10
     end = [x + 0.1 for x in start]  # every problem up by 0.1: no spread in the change
     ch = heldout_reward_change(start, end, seed=0)

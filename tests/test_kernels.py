@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from llm import kernels
 from llm.config import ModelConfig
-from llm.losses import IGNORE_INDEX, cross_entropy_sum, masked_lm_loss
-from llm.model import GPT, apply_rope, rope_tables
+from llm.nn.losses import IGNORE_INDEX, cross_entropy_sum, masked_lm_loss
+from llm.nn.model import GPT, apply_rope, rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from bench.lm_eval_tasks import make
-from llm.generators import arithmetic_question, math_problem
+from llm.data.generators import arithmetic_question, math_problem
 from tests.conftest import ROOT
-from llm.serve import make_app
+from llm.tools.serve import make_app
 from tests.test_serve import Server, babbler, expected, tok  # noqa: F401 (tok is a fixture)
 
 TASKS = ROOT / "bench" / "lm_eval_tasks"

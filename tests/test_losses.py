@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from llm.losses import (aggregate, gae, group_advantages, kl_estimate, masked_lm_loss, masked_mean, ppo_policy_loss,
-                        ppo_value_loss, whiten)
+from llm.nn.losses import (aggregate, gae, group_advantages, kl_estimate, masked_lm_loss, masked_mean, ppo_policy_loss,
+                           ppo_value_loss, whiten)
 
 
 def test_gae_hand_computed():
@@ -130,8 +130,8 @@ def test_whiten():
 
 def test_answer_logprob_equals_sequence_logprob_with_its_gradient():
     # right padding, answers of different lengths, a row with no answer token at all
-    from llm.losses import answer_logprob, sequence_logprob
-    from llm.model import GPT, ModelConfig
+    from llm.nn.losses import answer_logprob, sequence_logprob
+    from llm.nn.model import GPT, ModelConfig
     model = GPT(ModelConfig(vocab_size=50, seq_len=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), seed=0)
     idx = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(0))
     attn = torch.ones(4, 12, dtype=torch.bool)
@@ -156,7 +156,7 @@ def test_ignore_index_is_defined_once():
     import ast
 
     from tests.conftest import ROOT
-    where = [f.name for f in sorted((ROOT / "llm").glob("*.py"))
+    where = [f.name for f in sorted((ROOT / "llm").rglob("*.py"))
              for n in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
              if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "IGNORE_INDEX" for t in n.targets)]
     assert where == ["kernels.py"]

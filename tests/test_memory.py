@@ -1,4 +1,4 @@
-"""llm/memory.py: the exact parts of every stage's estimate equal tensors allocated at full size on the CPU,
+"""llm/nn/memory.py: the exact parts of every stage's estimate equal tensors allocated at full size on the CPU,
 built as the stages build them; the estimated parts follow their stated formulas; fit_problems names the key."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from llm.config import ModelConfig
-from llm.memory import GIB, PROMPT_TOKENS, fit_problems, kv_cache_bytes, largest_fitting, model_config, stage_memory
-from llm.profile import render
+from llm.nn.memory import GIB, PROMPT_TOKENS, fit_problems, kv_cache_bytes, largest_fitting, model_config, stage_memory
+from llm.tools.profile import render
 from tests.conftest import ROOT
 
 PROFILES = ROOT / "env" / "profiles"
@@ -24,7 +24,7 @@ def _bytes(tensors) -> int:
 
 
 def _available() -> int:
-    from llm.rehearse import available_memory
+    from llm.tools.rehearse import available_memory
     return available_memory()
 
 
@@ -37,7 +37,7 @@ class Allocated:
         self._cache: dict = {}
 
     def _gpt(self, heads):
-        from llm.model import GPT
+        from llm.nn.model import GPT
         base = [h for h in heads if h in ("lm",)]
         gpt = GPT(self.cfg, heads=tuple(base))
         for h in heads:
@@ -54,11 +54,11 @@ class Allocated:
         return self._cache[("w", heads)]
 
     def trained(self, heads, trainable=None, reward_view=False) -> dict[str, int]:
-        """weights, gradients and AdamW state after one step (llm.optim.build_optimizer, fused on the CPU)."""
+        """weights, gradients and AdamW state after one step (llm.nn.optim.build_optimizer, fused on the CPU)."""
         key = ("t", heads, trainable, reward_view)
         if key not in self._cache:
-            from llm.optim import build_optimizer, set_trainable
-            from llm.reward_model import RewardModel
+            from llm.nn.optim import build_optimizer, set_trainable
+            from llm.nn.reward_model import RewardModel
             gpt = self._gpt(heads)
             if trainable is not None:
                 set_trainable(gpt, list(trainable))
@@ -76,8 +76,8 @@ class Allocated:
         return self._cache[key]
 
     def kv(self, batch: int, max_len: int) -> int:
-        from llm.generate import KVCache
-        from llm.model import GPT
+        from llm.nn.model import GPT
+        from llm.sample.generate import KVCache
         c = KVCache.for_model(GPT(self.cfg, device="meta").to_empty(device="cpu"), batch, max_len)
         return _bytes([c.k, c.v, c.mask, c.n_real])
 
@@ -180,7 +180,7 @@ def test_kv_cache_formula_is_the_allocated_cache():
 
 
 def test_the_gpu_profiles_fit_their_cards():
-    from llm.profile import card_gib
+    from llm.tools.profile import card_gib
     for name in ("gpu-13m", "gpu-77m", "gpu-406m"):
         assert card_gib(name, PROFILES)
         assert fit_problems(render(name, PROFILES)[0], card_gib(name, PROFILES)) == [], name

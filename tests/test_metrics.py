@@ -1,4 +1,4 @@
-"""llm/metrics.py: what goes into a stage's metrics file and what into its run file; the headline."""
+"""llm/train/metrics.py: what goes into a stage's metrics file and what into its run file; the headline."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm.fileio import DataError
-from llm.metrics import (headline, is_run_key, is_timing_key, join_metrics, read_metrics, run_info_path, split_metrics,
-                         split_timings, timings_path, write_metrics)
+from llm.train.metrics import (headline, is_run_key, is_timing_key, join_metrics, read_metrics, run_info_path,
+                               split_metrics, split_timings, timings_path, write_metrics)
 
 
 def test_timings_rates_provenance_and_non_numbers_go_to_the_run_file():
@@ -148,7 +148,7 @@ def test_headline_takes_each_number_from_its_file_and_invents_none(tmp_path):
 
 
 def test_the_report_reads_a_stage_s_timings_from_its_run_file(tmp_path):
-    from llm.report import collect, recorded_seconds
+    from llm.eval.report import collect, recorded_seconds
 
     write_metrics(tmp_path / "metrics/pretrain.json", {"val_loss": 5.3, "train_time_s": 103.2, "device": "cpu"})
     data = collect(tmp_path / "metrics")

@@ -1,4 +1,4 @@
-"""llm/model.py: attention implementations agree, positions, causality, heads, presets, debug mode."""
+"""llm/nn/model.py: attention implementations agree, positions, causality, heads, presets, debug mode."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from llm.config import PRESETS, ModelConfig
 from llm.errors import NonFiniteError
-from llm.model import GPT, apply_rope, disable_debug, enable_debug, format_count, mlp_hidden, \
+from llm.nn.model import GPT, apply_rope, disable_debug, enable_debug, format_count, mlp_hidden, \
     rope_tables, swiglu_hidden
-from llm.reward_model import reward
+from llm.nn.reward_model import reward
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

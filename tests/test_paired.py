@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from llm.paired import (bootstrap_binary, bootstrap_mean, compare, linear_trend, mcnemar_exact, read_items,
-                        rm_separation, separation, skills)
+from llm.eval.paired import (bootstrap_binary, bootstrap_mean, compare, linear_trend, mcnemar_exact, read_items,
+                             rm_separation, separation, skills)
 
 
 @pytest.mark.parametrize("b,c,p", [(0, 5, 2 / 32), (1, 9, 2 * 11 / 1024), (5, 0, 2 / 32), (3, 3, 1.0), (0, 0, 1.0),
@@ -197,7 +197,7 @@ def test_second_turns_and_out_of_scope_answers_are_compared_when_evaluated():
 
 
 def test_items_asked_again_in_a_context_are_compared_per_context_over_the_same_items():
-    def asked(of, ctx, outcomes):  # as llm/evaluate.py writes them: id "<of>:<context>:<item id>"
+    def asked(of, ctx, outcomes):  # as llm/eval/evaluate.py writes them: id "<of>:<context>:<item id>"
         return [{"set": "context", "id": f"{of}:{ctx}:q{i}", "of": of, "context": ctx, "lang": "en",
                  "correct": bool(c)} for i, c in enumerate(outcomes)]
     child = (_items([1, 1, 1, 1]) + asked("math", "after_scope", [0, 0, 0, 1])

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from llm.config import CommonConfig, PairsConfig
-from llm.generate import Generation
-from llm.metrics import read_metrics
-from llm.pairs import break_format, choose_pair, preference_score
-from llm.preference import validate_pair
-from llm.rewards import math_reward, parse_answer
+from llm.data.preference import validate_pair
+from llm.post.pairs import break_format, choose_pair, preference_score
+from llm.sample.generate import Generation
+from llm.sample.rewards import math_reward, parse_answer
+from llm.train.metrics import read_metrics
 from tests.test_reward import make_workspace, params, run_stage
 
 
@@ -28,7 +28,7 @@ def test_choose_pair_takes_best_and_worst_and_calls_near_equal_scores_a_tie():
 
 
 def test_likelihood_tie_break_takes_the_most_likely_of_the_best_and_of_the_worst():
-    from llm.pairs import choose_pairs
+    from llm.post.pairs import choose_pairs
     prompt = {"id": "p", "prompt": [{"role": "user", "content": "q"}], "answer": "4", "source": "s", "kind": "math"}
     smp = [{"text": t, "score": s, "logp": lp, "rm": 0.0, "temperature": 1.0}
            for t, s, lp in [("right a", 1.2, -9.0), ("wrong a", 0.2, -3.0), ("right b", 1.2, -2.0),
@@ -40,10 +40,10 @@ def test_likelihood_tie_break_takes_the_most_likely_of_the_best_and_of_the_worst
 
 
 def test_add_likelihoods_is_the_answers_sequence_log_prob(tmp_path):
-    from llm.artifacts import load_model_dir
-    from llm.losses import sequence_logprob
-    from llm.pairs import add_likelihoods
-    from llm.preference import encode_response
+    from llm.data.preference import encode_response
+    from llm.nn.artifacts import load_model_dir
+    from llm.nn.losses import sequence_logprob
+    from llm.post.pairs import add_likelihoods
     ws = make_workspace(tmp_path)
     policy, tok, _ = load_model_dir(ws / "models/sft")
     prompt_ids = [tok.encode("What is 2 + 2?"), tok.encode("Say hi")]
@@ -127,7 +127,7 @@ def test_pairs_stage_drops_ties_and_keeps_scores_in_the_open_interval(tmp_path):
 
 
 def _fake_generate(tok, solutions: dict[str, tuple[str, str]], references: dict[str, str] | None = None):
-    """A stand-in for llm.generate.generate: math prompts get the right solution at temperature
+    """A stand-in for llm.sample.generate.generate: math prompts get the right solution at temperature
     0.7, and at 1.1 the right one for even-answer questions and a wrong one otherwise; task
     prompts get a temperature-dependent word, or with `references` their reference answer at
     0.7."""
@@ -171,7 +171,7 @@ def _run_pairs(ws, p: dict, out) -> dict:
 
 
 def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verifier(tmp_path, monkeypatch):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     ws = make_workspace(tmp_path, reward_model=True)
     _, tok, _ = load_model_dir(ws / "models/sft")
     rl = [json.loads(x) for x in (ws / "data/prepared/rl/train.jsonl").read_text().splitlines()]
@@ -179,7 +179,7 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
     for r in rl:
         a = int(r["answer"])
         solutions[r["question"]] = (f"{a} = {a}\n#### {a}", r["answer"])
-    monkeypatch.setattr("llm.generate.generate", _fake_generate(tok, solutions))
+    monkeypatch.setattr("llm.sample.generate.generate", _fake_generate(tok, solutions))
     p = params(pairs={"n_prompts": 30, "math_fraction": 0.6, "adversarial_fraction": 0.2, "val_fraction": 0.2})
     m = _run_pairs(ws, p, ws / "data/pairs")
     m2, train, val = _check_outputs(ws, p["pairs"])
@@ -205,7 +205,7 @@ def test_pairs_run_injects_adversarial_format_pairs_and_labels_math_by_the_verif
 
 
 def test_reference_check_verifies_generated_tasks_and_calculations_only():
-    from llm.pairs import reference_check, verify
+    from llm.post.pairs import reference_check, verify
     assert reference_check("generated/task_reverse", "eltsac") == ("eltsac", "exact")
     assert reference_check("generated/arithmetic", "12 * 5 = 60\n#### 60") == ("60", "math")
     assert reference_check("generated/arithmetic", "12 * 5 = 60") == (None, None)  # no #### line: the RM's
@@ -217,14 +217,14 @@ def test_reference_check_verifies_generated_tasks_and_calculations_only():
 
 
 def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, monkeypatch):
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     ws = make_workspace(tmp_path, reward_model=True)
     _, tok, _ = load_model_dir(ws / "models/sft")
     rl = [json.loads(x) for x in (ws / "data/prepared/rl/train.jsonl").read_text().splitlines()]
     solutions = {r["question"]: (f"{r['answer']} = {r['answer']}\n#### {r['answer']}", r["answer"]) for r in rl}
     convs = [json.loads(x) for x in (ws / "data/clean_sft/train.jsonl").read_text().splitlines()]
     references = {c["messages"][0]["content"]: c["messages"][1]["content"] for c in convs}
-    monkeypatch.setattr("llm.generate.generate", _fake_generate(tok, solutions, references))
+    monkeypatch.setattr("llm.sample.generate.generate", _fake_generate(tok, solutions, references))
     runs = {}
     for verify_tasks in (False, True):
         p = params(pairs={"n_prompts": 30, "math_fraction": 0.4, "adversarial_fraction": 0.2, "val_fraction": 0.2,
@@ -253,7 +253,7 @@ def test_verify_tasks_labels_task_pairs_by_their_reference_answers(tmp_path, mon
 
 def test_too_few_pairs_is_an_error_that_names_what_to_change():
     from llm.fileio import DataError
-    from llm.pairs import too_few_pairs
+    from llm.post.pairs import too_few_pairs
     with pytest.raises(DataError, match="raise pairs.n_prompts") as plain:
         too_few_pairs(0, "pairs", False)
     assert "verify_tasks" not in str(plain.value)
@@ -262,7 +262,7 @@ def test_too_few_pairs_is_an_error_that_names_what_to_change():
 
 
 def test_splits_are_by_prompt_seeded_and_hold_out_the_asked_share():
-    from llm.pairs import assign_splits
+    from llm.post.pairs import assign_splits
     prompts = [{"id": f"p{i}"} for i in range(40)]
     assign_splits(prompts, 0.25, seed=3)
     again = [{"id": f"p{i}"} for i in reversed(range(40))]  # the order they come in does not matter
@@ -275,7 +275,7 @@ def test_splits_are_by_prompt_seeded_and_hold_out_the_asked_share():
 
 
 def test_comparisons_pair_every_right_answer_with_every_wrong_one_of_the_same_prompt():
-    from llm.pairs import comparisons
+    from llm.post.pairs import comparisons
     prompt = {"id": "p", "prompt": [{"role": "user", "content": "q"}], "answer": "4", "source": "s", "kind": "math"}
     smp = [{"text": t, "score": s, "temperature": 1.0, "logp_mean": lp}
            for t, s, lp in [("right a", 1.2, -0.1), ("wrong a", 0.2, -0.2), ("right b", 1.2, -0.3),
@@ -307,9 +307,9 @@ def test_pairs_asking_for_more_prompts_than_the_data_has_is_refused_by_file(tmp_
 def test_errors_sft_would_make_are_wrong_steps_the_model_itself_predicts():
     from types import SimpleNamespace
 
-    from llm.template import render_prompt
-    from llm.pairs import errors_sft_would_make
-    from llm.tokenizer import Tokenizer
+    from llm.data.template import render_prompt
+    from llm.data.tokenizer import Tokenizer
+    from llm.post.pairs import errors_sft_would_make
     tok = Tokenizer.train(["12 + 7 = 19\n19 * 2 = 38\n#### 38 What is 12 + 7?"] * 4, vocab_size=300,
                           min_frequency=1, jieba=False)
 

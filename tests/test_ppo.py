@@ -1,4 +1,4 @@
-"""PPO (llm/ppo.py) with its KL controller and alerts, and stage `ppo`.
+"""PPO (llm/post/ppo.py) with its KL controller and alerts, and stage `ppo`.
 
 GAE, the clipped surrogate, the clipped value loss and the KL estimators are tested in
 tests/test_losses.py; here: how PPO assembles them, learning a synthetic reward, resume,
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from llm.config import PPOConfig
-from llm.losses import gae
-from llm.metrics import read_metrics
-from llm.ppo import PPO, KLAlert, KLController, token_rewards
-from llm.rl import run_rl
+from llm.nn.losses import gae
+from llm.post.ppo import PPO, KLAlert, KLController, token_rewards
+from llm.post.rl import run_rl
+from llm.train.metrics import read_metrics
 from tests.test_grpo import (CPU, PAD, PROMPTS, RL_BASE, STOP, Killed, _killing, _same_rows, make_workspace, mean,
                              run_stage, target_fraction, tiny)
 
@@ -190,7 +190,7 @@ def test_ppo_stage_with_a_reward_model_end_to_end(tmp_path, source):
         assert "plus the verifier" in p.stdout
     head = (tmp_path / "metrics/plots/ppo.tsv").read_text().splitlines()[0].split("\t")
     assert head[0] == "step" and {"value_loss", "vf_clipfrac", "kl_coef", "kl", "reward"} <= set(head)
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     model, _, meta = load_model_dir(tmp_path / "models/ppo")
     assert model.head_names == ("lm", "value") and meta["inputs"]["reward"] == "rm-fp"
 
@@ -221,7 +221,7 @@ def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
     assert m["reward_source"] == "rm" and m["variant_of"] == "ppo" and m["overrides"] == {"reward_source": "rm"}
     head = (tmp_path / "metrics/plots/ppo_rm.tsv").read_text().splitlines()[0].split("\t")
     assert {"reward", "accuracy", "kl", "kl_seq"} <= set(head)   # the over-optimisation curve's columns
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     _, _, meta = load_model_dir(tmp_path / "models/ppo_rm")
     assert meta["stage"] == "ppo_rm" and meta["overrides"] == {"reward_source": "rm"}
     assert not (tmp_path / "models/ppo").exists() and (tmp_path / "runs/ppo_rm").is_dir()

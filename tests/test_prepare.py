@@ -197,8 +197,8 @@ def _small_cfg(**overrides):
 
 
 def test_build_keeps_the_evaluation_apart_from_what_a_policy_trains_on():
-    """llm.data.build in-process: no held-out math question or evaluation prompt is a training prompt."""
-    from llm.data import build
+    """llm.data.splits.build in-process: no held-out math question or evaluation prompt is a training prompt."""
+    from llm.data.splits import build
     counts = dict(multiturn_train=100, multiturn_test=20, scope_train=50, scope_test=20, context_train=300)
     data, _ = build(_small_cfg(**counts), seed=7)
     trained = {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
@@ -219,7 +219,7 @@ def test_math_in_a_context_is_appended_last_and_asks_and_opens_with_nothing_the_
     same conversations."""
     import re
 
-    from llm.data import build
+    from llm.data.splits import build
     counts = dict(multiturn_train=100, multiturn_test=40, scope_train=100, scope_test=60, scope_second_turn=0.5,
                   task_test=40, arithmetic_test=60)
     on, _ = build(_small_cfg(**counts, context_train=1500), seed=7)
@@ -252,7 +252,7 @@ def test_math_in_a_context_is_appended_last_and_asks_and_opens_with_nothing_the_
 def test_an_empty_required_split_names_the_kind_and_the_params():
     import pytest
 
-    from llm.data import build, check_required
+    from llm.data.splits import build, check_required
     from llm.fileio import DataError
     data, _ = build(_small_cfg(), seed=7)  # no Shakespeare and no source: no pretraining text held out
     with pytest.raises(DataError, match=r"no pretrain/val records: raise the matching prepare\.\* count"):
@@ -263,7 +263,7 @@ def test_multiturn_and_scope_conversations_are_appended_and_their_test_items_hel
     """The counts append their conversations to sft/train and write their test files, leaving every
     other record as it is; no held-out conversation opens with a training prompt, no training
     conversation asks a held-out question, and no held-out request is a training prompt."""
-    from llm.data import build
+    from llm.data.splits import build
     counts = dict(multiturn_train=300, multiturn_test=60, scope_train=80, scope_test=40)
     on, _ = build(_small_cfg(**counts), seed=7)
     off, _ = build(_small_cfg(), seed=7)
@@ -291,7 +291,7 @@ def test_multiturn_and_scope_conversations_are_appended_and_their_test_items_hel
 def test_more_out_of_scope_requests_than_the_generator_has_is_refused_naming_the_key():
     import pytest
 
-    from llm.data import build
+    from llm.data.splits import build
     from llm.fileio import DataError
     with pytest.raises(DataError, match=r"prepare\.scope_train \(there are \d+ English and \d+ Chinese ones"):
         build(_small_cfg(scope_test=10, scope_train=1000), seed=7)
@@ -300,7 +300,7 @@ def test_more_out_of_scope_requests_than_the_generator_has_is_refused_naming_the
 def test_no_two_exchange_conversation_asks_an_evaluation_prompt_in_any_turn():
     """A task after a sum asks a task prompt in its second turn; the reverse and repeat tasks have
     few distinct prompts, so without the check many of the evaluation's would be trained on."""
-    from llm.data import build
+    from llm.data.splits import build
     on, _ = build(_small_cfg(multiturn_train=2000, task_test=40, arithmetic_test=60), seed=7)
     evals = {t["prompt"] for t in on["tasks"]["test"]} | {q["question"] for q in on["arithmetic"]["test"]}
     assert sum(t["kind"] in ("reverse", "repeat") for t in on["tasks"]["test"]) >= 40
@@ -314,7 +314,7 @@ def test_out_of_scope_requests_asked_mid_conversation_open_with_no_evaluation_qu
     exchange (a sum or a word problem, answered): the requests are those drawn without it, the
     test records carry the opening as "history", and no opening asks a held-out question, a
     held-out calculation or a user turn of the evaluation's conversations."""
-    from llm.data import build
+    from llm.data.splits import build
     counts = dict(multiturn_train=100, multiturn_test=40, scope_train=200, scope_test=60)
     on, _ = build(_small_cfg(**counts, scope_second_turn=0.5), seed=7)
     off, _ = build(_small_cfg(**counts, scope_second_turn=0.0), seed=7)
@@ -341,7 +341,7 @@ def test_a_math_test_source_joins_the_evaluation_and_nothing_trains_on_it():
     rl/test at level 0, and the same problems given as a training source are left out of SFT and
     the RL splits."""
     from llm.config import SourceConfig
-    from llm.data import build
+    from llm.data.splits import build
     gsm = str(ROOT / "tests" / "fixtures" / "gsm8k.jsonl")
     src = dict(path=gsm, hub="", hub_config="", split="train", schema="gsm8k", field="text", limit=0)
     train_only, _ = build(_small_cfg(sft_sources=[src]), seed=7)

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from llm.config import load_params_text
-from llm.profile import (REPEAT_WARN, ConfigError, available, card_gib, data_need, render, source_bytes, to_yaml,
-                         validate)
+from llm.tools.profile import (REPEAT_WARN, ConfigError, available, card_gib, data_need, render, source_bytes, to_yaml,
+                               validate)
 from tests.conftest import ROOT
 
 PROFILES = ROOT / "env" / "profiles"
@@ -34,7 +34,7 @@ def test_every_profile_validates(name):
 def test_the_data_check_warns_where_pretraining_repeats_the_embedded_text(capsys, monkeypatch):
     """gpu-77m reads Shakespeare and the generated math dozens of times; its web variant declares
     enough text to read it less than once; the cpu profile reads its text less than once."""
-    from llm import profile
+    from llm.tools import profile
     need = data_need(render("gpu-77m", PROFILES)[0], source_bytes("gpu-77m", PROFILES))
     assert need.trained == 10000 * 64 * 1 * 1024
     assert need.repeats > REPEAT_WARN
@@ -106,7 +106,7 @@ def test_dvc_exp_run_set_param_changes_one_line_of_a_rendered_profile(name, tmp_
         (f"  seed: {params['common']['seed']}", f"  seed: {params['common']['seed'] + 1}")], changed[:5]
 
 def test_use_writes_params_atomically(tmp_path, monkeypatch):
-    from llm import profile
+    from llm.tools import profile
     monkeypatch.chdir(ROOT)
     out = tmp_path / "params.yaml"
     assert profile.main(["use", "smoke", "--params", str(out)]) == 0
@@ -133,7 +133,7 @@ def test_card_gib_must_be_a_positive_number(tmp_path):
 
 
 def test_memory_command_prints_every_stage_and_the_fit(capsys, monkeypatch):
-    from llm import profile
+    from llm.tools import profile
     monkeypatch.chdir(ROOT)
     assert profile.main(["memory", "gpu-13m"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""llm/readme.py and the README: every number a run wrote (tables, findings, the experiment, which run
+"""llm/eval/readme.py and the README: every number a run wrote (tables, findings, the experiment, which run
 and machine, how long it took) is generated from the committed metrics, a run of one's own replaces
 all of them, and the README stays a front door (short, narrow tables, the two commands as CI runs them)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from llm import readme
+from llm.eval import readme
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"

@@ -1,4 +1,4 @@
-"""llm/rehearse.py: the cuts keep a profile's shapes and give a valid params file; stages and commands come
+"""llm/tools/rehearse.py: the cuts keep a profile's shapes and give a valid params file; stages and commands come
 from DVC; a stage's failure, a short vocabulary and a lack of memory are reported. The whole rehearsal of
 gpu-13m runs in .ci/run."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from llm import rehearse as rh
 from llm.config import load_params_text
-from llm.profile import render, to_yaml
+from llm.tools import rehearse as rh
+from llm.tools.profile import render, to_yaml
 from tests.conftest import ROOT
 
 PROFILES = ROOT / "env" / "profiles"
@@ -62,14 +62,14 @@ def test_shape_problem_reads_a_short_vocabulary_from_the_stage_metrics(tmp_path)
 
 def test_scratch_copy_outside_git_leaves_outputs_and_caches_behind(tmp_path):
     src, dest = tmp_path / "src", tmp_path / "dest"
-    for f in ("llm/model.py", "dvc.yaml", ".dvc/config", "data/tokens/train.bin", "models/base/x",
+    for f in ("llm/nn/model.py", "dvc.yaml", ".dvc/config", "data/tokens/train.bin", "models/base/x",
               "llm/__pycache__/model.pyc", ".dvc/cache/ab/cd", "tests/data/keep.txt"):
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_text("x")
     dest.mkdir()
     assert rh.scratch_copy(src, dest) == 4
     assert sorted(str(f.relative_to(dest)) for f in dest.rglob("*") if f.is_file() and ".git/" not in str(f)) == \
-        [".dvc/config", "dvc.yaml", "llm/model.py", "tests/data/keep.txt"]
+        [".dvc/config", "dvc.yaml", "llm/nn/model.py", "tests/data/keep.txt"]
 
 
 def test_refuses_with_both_figures_when_memory_is_short(monkeypatch, capsys):
@@ -126,14 +126,14 @@ def test_a_saved_plan_stands_in_for_dvc_and_is_refused_for_another_pipeline(caps
 
 
 def test_profiles_do_not_import_the_rehearsal():
-    """The rehearsal builds on profiles, never the other way round: llm/profile.py stays importable
+    """The rehearsal builds on profiles, never the other way round: llm/tools/profile.py stays importable
     without the DAG-running machinery, and the two modules form no import cycle."""
     import ast
 
-    tree = ast.parse((ROOT / "llm" / "profile.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "llm" / "tools" / "profile.py").read_text(encoding="utf-8"))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert "llm.rehearse" not in imported
+    assert "llm.tools.rehearse" not in imported
 
 
 def test_the_command_names_an_unknown_profile(capsys):

@@ -14,10 +14,10 @@ import subprocess
 import pytest
 
 from llm.config import CommonConfig, ReportConfig
-from llm.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
-                        stage_headline_rows, stage_summary, stage_times, summary_rows)
-from llm.report_render import defang, find_urls, header_lines, render_html, render_markdown
-from llm.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure
+from llm.eval.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
+                             stage_headline_rows, stage_summary, stage_times, summary_rows)
+from llm.eval.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure
+from llm.eval.report_render import defang, find_urls, header_lines, render_html, render_markdown
 from stages.report import run
 
 CFG = ReportConfig(max_samples=3, confidence=0.95, bootstrap_samples=2000)
@@ -204,7 +204,7 @@ def test_recorded_seconds(metrics_keys, expected):
 
 
 def test_the_report_says_in_a_line_what_each_model_is_and_what_the_kl_curves_estimate(metrics):
-    from llm.report import CURVES_NOTE, MODEL_LINES
+    from llm.eval.report import CURVES_NOTE, MODEL_LINES
     _run(metrics)
     page, md = (metrics / "report.html").read_text(), (metrics / "report.md").read_text()
     assert [n for n, _ in MODEL_LINES] == ["base", "sft", "reward model", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo"]
@@ -216,7 +216,7 @@ def test_the_report_says_in_a_line_what_each_model_is_and_what_the_kl_curves_est
 def test_a_request_outside_the_skills_is_right_only_with_the_taught_statement():
     """The eval's "correct" for such a request means only "no worked sum": the base model's text
     continuation has none, and must not get the tick the taught statement gets."""
-    from llm.report import item_sample_groups
+    from llm.eval.report import item_sample_groups
     statement = "I can solve arithmetic word problems."
     said = {"base": ("and I'll be\nTo have been a man", True), "sft": (statement, True),
             "ppo": ("12 + 7 = 19\n#### 19", False), "grpo": ("I can solve word problems.", True)}
@@ -228,7 +228,7 @@ def test_a_request_outside_the_skills_is_right_only_with_the_taught_statement():
 
 
 def test_the_samples_shown_are_those_where_the_trained_models_differ_first():
-    from llm.report import item_sample_groups
+    from llm.eval.report import item_sample_groups
     same = [("1 + 1?", "2", "#### 2"), ("2 + 2?", "4", "#### 4")]
     samples = {}
     for m in ("base", "sft", "grpo", "dpo"):
@@ -316,7 +316,7 @@ def test_a_held_out_rate_logged_with_its_interval_is_drawn_with_it_and_a_negativ
 
 
 def test_long_curves_are_drawn_faint_under_their_moving_average(metrics):
-    from llm.monitor import smooth
+    from llm.train.monitor import smooth
     fig, titles = curves_figure(collect(metrics)["curves"])
     raw, mean, val = fig.axes[0].lines  # pretraining loss: 40 train steps, 2 held-out points
     _plt().close(fig)
@@ -488,7 +488,7 @@ def _hump(n: int = 60) -> tuple[list[float], list[float], list[float]]:
 
 
 def test_overoptimisation_finds_where_the_gold_stops_rising():
-    from llm.report import overoptimisation
+    from llm.eval.report import overoptimisation
     kl, gold, proxy = _hump()
     c = overoptimisation(list(reversed(kl)), list(reversed(gold)), list(reversed(proxy)))  # order of steps: any
     assert not c["still_rising"] and c["peak_sqrt_kl"] == pytest.approx(4.0, abs=0.3)
@@ -497,7 +497,7 @@ def test_overoptimisation_finds_where_the_gold_stops_rising():
 
 
 def test_overoptimisation_of_a_gold_that_never_falls_is_still_rising():
-    from llm.report import overopt_line, overoptimisation
+    from llm.eval.report import overopt_line, overoptimisation
     kl = [(i / 10) ** 2 for i in range(30)]
     c = overoptimisation(kl, [0.2 + 0.01 * i for i in range(30)])
     assert c["still_rising"] and c["peak"] == len(kl) - 1
@@ -505,7 +505,7 @@ def test_overoptimisation_of_a_gold_that_never_falls_is_still_rising():
 
 
 def test_a_gold_that_only_falls_never_rose_and_the_sentence_names_no_point_where_it_stops_rising():
-    from llm.report import overopt_line, overoptimisation
+    from llm.eval.report import overopt_line, overoptimisation
     kl = [-0.02, -0.01, 0.0] + [(i / 10) ** 2 for i in range(1, 30)]  # the estimate starts below 0: sqrt(KL) 0
     c = overoptimisation(kl, [0.9 - 0.01 * i for i in range(32)], [0.1 * i for i in range(32)])
     assert c["never_rose"] and not c["still_rising"] and c["peak_sqrt_kl"] == 0.0
@@ -517,7 +517,7 @@ def test_a_gold_that_only_falls_never_rose_and_the_sentence_names_no_point_where
 
 
 def test_overoptimisation_reads_a_negative_kl_as_zero_and_needs_three_steps():
-    from llm.report import overoptimisation
+    from llm.eval.report import overoptimisation
     c = overoptimisation([-0.01, 0.04, 0.09, float("nan")], [0.1, 0.2, 0.3, 0.4])
     assert c["sqrt_kl"] == pytest.approx([0.0, 0.2, 0.3]) and c["n"] == 3
     assert overoptimisation([0.1, 0.2], [0.1, 0.2]) is None

@@ -18,18 +18,18 @@ import pytest
 import torch
 import yaml
 
-from llm.artifacts import load_model_dir, save_model_dir
-from llm.template import render
 from llm.config import ModelConfig, TrainConfig
-from llm.generators import math_problem, preference_pair, task, task_preference_pair
-from llm.metrics import read_metrics
-from llm.model import GPT
-from llm.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches
-from llm.reward_model import (RewardModel, bradley_terry_loss, evaluate_pairs, pair_metrics, reward, reward_loss_fn,
-                              score_sequences)
+from llm.data.generators import math_problem, preference_pair, task, task_preference_pair
+from llm.data.preference import EncodedPair, collate_pairs, encode_pairs, fixed_pair_batches, pair_batches
+from llm.data.template import render
+from llm.data.tokenizer import Tokenizer
+from llm.nn.artifacts import load_model_dir, save_model_dir
+from llm.nn.model import GPT
+from llm.nn.reward_model import (RewardModel, bradley_terry_loss, evaluate_pairs, pair_metrics, reward, reward_loss_fn,
+                                 score_sequences)
 from llm.runtime import Runtime
-from llm.tokenizer import Tokenizer
-from llm.trainer import train
+from llm.train.metrics import read_metrics
+from llm.train.trainer import train
 from tests.conftest import ROOT, common_params, dvc_command
 
 CPU = Runtime(torch.device("cpu"))
@@ -428,7 +428,7 @@ def test_quality_gate_fails_on_an_untrained_rm_and_keeps_the_previous_outputs(tm
 
 @pytest.mark.slow
 def test_head_init_zero_starts_the_reward_as_the_likelihood_feature_alone(tmp_path):
-    from llm.reward_model import response_logprob
+    from llm.nn.reward_model import response_logprob
     ws = make_workspace(tmp_path)
     write_params(ws, reward=dict(logprob_feature=True, head_init="zero", max_steps=1, warmup_steps=0, lr=1.0e-12,
                                  min_lr=0.0))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm.rewards import MAX_CHARS, is_correct, math_reward, parse_answer, to_number
+from llm.sample.rewards import MAX_CHARS, is_correct, math_reward, parse_answer, to_number
 
 
 @pytest.mark.parametrize("text,value,formatted", [
@@ -139,7 +139,7 @@ def test_a_number_glued_to_more_is_no_number(num, tail):
 
 
 def test_check_steps_marks_each_result_and_a_broken_chain():
-    from llm.rewards import check_steps
+    from llm.sample.rewards import check_steps
     text = b"12 + 7 = 19\n19 - 3 = 15\n15 * 2 = 30\n31 / 1 = 31\n#### 31"
     spans = check_steps(text)
     assert [(text[s:e], ok) for s, e, ok in spans] == [(b"19", True), (b"15", False), (b"30", True),
@@ -149,7 +149,7 @@ def test_check_steps_marks_each_result_and_a_broken_chain():
 
 
 def test_check_steps_reads_a_negative_intermediate_as_the_next_step_s_operand():
-    from llm.rewards import check_steps
+    from llm.sample.rewards import check_steps
     text = b"5 - 9 = -4\n-4 + 3 = -1\n-1 * -2 = 2\n#### -1"
     assert [(text[s:e], ok) for s, e, ok in check_steps(text)] == [(b"-4", True), (b"-1", True)]
     text = b"5 - 9 = -4\n-4 + 3 = 1\n4 + 3 = 7\n-8 / 2 = -4\n-7 / 2 = -3"
@@ -160,9 +160,9 @@ def test_check_steps_reads_a_negative_intermediate_as_the_next_step_s_operand():
 def test_step_credit_puts_plus_and_minus_one_on_the_result_tokens():
     import torch
 
-    from llm.rewards import step_credit
-    from llm.rollout import Rollout
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
+    from llm.sample.rewards import step_credit
+    from llm.sample.rollout import Rollout
     tok = Tokenizer.train(["12 + 7 = 19\n19 - 3 = 16\n#### 16"] * 3, vocab_size=300, min_frequency=1, jieba=False)
     texts = ["12 + 7 = 19\n19 - 3 = 15\n#### 15", "#### 4"]
     rows = [tok.encode(t) + [tok.end_id] for t in texts]

@@ -1,13 +1,13 @@
-"""llm/rollout.py: rollout log-probs == a recomputed forward, masks, minibatch selection, the sampled KL."""
+"""llm/sample/rollout.py: rollout log-probs == a recomputed forward, masks, minibatch selection, the sampled KL."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from llm.config import ModelConfig
-from llm.losses import sequence_logprob
-from llm.model import GPT
-from llm.rollout import response_forward, rollout, sampled_kl
+from llm.nn.losses import sequence_logprob
+from llm.nn.model import GPT
+from llm.sample.rollout import response_forward, rollout, sampled_kl
 
 V, PAD, STOP = 37, 0, 5
 
@@ -43,7 +43,7 @@ def test_rollout_logprobs_equal_a_recomputed_forward(temperature, impl):
     assert rm.any(1).all()
     torch.testing.assert_close(ro.logprobs[rm], lp[rm], atol=2e-5, rtol=1e-5)
     assert (ro.logprobs[~rm] == 0).all()
-    # and at T = 1 the same numbers as the shared sequence log-prob of llm/losses.py
+    # and at T = 1 the same numbers as the shared sequence log-prob of llm/nn/losses.py
     if temperature == 1.0:
         P = ro.prompt_len
         loss_mask = torch.cat([torch.zeros_like(ro.attention_mask[:, :P]), rm], 1)

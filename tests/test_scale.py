@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from llm.config import CommonConfig, ConfigError
-from llm.metrics import read_metrics
+from llm.train.metrics import read_metrics
 from tests.conftest import ROOT, dvc_command, free_port
 from tests.test_eval_stage import world  # noqa: F401  (a fixture: the eval stage's tiny models and data)
 
@@ -84,9 +84,9 @@ def rl_child(arg: str) -> None:
 def _rl_child_one(opt: dict, rt) -> None:
     from safetensors.torch import save_file
 
-    from llm.grpo import GRPO
-    from llm.ppo import PPO
-    from llm.rl import run_rl
+    from llm.post.grpo import GRPO
+    from llm.post.ppo import PPO
+    from llm.post.rl import run_rl
     from tests.test_grpo import PAD, STOP, TIME_KEYS, grpo_cfg, target_fraction, tiny
     from tests.test_ppo import ppo_cfg
 
@@ -330,7 +330,7 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, stage):
     """`<stage>.distributed: fsdp` with common.nproc 2 (parameters, gradients and AdamW moments
     sharded; DPO's frozen reference is never wrapped): the losses and the model of one process.
     SFT writes the mean of its last two checkpoints, which rank 0 reads back alone."""
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     src = _fsdp_workspace(tmp_path / "src", stage)
     runs = {}
     for n in (1, 2):
@@ -502,10 +502,10 @@ def test_a_sampled_batch_does_not_depend_on_the_batches_before_it(world):
     """What lets eval share its batches out: batch b samples from its own generator, seeded by
     (seed, b), whatever ran before it (a generator shared by the batches would hand batch 1
     whatever batch 0 left of its stream)."""
-    from llm.batching import derive_seed
-    from llm.template import user_prompt
-    from llm.evaluate import generate_answers
-    from llm.generate import generate
+    from llm.data.batching import derive_seed
+    from llm.data.template import user_prompt
+    from llm.eval.evaluate import generate_answers
+    from llm.sample.generate import generate
     tok, model = world["tok"], world["base"]  # the barely trained model: its samples vary with the draws
     qs = sorted((p["question"] for p in world["test"]), key=lambda q: len(user_prompt(q, tok)))
     first, last = qs[:2], qs[-2:]

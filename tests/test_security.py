@@ -140,8 +140,8 @@ def test_the_trap_is_live(tmp_path):
 
 def _fix_manifest(ckpt: Path) -> None:
     """Re-hash a tampered checkpoint so only the file format, not the hash, can stop the load."""
-    from llm.checkpoint import MANIFEST
     from llm.fileio import sha256_file
+    from llm.train.checkpoint import MANIFEST
     man = json.loads((ckpt / MANIFEST).read_text())
     for name in man["files"]:
         man["files"][name] = {"sha256": sha256_file(ckpt / name), "bytes": (ckpt / name).stat().st_size}
@@ -150,7 +150,7 @@ def _fix_manifest(ckpt: Path) -> None:
 
 @pytest.mark.parametrize("target", ["model.safetensors", "train_state.safetensors"])
 def test_checkpoint_loader_refuses_pickles(tmp_path, trap, target):
-    from llm.checkpoint import CheckpointError, find_resume, load_checkpoint, save_checkpoint
+    from llm.train.checkpoint import CheckpointError, find_resume, load_checkpoint, save_checkpoint
     _, payloads = trap
     for kind, data in payloads.items():
         run = tmp_path / kind
@@ -166,7 +166,7 @@ def test_checkpoint_loader_refuses_pickles(tmp_path, trap, target):
 
 def test_checkpoint_state_json_cannot_smuggle_objects(tmp_path, trap):
     """state.json is plain JSON: a pickle in it is just a parse error."""
-    from llm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from llm.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     _, payloads = trap
     p = save_checkpoint(tmp_path, 1, model_state={"w": torch.ones(2)}, train_state={}, fingerprint="fp", keep=2)
     (p / "state.json").write_bytes(payloads["raw-pickle"])
@@ -176,11 +176,11 @@ def test_checkpoint_state_json_cannot_smuggle_objects(tmp_path, trap):
 
 
 def test_model_dir_loader_refuses_pickles(tmp_path, trap):
-    from llm.artifacts import ArtifactError, load_model_dir, save_model_dir
     from llm.config import ModelConfig
+    from llm.data.tokenizer import Tokenizer
     from llm.fileio import sha256_file
-    from llm.model import GPT
-    from llm.tokenizer import Tokenizer
+    from llm.nn.artifacts import ArtifactError, load_model_dir, save_model_dir
+    from llm.nn.model import GPT
     _, payloads = trap
     tok = Tokenizer.train(["abc abc abd abd abe " * 20], vocab_size=270, max_pairs=1000, min_frequency=2)
     model = GPT(ModelConfig(vocab_size=tok.vocab_size, seq_len=8, n_layer=1, n_head=2, n_kv_head=2, n_embd=8))
@@ -195,7 +195,7 @@ def test_model_dir_loader_refuses_pickles(tmp_path, trap):
 
 
 def test_tokenizer_loader_refuses_pickles(tmp_path, trap):
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
     _, payloads = trap
     tok = Tokenizer.train(["abc abc abd abd abe " * 20], vocab_size=270, max_pairs=1000, min_frequency=2)
     for kind, data in payloads.items():

@@ -1,4 +1,4 @@
-"""Several runs read together (llm/seeds.py): the t quantile, the pooled paired change, the
+"""Several runs read together (llm/eval/seeds.py): the t quantile, the pooled paired change, the
 levels, the stage metrics, and runs read from directories, git revisions and DVC experiment refs."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm.paired import compare, mcnemar_exact
-from llm.seeds import Run, levels, load_run, main, markdown, pooled, stage_metrics, summarize, t_quantile
+from llm.eval.paired import compare, mcnemar_exact
+from llm.eval.seeds import Run, levels, load_run, main, markdown, pooled, stage_metrics, summarize, t_quantile
 
 
 @pytest.mark.parametrize("df,q", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (1000, 1.9623)])

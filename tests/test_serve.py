@@ -1,4 +1,4 @@
-"""llm/serve.py: the OpenAI-compatible server, driven by the official `openai` client against a
+"""llm/tools/serve.py: the OpenAI-compatible server, driven by the official `openai` client against a
 real server on 127.0.0.1 (a free port), plus raw HTTP for what a client library never sends.
 
 Most tests share one server run in this process (uvicorn in a thread) so that they can look
@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from llm.artifacts import load_model_dir, save_model_dir
-from llm.template import BOS, END, render_prompt
 from llm.config import ModelConfig
-from llm.generate import generate
-from llm.model import GPT
-from llm.serve import StopStrings, listen, make_app, server_config
-from llm.tokenizer import Tokenizer
+from llm.data.template import BOS, END, render_prompt
+from llm.data.tokenizer import Tokenizer
+from llm.nn.artifacts import load_model_dir, save_model_dir
+from llm.nn.model import GPT
+from llm.sample.generate import generate
+from llm.tools.serve import StopStrings, listen, make_app, server_config
 from tests.conftest import ROOT
 
 openai = pytest.importorskip("openai")
@@ -111,7 +111,7 @@ def post(url: str, body) -> tuple[int, dict | str]:
 
 
 def expected(model, tok, messages, max_tokens: int) -> str:
-    """What llm.generate answers greedily through the chat template."""
+    """What llm.sample.generate answers greedily through the chat template."""
     out = generate(model, [render_prompt(messages, tok)], max_tokens, temperature=0.0, pad_id=tok.pad_id,
                    stop_ids=(tok.special[END], tok.special[BOS]))
     return tok.decode(out.responses()[0])
@@ -404,7 +404,7 @@ def test_the_program_serves_on_a_free_port_and_stops_on_sigint(tok, tmp_path):
 
 
 def test_bad_command_lines_are_clear_errors(tmp_path, capsys):
-    from llm.serve import main
+    from llm.tools.serve import main
     for argv, why in [(["--port", "70000"], "[0, 65535]"), (["--max-queue", "0"], ">= 1"),
                       (["--device", "toaster"], "not a torch device")]:
         with pytest.raises(SystemExit) as e:

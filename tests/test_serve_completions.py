@@ -1,5 +1,5 @@
 """llm.serve's legacy /v1/completions and tokenizer endpoints: the text it generates is what
-llm.generate gives, the log-probs it returns are the model's own full-forward ones, and
+llm.sample.generate gives, the log-probs it returns are the model's own full-forward ones, and
 lm-evaluation-harness's `local-completions` model scores a small multiple-choice task through it.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from llm.generate import generate
-from llm.losses import token_logprobs
-from llm.serve import make_app
+from llm.nn.losses import token_logprobs
+from llm.sample.generate import generate
+from llm.tools.serve import make_app
 from tests.conftest import ROOT
 from tests.test_serve import Server, babbler, raw, tok  # noqa: F401 (tok is a fixture)
 
@@ -33,7 +33,7 @@ def complete(url: str, **body) -> tuple[int, dict]:
 
 
 def own_logprobs(model, ids: list[int]) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t >= 1, from the model's forward and llm.losses."""
+    """log p(ids[t] | ids[:t]) for t >= 1, from the model's forward and llm.nn.losses."""
     with torch.no_grad():
         x = torch.tensor([ids])
         return token_logprobs(model(x)[:, :-1], x[:, 1:])[0].tolist()

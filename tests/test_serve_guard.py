@@ -1,4 +1,4 @@
-"""llm/serve_guard.py and llm.serve's limits: each defence against a hostile client or web page on
+"""llm/tools/serve_guard.py and llm.serve's limits: each defence against a hostile client or web page on
 its own (small, fast), then one load test of the real program under all of them at once.
 
 Every test talks to a real server on 127.0.0.1, through raw sockets where a polite client
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from llm.model import GPT
-from llm.serve import make_app
-from llm.serve_guard import LOCAL_HOSTS, Guard, QuietLog
+from llm.nn.model import GPT
+from llm.tools.serve import make_app
+from llm.tools.serve_guard import LOCAL_HOSTS, Guard, QuietLog
 from tests.conftest import ROOT
 from tests.test_serve import HI, Server, babbler, expected, raw, tok  # noqa: F401 (tok is a fixture)
 
@@ -123,7 +123,7 @@ def test_with_an_api_key_set_v1_needs_it(tok):
 
 
 def test_the_api_key_comes_from_the_environment(monkeypatch):
-    from llm.serve import _parser
+    from llm.tools.serve import _parser
     monkeypatch.setenv("LLM_API_KEY", "from-env")
     assert _parser().parse_args(["m"]).api_key == "from-env"
     assert _parser().parse_args(["m", "--api-key", "k"]).api_key == "k"
@@ -132,7 +132,7 @@ def test_the_api_key_comes_from_the_environment(monkeypatch):
 
 
 def test_an_empty_api_key_is_refused_at_start_up(monkeypatch, capsys):
-    from llm.serve import main
+    from llm.tools.serve import main
     for env, argv in (("", ["m"]), ("k", ["m", "--api-key", " "])):
         monkeypatch.setenv("LLM_API_KEY", env)
         with pytest.raises(SystemExit) as e:
@@ -237,7 +237,7 @@ def test_tokenize_never_holds_up_chat_and_its_queue_is_bounded(tok, monkeypatch)
 
 class Slow(GPT):
     """0.05 s per decoding step. It has biases, so generation takes the plain path through
-    hidden_states (llm.generate's fast CPU decoder, which skips it, takes no model with biases)."""
+    hidden_states (llm.sample.generate's fast CPU decoder, which skips it, takes no model with biases)."""
 
     def __init__(self, config, **kw):
         super().__init__(dataclasses.replace(config, bias=True), **kw)
@@ -471,7 +471,7 @@ def test_the_log_says_an_expected_client_error_once_in_one_line():
 
 
 def test_every_option_says_what_it_does():
-    from llm.serve import _parser
+    from llm.tools.serve import _parser
     assert all(a.help for a in _parser()._actions), [a.dest for a in _parser()._actions if not a.help]
 
 
@@ -511,7 +511,7 @@ def test_the_program_holds_under_hostile_load(tok, tmp_path):
 
     import psutil  # noqa: F401 (fail early if missing)
 
-    from llm.artifacts import load_model_dir, save_model_dir
+    from llm.nn.artifacts import load_model_dir, save_model_dir
 
     save_model_dir(tmp_path / "sft", babbler(tok, seq_len=256), tok, {"stage": "sft"})
     log = (tmp_path / "stderr.log").open("w+")

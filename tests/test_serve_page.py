@@ -1,4 +1,4 @@
-"""llm.serve's chat page (llm/chat_page.html at /) in headless Chromium, driven over the DevTools
+"""llm.serve's chat page (llm/tools/chat_page.html at /) in headless Chromium, driven over the DevTools
 protocol: a message typed and sent with Enter comes back streamed piece by piece, and the answer
 in the page is the one the API gives for the same conversation at temperature 0; a conversation
 longer than the context goes on, its earliest messages forgotten (the API's "truncation": "auto",
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from llm.template import fit_context, render_prompt
-from llm.serve import make_app
+from llm.data.template import fit_context, render_prompt
+from llm.tools.serve import make_app
 from tests.browser import chromium
 from tests.test_serve import HI, SEQ_LEN, Server, babbler, expected, post, raw, tok  # noqa: F401 (tok: a fixture)
 from tests.test_serve_completions import served  # noqa: F401 (a fixture: the babbler served as "sft")
@@ -205,7 +205,7 @@ def test_a_long_conversation_in_the_page_forgets_its_earliest_turns_and_says_so(
 
 
 def test_the_page_needs_nothing_from_elsewhere():
-    page = (Path(__file__).parents[1] / "llm" / "chat_page.html").read_text()
+    page = (Path(__file__).parents[1] / "llm" / "tools" / "chat_page.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page) and "@import" not in page
 
 

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from llm.config import SourceConfig
+from llm.data.sources import hh_dialogue, read_source, shakespeare_works
 from llm.fileio import DataError
-from llm.sources import hh_dialogue, read_source, shakespeare_works
 from tests.conftest import bounded
 
 
@@ -196,7 +196,7 @@ WEB_COPIES = {"HuggingFaceFW/fineweb-edu": "fineweb_edu.jsonl", "HuggingFaceTB/s
 def _web_sources(fixtures, suffix: str, tmp_path) -> dict[str, SourceConfig]:
     """The web profile's pretrain and SFT sources, each pointed at its local copy (as JSONL, or
     converted to Parquet with the same columns)."""
-    from llm.profile import render
+    from llm.tools.profile import render
     from tests.conftest import ROOT
     prep = render("gpu-77m-web", ROOT / "env" / "profiles")[0]["prepare"]
     out = {}
@@ -226,7 +226,7 @@ def test_the_web_profiles_sources_read_their_real_columns(fixtures, suffix, tmp_
 
 
 def test_the_web_profiles_hub_sources_fail_fast_offline_naming_the_set(monkeypatch):
-    from llm.profile import render
+    from llm.tools.profile import render
     from tests.conftest import ROOT
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     prep = render("gpu-77m-web", ROOT / "env" / "profiles")[0]["prepare"]

@@ -102,7 +102,7 @@ def _variant_run(tmp_path, module, argv: list[str]) -> tuple[int, dict]:
         return {"reward_start": 0.0, "reward_end": 0.0, "final_kl": 0.0}   # what summary_line prints
 
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    from llm.rl import rl_stage_main
+    from llm.post.rl import rl_stage_main
     opts = [a for k in (*module.INPUTS, *module.OUTPUTS) for a in (f"--{k.replace('_', '-')}", str(tmp_path / k))]
     rl_main = lambda argv: rl_stage_main(module.STAGE, module.__doc__, run, argv, inputs=module.INPUTS,  # noqa: E731
                                          outputs=module.OUTPUTS, variants=module.VARIANTS)

@@ -202,9 +202,9 @@ class CountThreads:
 def test_the_loop_revisits_under_auto_and_records_the_count_of_every_step(tmp_path, monkeypatch, restore_threads):
     import functools
 
-    from llm import loop
     from llm.config import LoopConfig
     from llm.runtime import Runtime
+    from llm.train import loop
 
     monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
     monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
@@ -296,9 +296,9 @@ def loop_bytes(tmp_path, monkeypatch, *, auto: bool, busy: float = 0.0, fixed: i
     them taken by other processes (0: the load rule starts on 2), or on `fixed` threads."""
     import functools
 
-    from llm import loop
     from llm.config import LoopConfig
     from llm.runtime import Runtime
+    from llm.train import loop
 
     monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
     monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
@@ -334,19 +334,19 @@ def test_a_stages_bytes_do_not_change_with_the_load_under_auto(tmp_path, monkeyp
 
 
 def test_pretrains_step_under_auto_trains_one_threads_bytes_at_any_load(tmp_path, monkeypatch, restore_threads):
-    """The real step (the GPT, lm_loss, AdamW through llm/trainer.py) under `auto` with the load
+    """The real step (the GPT, lm_loss, AdamW through llm/train/trainer.py) under `auto` with the load
     rule starting on 2 threads gives the bytes of a run on one thread, on this machine whatever
     its CPU: where 2 threads round differently, the check keeps 1 alone."""
     import functools
 
     import numpy as np
 
-    from llm import loop
-    from llm.batching import WindowSampler
     from llm.config import ModelConfig, TrainConfig
-    from llm.model import GPT
+    from llm.data.batching import WindowSampler
+    from llm.nn.model import GPT
     from llm.runtime import Runtime
-    from llm.trainer import train
+    from llm.train import loop
+    from llm.train.trainer import train
 
     monkeypatch.setattr(threads, "ThreadTuner", functools.partial(threads.ThreadTuner, every=2, probe=lambda: None))
     monkeypatch.setattr(threads, "usable_cpus", lambda: 2)

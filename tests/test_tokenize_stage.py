@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from llm.config import TokenizeConfig, TokenizerConfig
+from llm.data.generators import math_problem
+from llm.data.tokenizer import Tokenizer
 from llm.fileio import DataError
-from llm.generators import math_problem
-from llm.metrics import read_metrics
-from llm.tokenizer import Tokenizer
+from llm.train.metrics import read_metrics
 from stages import tokenize as tokenize_stage
 from stages import tokenizer as tokenizer_stage
 

@@ -1,4 +1,4 @@
-"""Tests for llm/tokenizer.py: round trips, hand-worked merges, the
+"""Tests for llm/data/tokenizer.py: round trips, hand-worked merges, the
 tie-break, specials, save/load, the HF `tokenizers` export (as a reference client)."""
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import llm.tokenizer as tokenizer_module
 from llm.config import ConfigError, TokenizerConfig, load_sections
-from llm.generators import math_problem
-from llm.tokenizer import (CONTROL_TOKENS, LINE_HEAD_BYTES, MAX_FILE_BYTES, MAX_VOCAB, MAX_VOCAB_BYTES, SPLIT_PATTERN,
-                           Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han, is_clean_token, text_windows)
+from llm.data.generators import math_problem
+import llm.data.tokenizer as tokenizer_module
+from llm.data.tokenizer import (CONTROL_TOKENS, LINE_HEAD_BYTES, MAX_FILE_BYTES, MAX_VOCAB, MAX_VOCAB_BYTES,
+                                SPLIT_PATTERN, Tokenizer, _bpe, _bpe_heap, _pre_split_windows, has_han, is_clean_token,
+                                text_windows)
 
 PAT = regex.compile(SPLIT_PATTERN)
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

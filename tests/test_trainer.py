@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from llm.batching import WindowSampler, fixed_windows
 from llm.config import CommonConfig, ConfigError, ModelConfig, TrainConfig
-from llm.model import GPT
-from llm.optim import build_optimizer, build_optimizers, lr_at, param_groups, set_lr, set_trainable
+from llm.data.batching import WindowSampler, fixed_windows
 from llm.errors import NonFiniteError
-from llm.metrics import read_metrics
-from llm.monitor import Plots
+from llm.nn.model import GPT
+from llm.nn.optim import build_optimizer, build_optimizers, lr_at, param_groups, set_lr, set_trainable
 from llm.runtime import Runtime, enable_activation_checkpointing, resolve_device, resolve_dtype
-from llm.trainer import accumulate_gradients, lm_loss, supervised_lm_loss, train
+from llm.train.metrics import read_metrics
+from llm.train.monitor import Plots
+from llm.train.trainer import accumulate_gradients, lm_loss, supervised_lm_loss, train
 from tests.conftest import dvc_command, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -368,7 +368,7 @@ def test_nan_loss_with_raise_names_the_step(tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_nan_loss_with_skip_changes_nothing_and_is_counted(tmp_path, monkeypatch, optimizer):
-    import llm.loop as loop
+    import llm.train.loop as loop
     made = []
     real_build = loop.build_optimizers
     monkeypatch.setattr(loop, "build_optimizers", lambda *a, **k: made.extend(real_build(*a, **k)) or made)
@@ -445,7 +445,7 @@ def test_fp16_with_grad_scaler_trains_and_resumes(tmp_path):
     ref, _ = run(tmp_path / "fp32", tcfg(max_steps=4), model=tiny_model(dropout=0.0))
     a, model_a = run(tmp_path / "a", tcfg(max_steps=4), model=tiny_model(dropout=0.0), rt=fp16)
     assert all(abs(x[1] - y[1]) < 2e-2 for x, y in zip(losses(a), losses(ref)))
-    from llm.checkpoint import load_checkpoint
+    from llm.train.checkpoint import load_checkpoint
     scaler = load_checkpoint(tmp_path / "a" / "ckpt-00000004").train_state["updater"]["scaler"]
     assert scaler["scale"] > 0
     with pytest.raises(RuntimeError, match="simulated"):
@@ -523,7 +523,7 @@ def _child(argv: list[str]) -> None:
 
 def _child_one(opt: dict, rt: Runtime) -> None:
     if opt.get("kill_in_save"):  # SIGKILL while checkpoint N is half written
-        import llm.checkpoint as ck
+        import llm.train.checkpoint as ck
         real = ck.save_file
 
         def save_file(tensors, filename, metadata=None):
@@ -709,7 +709,7 @@ def test_compile_gives_the_eager_losses(tmp_path):
 def _stage_project(root: Path, nproc: int) -> None:
     """A throwaway project dir: tokenizer, token shards and params for `python -m stages.pretrain`."""
     import yaml
-    from llm.tokenizer import Tokenizer
+    from llm.data.tokenizer import Tokenizer
     text = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings"
             " and arrows of outrageous fortune, or to take arms against a sea of troubles. ") * 30
     tok = Tokenizer.train([text], vocab_size=300, max_pairs=10000, min_frequency=2)
@@ -748,7 +748,7 @@ def test_pretrain_stage_under_torchrun_writes_every_output(tmp_path):
     val = (tmp_path / "metrics" / "plots" / "pretrain_val.tsv").read_text().splitlines()
     first_bpb = float(val[1].split("\t")[val[0].split("\t").index("val_bpb")])
     assert m["val_bpb"] < first_bpb  # it learned something
-    from llm.artifacts import load_model_dir
+    from llm.nn.artifacts import load_model_dir
     model, tok, meta = load_model_dir(tmp_path / "models" / "base")
     assert meta["stage"] == "pretrain" and model.n_params() == m["n_params"] and tok.vocab_size == 300
     assert (tmp_path / "metrics" / "plots" / "pretrain.png").is_file()
@@ -761,7 +761,7 @@ def test_sft_batches_without_replay_are_the_bucket_batches_they_always_were():
     """sft.replay_fraction 0 (the default) hands the loop exactly the batches of the length-bucket
     sampler and the padding collate, as SFT built them before replay existed; above 0 the same
     conversations come first in every batch."""
-    from llm.batching import BucketBatchSampler, ExampleBatches, conversation_batches, pad_collate, replay_rows
+    from llm.data.batching import BucketBatchSampler, ExampleBatches, conversation_batches, pad_collate, replay_rows
     g = torch.Generator().manual_seed(0)
     examples = [(ids := torch.randint(5, 50, (int(n),), generator=g).tolist(), [j % 3 == 0 for j in range(len(ids))])
                 for n in torch.randint(3, 40, (60,), generator=g)]

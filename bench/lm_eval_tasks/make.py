@@ -3,7 +3,7 @@
     python -m bench.lm_eval_tasks.make      # from the repository root; the file is committed
 
 Twelve word problems (levels 1 and 2) and twelve bare calculations, two thirds in English and
-one third in Chinese, drawn by llm.generators under their own seed: the kinds of questions the
+one third in Chinese, drawn by llm.data.generators under their own seed: the kinds of questions the
 chat models are trained on, each written as one user message, its answer the integer the model
 should write after `#### `. They are not the evaluation's held-out set (that one is made by the
 prepare stage and lives under data/, absent on a fresh clone), so an item can coincide with a
@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from llm.generators import arithmetic_question, math_problem
+from llm.data.generators import arithmetic_question, math_problem
 
 SEED = 7
 DATA = Path(__file__).with_name("chat_math.jsonl")

@@ -1,0 +1,389 @@
+"""Everything in the README that comes from a run, generated from the metrics it wrote.
+
+    python -m llm.readme                  # rewrite README.md's generated blocks from metrics/
+    python -m llm.readme --check          # exit 1 when a block differs from metrics/
+
+Each block sits between `<!-- NAME:begin -->` and `<!-- NAME:end -->`; nothing outside them is
+touched, and every number inside one is read from metrics/ (BLOCKS):
+
+- `run`: which run the numbers are (commit, date, machine) and how long its stages took, from the
+  header of the report it wrote (`metrics/report.md`);
+- `results`: the same provenance, then two short tables: this run, one row per model
+  (`metrics/eval/<model>.json`): greedy math with its 95% interval, the paired change against the
+  model's parent (`metrics/paired.json`), instruction tasks, bare arithmetic, sampled math,
+  pass@k, RM score, win rate, KL per token against SFT, and bits per byte of held-out Shakespeare
+  (how well the model still reads plain text; lower is better); and several seeds read together
+  (`metrics/seeds/summary.json`, written by `python -m llm.seeds`): greedy math per seed and its
+  mean, each RL model's change from SFT pooled over all the seeds' items and across seeds, then
+  the targets that need several seeds, per seed with mean and worst;
+- `findings`: the one-line findings, from the seeds' summary and this run;
+- `experiment`: what the README's experiment (GRPO on shuffled rewards) changed on this run.
+
+The seeds' summary is shown only where it holds this run (one of its seeds has this run's greedy
+math for every model): after a run of your own it does not, and the block says how to read your
+run with the committed seeds instead of showing another run's numbers. A missing file leaves its
+rows or its table out (a run may stop before the last stage); nothing is filled in.
+tests/test_readme.py fails when the committed README and the committed metrics disagree: after a
+run you keep, run this command and commit README.md with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from llm.eval.report import MODELS, NAME, PARENT, fmt_interval, fmt_p, fmt_value
+from llm.fileio import atomic_write_text
+
+SEEDS_COMMAND = ("python -m llm.seeds 1337=. 1338=metrics/seeds/1338 1339=metrics/seeds/1339 --json"
+                 " metrics/seeds/summary.json --markdown metrics/seeds/summary.md")
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers("results")
+
+# (eval metrics key, column label, kind, with its interval): kind "pct" shows a proportion as a
+# percentage, "num" a number, "nats" a KL to four decimals (the RL models' are below 0.001),
+# "bits" bits per byte of held-out text to two
+COLUMNS: tuple[tuple[str, str, str, bool], ...] = (
+    ("task_exact_match", "instruction tasks", "pct", True),
+    ("arithmetic_exact_match", "bare arithmetic", "pct", False),
+    ("math_sample_accuracy", "sampled math", "pct", True),
+    ("math_pass_at_k", "pass@k", "pct", False),
+    ("rm_score", "RM score", "num", False),
+    ("win_rate_vs_sft", "win rate vs SFT", "pct", False),
+    ("kl", "KL to SFT, nats/token", "nats", False),
+    ("val_bpb", "text, bits/byte", "bits", False),
+)
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _pp(res: dict) -> str:
+    """A paired change in percentage points with its interval: `+0.4 [-1.0, +1.8]`."""
+    return f"{100 * res['delta']:+.1f} [{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]"
+
+
+def _cell(m: dict, key: str, kind: str, interval: bool = True) -> str:
+    v = m.get(key)
+    if kind in ("nats", "bits"):
+        return f"{v:.{4 if kind == 'nats' else 2}f}" if isinstance(v, (int, float)) else "n/a"
+    if not interval:
+        return fmt_value(v, kind)
+    return f"{fmt_value(v, kind)} {fmt_interval(m.get(f'{key}_lo'), m.get(f'{key}_hi'), kind)}".strip()
+
+
+def run_table(metrics: Path) -> list[str]:
+    """One row per model that has `metrics/eval/<model>.json`."""
+    evals = {m: e for m in MODELS if (e := _read(metrics / "eval" / f"{m}.json")) is not None}
+    if not evals:
+        return []
+    paired = _read(metrics / "paired.json") or {}
+    k = next((e["math_pass_k"] for e in evals.values() if "math_pass_k" in e), "k")
+    labels = ["model", "math (greedy)", "math change vs parent"] + [
+        lab.replace("pass@k", f"pass@{k}") for _, lab, _, _ in COLUMNS]
+    lines = [_row(labels), _row(["---"] * len(labels))]
+    for m, e in evals.items():
+        change = paired.get(f"{m}_vs_{PARENT[m]}", {}).get("math") if m in PARENT else None
+        cells = [NAME[m], _cell(e, "math_exact_match", "pct"), _pp(change) if change else "-"]
+        cells += [_cell(e, key, kind, interval) for key, _, kind, interval in COLUMNS]
+        lines.append(_row(cells))
+    return lines
+
+
+def _pooled(res: dict) -> str:
+    return (f"{100 * res['mean']:+.1f} [{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}], p {fmt_p(res['p_value'])}"
+            if "p_value" in res else f"{100 * res['mean']:+.1f} [{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]")
+
+
+def seeds_table(summary: dict | None) -> list[str]:
+    """Greedy math per seed, and each RL model's change from SFT over all seeds."""
+    if not summary:
+        return []
+    runs, levels, paired = summary["runs"], summary["levels"], summary["paired"]
+    labels = ["model", f"math, seeds {' / '.join(runs)}", "mean", "math change vs SFT, pooled",
+              "across seeds", "sampled math change, pooled"]
+    lines = [_row(labels), _row(["---"] * len(labels))]
+    for m in MODELS:
+        if m not in levels or "math" not in levels[m]:
+            continue
+        lv = levels[m]["math"]
+        cells = [NAME[m], " / ".join(f"{100 * v:.1f}" for v in lv["values"]), fmt_value(lv["mean"], "pct")]
+        p = paired.get(m)
+        if p and "math" in p:
+            cells += [_pooled(p["math"]), f"[{100 * p['math']['t_lo']:+.1f}, {100 * p['math']['t_hi']:+.1f}]",
+                      _pooled(p["math_sampled"]) if "math_sampled" in p else "-"]
+        else:
+            cells += ["-", "-", "-"]
+        lines.append(_row(cells))
+    return lines
+
+
+def _vals(summary: dict, key: str) -> list[float] | None:
+    """A stage or eval metric's per-seed values from summary["metrics"] ("FILE:KEY"), or None."""
+    m = summary.get("metrics", {}).get(key)
+    return m["values"] if m and all(isinstance(v, (int, float)) for v in m["values"]) else None
+
+
+def targets_table(summary: dict | None) -> list[str]:
+    """The targets that need several seeds, one row each: per seed, mean, worst (the lower where
+    higher is better) and the target. A row whose metrics some seed lacks is left out."""
+    if not summary:
+        return []
+    runs, levels, paired = summary["runs"], summary.get("levels", {}), summary.get("paired", {})
+    rows: list[tuple[str, list[float] | None, str, bool, str]] = []  # label, values, kind, higher is better, target
+    first = levels.get("sft", {}).get("math", {}).get("values")
+    second = _vals(summary, "eval/sft.json:multiturn_exact_match")
+    rows.append(("SFT: second-turn math below first-turn, points",
+                 [100 * (a - b) for a, b in zip(first, second)] if first and second else None, "pts", False, "at most 5"))
+    rows.append(("SFT: out-of-scope requests answered without a worked sum",
+                 _vals(summary, "eval/sft.json:scope_no_math_rate"), "pct", True, "at least 95%"))
+    rows.append(("the same, asked after a sum or a word problem",
+                 _vals(summary, "eval/sft.json:scope_no_math_rate_second_turn"), "pct", True, "at least 95%"))
+    for key, label in (("context_math_after_scope_drop", "SFT: math after an out-of-scope request below math alone"),
+                       ("context_arithmetic_system_helpful_drop",
+                        'SFT: bare arithmetic under "You are a helpful assistant." below none')):
+        drop = _vals(summary, f"eval/sft.json:{key}")
+        rows.append((label + ", points", [100 * v for v in drop] if drop else None, "pts", False, "at most 5"))
+    sft_bpb, base_bpb = _vals(summary, "eval/sft.json:val_bpb"), _vals(summary, "eval/base.json:val_bpb")
+    rows.append(("SFT's held-out text bits/byte over the base model's",
+                 [a / b for a, b in zip(sft_bpb, base_bpb)] if sft_bpb and base_bpb else None, "ratio", False,
+                 "at most 1.2"))
+    rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
+    rows.append(("RM: held-out comparisons of SFT's own answers ranked right", rm, "pct", True, "at least 95%"))
+    rows.append(("RM minus SFT's likelihood on the same pairs, points",
+                 [100 * (a - b) for a, b in zip(rm, lik)] if rm and lik else None, "pts", True, "at least +5"))
+    rows.append(("RM without its likelihood feature (the head alone)",
+                 _vals(summary, "reward.json:accuracy_without_likelihood"), "pct", True, "-"))
+    rows.append(("held-out wrong answers that are SFT's own greedy choice",
+                 _vals(summary, "samples.json:heldout_errors_sft_would_make"), "pct", False, "- (no reward read from"
+                 " SFT ranks these)"))
+    sep = summary.get("rm_separation", {}).get("sft")
+    rows.append(("RM AUC, SFT's right over wrong test answers", sep["values"] if sep else None, "num", True,
+                 "at least 0.85"))
+    lines = [_row(["target", f"seeds {' / '.join(runs)}", "mean", "worst", "target"]), _row(["---"] * 5)]
+    show = {"pct": lambda v: f"{100 * v:.1f}%", "pts": lambda v: f"{v:+.1f}", "ratio": lambda v: f"{v:.2f}",
+            "num": lambda v: f"{v:.2f}"}
+    for label, values, kind, higher, target in rows:
+        if not values or len(values) != len(runs):
+            continue
+        f = show[kind]
+        worst = min(values) if higher else max(values)
+        lines.append(_row([label, " / ".join(f(v) for v in values), f(sum(values) / len(values)), f(worst), target]))
+    for model, skill, label, target in (("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
+                                        ("ppo", "math", "PPO: math change vs SFT", "above 0"),
+                                        ("ppo", "rm_score", "PPO: RM score change vs SFT", "above 0")):
+        res = paired.get(model, {}).get(skill)
+        if res:
+            f = (lambda v: f"{100 * v:+.1f}") if res.get("type") == "rate" else (lambda v: f"{v:+.4f}")
+            lines.append(_row([label + " (pooled over the seeds' items)", " / ".join(map(f, res["deltas"])),
+                               f(res["mean"]), f"[{f(res['lo'])}, {f(res['hi'])}] (95%)", target + " (interval)"]))
+    return lines if len(lines) > 2 else []
+
+
+def run_header(metrics: Path) -> dict[str, str]:
+    """The report's header lines (`- **label**: text`: profile, commit, date, machine, wall time),
+    written by the same run as the metrics (llm/eval/report_render.py header_lines); {} without a report."""
+    path = metrics / "report.md"
+    if not path.is_file():
+        return {}
+    head = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if m := re.match(r"- \*\*(.+?)\*\*: (.*)$", line):
+            head[m.group(1)] = m.group(2)
+        elif line.startswith("## "):
+            break
+    return head
+
+
+def provenance(metrics: Path) -> str:
+    """One sentence: which run the numbers are, on what machine, and how long its stages took."""
+    head = run_header(metrics)
+    if not head:
+        return ("No `metrics/report.md`, so which run and machine these numbers come from is not known here:"
+                " `dvc repro report` writes it.")
+    wall = head.get("wall time", "not recorded").split(",")[0].split(" (")[0]
+    return (f"The numbers below come from the run of commit {head.get('commit', 'unknown')}"
+            f" ({head.get('date', 'date unknown')}) on {head.get('machine', 'an unknown machine')}; its stages"
+            f" recorded {wall} (`metrics/report.md`).")
+
+
+def summary_holds_run(summary: dict | None, metrics: Path) -> bool:
+    """True when one of the summary's seeds has this run's greedy math for every model it reads."""
+    if not summary or not summary.get("levels"):
+        return False
+    evals = {m: _read(metrics / "eval" / f"{m}.json") for m in summary["levels"]}
+    if any(e is None for e in evals.values()):
+        return False
+    return any(all(abs(lv["math"]["values"][i] - evals[m].get("math_exact_match", float("nan"))) < 1e-9
+                   for m, lv in summary["levels"].items() if "math" in lv)
+               for i in range(len(summary["runs"])))
+
+
+def _stale_seeds() -> str:
+    return ("`metrics/seeds/summary.json` reads other runs than this one (none of its seeds has this run's"
+            " greedy math), so its tables and findings are left out: to read this run with the committed seeds,"
+            f" `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
+
+
+def results(metrics: Path) -> str:
+    out = [provenance(metrics)]
+    if run := run_table(metrics):
+        out = [out[0] + " This run (`metrics/eval/`, `metrics/paired.json`): 95% intervals; changes in points,"
+                        " paired on the same items against the parent (SFT's is base).", "", *run]
+    summary = _read(metrics / "seeds" / "summary.json")
+    if summary and not summary_holds_run(summary, metrics):
+        return "\n".join(out + ["", _stale_seeds()])
+    if seeds := seeds_table(summary):
+        out += ["", f"{len(summary['runs'])} seeds read together (`metrics/seeds/summary.json`; where and when they"
+                    " ran: `metrics/seeds/README.md`): each seed draws its own data and test items; pooled = all"
+                    " seeds' items (McNemar's p), across seeds = the t interval of the per-seed changes.", "", *seeds]
+    if targets := targets_table(summary):
+        out += ["", f"The targets that need several seeds, on the same {len(summary['runs'])} (worst: the seed furthest"
+                    " from the target; the last rows' fourth column is the pooled 95% interval):", "", *targets]
+    return "\n".join(out)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def findings(metrics: Path) -> str:
+    """The one-line findings, each number read from the seeds' summary (or this run, where it says so)."""
+    summary = _read(metrics / "seeds" / "summary.json")
+    if not summary_holds_run(summary, metrics) or "math" not in summary["levels"].get("sft", {}):
+        return _stale_seeds() if summary else "No `metrics/seeds/summary.json`: the findings read several seeds."
+    n, levels, paired = len(summary["runs"]), summary["levels"], summary["paired"]
+    log = "([log](docs/log.md))"
+    out = []
+    first, second = levels["sft"]["math"]["values"], _vals(summary, "eval/sft.json:multiturn_exact_match")
+    scope, scope2 = (_vals(summary, f"eval/sft.json:scope_no_math_rate{k}") for k in ("", "_second_turn"))
+    bpb, base_bpb = _vals(summary, "eval/sft.json:val_bpb"), _vals(summary, "eval/base.json:val_bpb")
+    parts = [f"SFT does the work ({n} seeds): greedy math {100 * _mean(first):.1f}%"
+             f" ({100 * min(first):.1f}-{100 * max(first):.1f}% across seeds)"]
+    if second:
+        gaps = [100 * (a - b) for a, b in zip(first, second)]
+        parts.append(f"second turns {abs(_mean(gaps)):.1f} points {'below' if _mean(gaps) >= 0 else 'above'} first"
+                     f" ones (worst seed {max(gaps):+.1f})")
+    if scope:
+        parts.append(f"requests outside its skills get its statement of what it can do, not a sum,"
+                     f" {100 * _mean(scope):.0f}% of the time" + (f" ({100 * _mean(scope2):.0f}% asked mid-conversation)"
+                                                                   if scope2 else ""))
+    if bpb and base_bpb:
+        parts.append(f"held-out text at {_mean([a / b for a, b in zip(bpb, base_bpb)]):.2f} times the base model's"
+                     " bits/byte")
+    out.append("; ".join(parts) + f" {log}.")
+    rl = [(m, label) for m, label in (("grpo", "GRPO"), ("grpo_random", "its shuffled-reward control"),
+                                     ("ppo", "PPO"), ("ppo_rm", "PPO on the reward model alone"), ("dpo", "DPO"))
+          if "math" in paired.get(m, {})]
+    if rl:
+        # the first with its interval and p, the rest as means beside it
+        cells = [f"{label} " + (_pooled(paired[m]["math"]) if i == 0 else f"{100 * paired[m]['math']['mean']:+.1f}")
+                 for i, (m, label) in enumerate(rl)]
+        line = "RL's change of greedy math from SFT, pooled over the seeds' items: " + ", ".join(cells)
+        if "math_sampled" in paired.get("dpo", {}):
+            line += f"; DPO's sampled math {_pooled(paired['dpo']['math_sampled'])}"
+        out.append(line + f" {log}.")
+    rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
+    own = _vals(summary, "samples.json:heldout_errors_sft_would_make")
+    sep = summary.get("rm_separation", {}).get("sft")
+    if rm and lik:
+        diff = 100 * (_mean(rm) - _mean(lik))
+        line = (f"The reward model, taught on SFT's own answers, ranks {100 * _mean(rm):.0f}% of held-out comparisons"
+                f" right, {abs(diff):.0f} points {'below' if diff < 0 else 'above'} SFT's own likelihood")
+        if sep:
+            line += f" (AUC {min(sep['values']):.2f}-{max(sep['values']):.2f})"
+        if own:
+            line += (f": {100 * min(own):.0f}-{100 * max(own):.0f}% of SFT's held-out errors are its own greedy"
+                     " choices, which no reward read from SFT can rank")
+        out.append(line + f" {log}.")
+    sft = _read(metrics / "eval" / "sft.json") or {}
+    if isinstance(sft.get("task_exact_match_reverse"), (int, float)):
+        out.append("SFT's data mix is a trade: more instruction tasks cost math; reversing a word scores"
+                   f" {100 * sft['task_exact_match_reverse']:.1f}% on this run, recalled not computed {log}.")
+    return "\n".join(f"- {line}" for line in out)
+
+
+def experiment(metrics: Path) -> str:
+    """What GRPO on shuffled rewards changed on this run, against GRPO."""
+    g, r = _read(metrics / "eval" / "grpo.json"), _read(metrics / "eval" / "grpo_random.json")
+    paired = _read(metrics / "paired.json") or {}
+    pg, pr = (paired.get(f"{m}_vs_sft", {}).get("math") for m in ("grpo", "grpo_random"))
+    if not (g and r and pg and pr):
+        return "This run has no evaluation of both GRPO models (`metrics/eval/grpo.json`, `grpo_random.json`)."
+    a, b = g["math_exact_match"], r["math_exact_match"]
+    verb = "falls" if b < a else "rises" if b > a else "stays"
+    return (f"What it changed on the run the tables show: greedy math {verb} from {100 * a:.1f}% to {100 * b:.1f}%,"
+            f" the change against SFT from {_pp(pg)} to {_pp(pr)} points.")
+
+
+# name -> the text between its markers; each reads only metrics/
+BLOCKS: dict[str, Callable[[Path], str]] = {"run": provenance, "results": results, "findings": findings,
+                                            "experiment": experiment}
+NOTE = "<!-- generated by `python -m llm.readme` from metrics/: rewritten, not edited by hand -->"
+
+
+def block(metrics: str | Path = "metrics", name: str = "results") -> str:
+    """The text between `name`'s markers (markers excluded), ending in a newline."""
+    body = BLOCKS[name](Path(metrics))
+    return (f"{NOTE}\n{body}\n" if name == "results" else f"{body}\n")
+
+
+def replace_block(text: str, new: str, where: str = "README.md", name: str = "results") -> str:
+    """`text` with what stands between `name`'s markers replaced by `new`."""
+    begin, end = markers(name)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where}: expected one `{begin}` line followed by one `{end}` line; add them where"
+                         f" the generated {name} text belongs")
+    head, rest = text.split(begin)
+    return head + begin + "\n" + new.lstrip("\n") + end + rest.split(end, 1)[1]
+
+
+def render(text: str, metrics: str | Path, where: str = "README.md") -> str:
+    """`text` with every block of BLOCKS whose markers it holds rewritten (the results block is required)."""
+    for name in BLOCKS:
+        if name == "results" or markers(name)[0] in text:
+            text = replace_block(text, block(metrics, name), where, name)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write the README's numbers from the committed metrics.",
+                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("readme", nargs="?", default="README.md")
+    ap.add_argument("--metrics", default="metrics", help="the metrics directory (default: metrics)")
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block differs")
+    args = ap.parse_args(argv)
+    path = Path(args.readme)
+    text = path.read_text(encoding="utf-8")
+    try:
+        new = render(text, args.metrics, str(path))
+    except ValueError as e:
+        print(f"readme: {e}", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != text:
+            print(f"{path}: the generated blocks differ from {args.metrics}/; run `python -m llm.readme` and commit"
+                  f" {path}", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        atomic_write_text(path, new)
+    print(f"{path}: generated blocks {'rewritten' if new != text else 'already'} from {args.metrics}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,691 @@
+"""The report card: what the run was, what each stage changed, and how sure we are.
+
+    data = collect("metrics", max_samples=3)             # what exists; notes for what does not
+    paired = paired_deltas(data["items"], confidence=0.95, n_boot=10000, seed=1337)
+    head = provenance("params.yaml")                      # profile, commit, date, hardware
+    md = render_markdown(data, paired, head, images={"curves": "report_curves.png", "eval": "report_eval.png"})
+    page = render_html(data, paired, head, images={"curves": png_bytes, "eval": png_bytes})
+    # (render_* are in llm/eval/report_render.py; the figures in llm/eval/report_plots.py)
+
+Reads the per-model eval metrics, samples and per-item outcomes (`metrics/eval/<model>.json`,
+`_samples.json`, `_items.jsonl`), the stage metrics (`metrics/<stage>.json`) and the per-step
+TSVs of `metrics/plots/`; any of them may be missing (stages land one by one, or one failed):
+it is left out and listed in `data["notes"]`, never filled in.
+
+The page, top to bottom:
+- a header: the profile (from params.yaml's `# profile:` line), the git commit and whether
+  code or params differ from it, the date, the machine, and the wall time each stage recorded
+  in its own metrics (`stage_time_s`, else `train_time_s` + `eval_time_s`, else `seconds`;
+  eval's `timing_s`); a smoke run says that its numbers check plumbing, not learning;
+- the summary table: one row per model, one column per headline skill: the value, its 95%
+  interval, and the paired change against the parent (sft vs base; the others vs sft)
+  with its interval, marked significant or not (llm/eval/paired.py);
+- per stage, a sentence saying what moved and whether it is significant, then every skill's
+  paired comparison (per level, per task kind and per context too); for GRPO, how much of its change in
+  math its control (grpo_random: the same rewards given to random samples) leaves to the
+  real reward (`control_line`);
+- over-optimisation: PPO on the reward model alone (ppo_rm), its RM score (proxy) and the
+  verifier's accuracy (gold) of each step's rollouts against sqrt(KL to SFT), and the KL at
+  which the gold stops rising (`overoptimisation`, `overopt_line`);
+- plots (llm/eval/report_plots.py), samples of each skill marked right or wrong, the fixed prompts,
+  every eval metric per model, and a few headline numbers per training stage. Hashes and
+  the full key=value contents stay in the metrics files.
+
+This module gathers and words the content; llm/eval/report_render.py writes it as markdown and as
+an offline HTML page.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+from llm.config import TASK_KINDS
+from llm.eval.paired import CONTEXT_OF, CONTEXT_WHERE, compare, read_items
+from llm.train.metrics import join_metrics, run_info_path, timings_path
+
+# ppo_rm (PPO on the reward model alone) and grpo_random (GRPO's control: its rewards shuffled
+# across each step's samples) stand beside the stages they vary
+MODELS = ("base", "sft", "ppo", "ppo_rm", "grpo", "grpo_random", "dpo")
+PARENT = {"sft": "base", "ppo": "sft", "ppo_rm": "sft", "grpo": "sft", "grpo_random": "sft", "dpo": "sft"}
+NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "ppo_rm": "PPO on the RM alone", "grpo": "GRPO",
+        "grpo_random": "GRPO on shuffled rewards", "dpo": "DPO"}
+STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "samples", "reward", "pairs", "dpo", "ppo",
+          "ppo_rm", "grpo", "grpo_random")
+PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
+                              " in minutes. These numbers check the plumbing, not learning: do not read them as"
+                              " results."}
+
+# The summary table's columns: (eval metrics key, paired skill or None, label, kind). kind "pct"
+# shows a proportion as a percentage (changes in percentage points), "num" a plain number.
+SUMMARY: tuple[tuple[str, str | None, str, str], ...] = (
+    ("math_exact_match", "math", "math", "pct"),
+    ("math_exact_match_en", "math_en", "English math", "pct"),
+    ("math_exact_match_zh", "math_zh", "Chinese math", "pct"),
+    ("math_format_rate", "math_format", "#### N format", "pct"),
+    ("task_exact_match", "task", "instruction tasks", "pct"),
+    ("arithmetic_exact_match", "arithmetic", "bare arithmetic", "pct"),
+    ("math_sample_accuracy", "math_sampled", "sampled math", "pct"),
+    ("rm_score", "rm_score", "RM score", "num"),
+    ("win_rate_vs_sft", None, "win rate vs SFT", "pct"),
+    ("kl", None, "KL to SFT, nats/token", "num"),
+)
+HEADLINE_SKILLS = tuple(s for _, s, _, _ in SUMMARY if s)
+
+# Every eval metric, one row each: (key, label, kind); rows no model has are dropped.
+ALL_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("math_exact_match", "math exact match (greedy)", "pct"),
+    ("math_exact_match_en", "English math", "pct"),
+    ("math_exact_match_zh", "Chinese math", "pct"),
+    *((f"math_exact_match_level{i}", f"math level {i}", "pct") for i in (1, 2, 3, 4)),
+    ("math_exact_match_level0", "math from sources (prepare.math_test_sources: GSM8K)", "pct"),
+    ("math_format_rate", "answers ending in a #### N line", "pct"),
+    ("math_sample_accuracy", "sampled math accuracy", "pct"),
+    ("math_pass_at_k", "math pass@k", "pct"),
+    ("task_exact_match", "instruction tasks", "pct"),
+    *((f"task_exact_match_{k}", f"task: {k.replace('_', ' ')}", "pct")
+      for k in TASK_KINDS),
+    ("arithmetic_exact_match", "bare arithmetic", "pct"),
+    ("multiturn_exact_match", "second turns: math right in the second answer", "pct"),
+    ("scope_no_math_rate", "requests outside its skills answered without a worked sum", "pct"),
+    ("scope_no_math_rate_second_turn", "the same, asked after a sum or a word problem", "pct"),
+    ("scope_no_math_rate_zh", "the same, asked in Chinese", "pct"),
+    ("scope_exact_match", "requests outside its skills answered with the taught statement", "pct"),
+    *((f"context_{of}_{ctx}", f"{label}{where}", "pct")
+      for of, label in CONTEXT_OF.items()
+      for ctx, where in {"alone": " asked alone (the items asked again below)", **CONTEXT_WHERE}.items()),
+    ("rm_score", "reward model score", "num"),
+    ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
+    ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),
+    ("kl", "KL to SFT, nats/token", "num"),
+    ("kl_seq", "KL to SFT summed over a response, nats/response", "num"),
+    ("val_bpb", "held-out bits per byte", "num"),
+    ("val_ppl", "held-out perplexity", "num"),
+    ("math_response_tokens_mean", "answer length (tokens)", "num"),
+    ("toxicity_rate", "toxicity rate", "pct"),
+)
+
+# A few numbers per training stage: (stage, dotted key, label, kind)
+STAGE_HEADLINES: tuple[tuple[str, str, str, str], ...] = (
+    ("tokenizer", "vocab_size", "vocabulary", "int"),
+    ("tokenizer", "bytes_per_token_en", "bytes per token, English", "num"),
+    ("tokenizer", "bytes_per_token_zh", "bytes per token, Chinese", "num"),
+    ("pretrain", "n_params", "parameters", "int"),
+    ("pretrain", "tokens_seen", "tokens seen", "int"),
+    ("pretrain", "val_bpb", "held-out bits per byte", "num"),
+    ("clean_sft", "train.kept", "conversations kept", "int"),
+    ("clean_sft", "train.dropped_total", "conversations dropped", "int"),
+    ("sft", "val_loss", "held-out loss", "num"),
+    ("sft", "val_loss_last", "held-out loss of the final weights (the model is the mean of the last checkpoints)", "num"),
+    ("sft", "math_exact_match", "validation math", "pct"),
+    ("samples", "pairs", "comparisons of SFT's own answers, labelled by the verifier", "int"),
+    ("samples", "heldout_errors_sft_would_make",
+     "held-out wrong answers whose first wrong step is SFT's own greedy choice (no reward read from SFT can rank"
+     " these)", "pct"),
+    ("reward", "accuracy", "held-out comparisons of SFT's own answers ranked right", "pct"),
+    ("reward", "sft_likelihood_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),
+    ("reward", "accuracy_without_likelihood", "the same pairs, the likelihood feature off (the learned head alone)",
+     "pct"),
+    ("reward", "generated_accuracy", "generated pairs (a slip or a broken format) ranked right", "pct"),
+    ("pairs", "pairs", "preference pairs", "int"),
+    ("dpo", "rewards_accuracy", "held-out preference accuracy", "pct"),
+    ("dpo", "ref_logp_accuracy", "the same pairs ranked by SFT's likelihood", "pct"),
+    ("dpo", "kl", "KL to SFT, nats/token", "num"),
+    ("ppo", "reward_start", "rollout reward, first steps", "num"),
+    ("ppo", "reward_end", "rollout reward, last steps", "num"),
+    ("ppo", "reward_trend", "rollout reward, change of the line fitted to every step", "num"),
+    ("ppo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
+    ("ppo", "math_exact_match", "validation math", "pct"),
+    ("ppo_rm", "reward_start", "rollout RM score, first steps", "num"),
+    ("ppo_rm", "reward_end", "rollout RM score, last steps", "num"),
+    ("ppo_rm", "math_exact_match", "validation math", "pct"),
+    ("grpo", "reward_start", "rollout reward, first steps", "num"),
+    ("grpo", "reward_end", "rollout reward, last steps", "num"),
+    ("grpo", "reward_trend", "rollout reward, change of the line fitted to the steps after the curriculum", "num"),
+    ("grpo", "heldout_reward_delta", "held-out reward, change on the same problems and draws", "num"),
+    ("grpo", "math_exact_match", "validation math", "pct"),
+    ("grpo_random", "math_exact_match", "validation math", "pct"),
+)
+TSVS = ("pretrain", "pretrain_val", "sft", "sft_val", "reward", "reward_val", "dpo", "dpo_val", "ppo", "ppo_val",
+        "ppo_rm", "ppo_rm_val", "grpo", "grpo_val", "grpo_random", "grpo_random_val")
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+def read_tsv(path: str | Path) -> dict[str, list[float]]:
+    """Columns of a TSV with a header row, as floats (empty or non-numeric cells -> NaN)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not lines:
+        return {}
+    header = lines[0].split("\t")
+    cols: dict[str, list[float]] = {h: [] for h in header}
+    for line in lines[1:]:
+        if not line.strip():
+            continue
+        cells = line.split("\t")
+        for h, c in zip(header, cells + [""] * (len(header) - len(cells))):
+            try:
+                cols[h].append(float(c))
+            except ValueError:
+                cols[h].append(math.nan)
+    return cols
+
+
+def _read_json(path: Path, notes: list[str]) -> Any:
+    if not path.is_file():
+        notes.append(f"{path}: missing (stage not run yet)")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        notes.append(f"{path}: unreadable ({e}); left out")
+        return None
+
+
+def dig(obj: Any, dotted: str) -> Any:
+    """obj["a"]["b"] for "a.b"; None where a level is missing."""
+    for part in dotted.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
+    """Everything the report shows, from what exists under `metrics_dir`.
+
+    Returns {"evals": {model: metrics}, "samples": {model: samples}, "items": {model: item
+    records}, "stages": {stage: metrics}, "curves": {tsv name: columns}, "notes": [what is
+    missing], "max_samples"}.
+    """
+    root = Path(metrics_dir)
+    notes: list[str] = []
+    evals, samples, items, stages, curves = {}, {}, {}, {}, {}
+    for m in MODELS:
+        e = _read_json(root / "eval" / f"{m}.json", notes)
+        if not isinstance(e, dict):
+            continue
+        evals[m] = e
+        s = _read_json(root / "eval" / f"{m}_samples.json", notes)
+        if isinstance(s, dict):
+            t = timings_path(root / "eval" / f"{m}.json")  # the run's timings, where they are kept
+            samples[m] = {**s, **(_read_json(t, []) or {})} if t.is_file() else s
+        f = root / "eval" / f"{m}_items.jsonl"
+        if not f.is_file():
+            notes.append(f"{f}: missing (eval@{m} predates per-item outcomes; rerun it for paired tests)")
+        else:
+            try:
+                items[m] = read_items(f)
+            except (ValueError, UnicodeDecodeError) as e:
+                notes.append(f"{f}: unreadable ({e}); left out")
+    for st in STAGES:
+        d = _read_json(root / f"{st}.json", notes)
+        if isinstance(d, dict):
+            for extra in (run_info_path(root / f"{st}.json"), timings_path(root / f"{st}.json")):
+                # its provenance and samples, and its timings (llm/train/metrics.py), where present
+                extra_d = _read_json(extra, notes) if extra.is_file() else None
+                d = join_metrics(d, extra_d) if isinstance(extra_d, dict) else d
+            stages[st] = d
+    for name in TSVS:
+        f = root / "plots" / f"{name}.tsv"
+        if f.is_file():
+            cols = read_tsv(f)
+            if cols.get("step"):
+                curves[f.name] = cols
+    return {"evals": evals, "samples": samples, "items": items, "stages": stages, "curves": curves, "notes": notes,
+            "max_samples": max_samples}
+
+
+def paired_deltas(items: dict[str, list[dict]], *, confidence: float, n_boot: int, seed: int) -> dict[str, dict]:
+    """{child: {"parent", "skills": llm.eval.paired.compare(...)}} for every model whose parent's
+    items exist too (the content of metrics/paired.json)."""
+    out = {}
+    for child, parent in PARENT.items():
+        if child in items and parent in items:
+            out[child] = {"parent": parent, "skills": compare(items[child], items[parent], confidence=confidence,
+                                                              n_boot=n_boot, seed=seed, child_name=child)}
+    return out
+
+
+def paired_metrics(paired: dict[str, dict]) -> dict[str, dict]:
+    """The paired changes as a DVC metrics file: {"<child>_vs_<parent>": {skill: numbers}}, numbers
+    and booleans only (labels stay in the report), so `dvc metrics diff` lists what moved."""
+    return {f"{c}_vs_{p['parent']}": {s: {k: v for k, v in r.items() if k not in ("label", "type")}
+                                      for s, r in p["skills"].items()} for c, p in paired.items()}
+
+
+def recorded_seconds(metrics: dict) -> tuple[float, str] | None:
+    """(seconds, which keys) a stage recorded about its own run, or None."""
+    for keys in (("stage_time_s",), ("train_time_s", "eval_time_s"), ("seconds.total",), ("seconds",),
+                 ("train_seconds",), ("timing_s.total",)):
+        found = [(k, dig(metrics, k)) for k in keys]
+        found = [(k, v) for k, v in found if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if found:
+            return float(sum(v for _, v in found)), " + ".join(k for k, _ in found)
+    return None
+
+
+def stage_times(data: dict) -> list[tuple[str, float | None, str]]:
+    """[(stage, seconds or None, source)] in pipeline order, eval@<model> included."""
+    rows: list[tuple[str, float | None, str]] = [("prepare", None, "")]
+    for st in STAGES:
+        if st in data["stages"]:
+            t = recorded_seconds(data["stages"][st])
+            rows.append((st, t[0], t[1]) if t else (st, None, ""))
+    for m in MODELS:
+        if m in data["samples"]:
+            t = recorded_seconds(data["samples"][m])
+            rows.append((f"eval@{m}", t[0], t[1]) if t else (f"eval@{m}", None, ""))
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Provenance
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def _hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal"))
+        mem = f", {kb / 2 ** 20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores{mem} ({platform.system()} {platform.machine()})"
+
+
+def provenance(params: str | Path = "params.yaml", now: datetime.datetime | None = None) -> dict[str, Any]:
+    """Profile, commit, uncommitted changes to code or params, date and machine of this run."""
+    params = Path(params)
+    root = params.resolve().parent
+    first = params.read_text(encoding="utf-8").split("\n", 1)[0] if params.is_file() else ""
+    m = re.match(r"# profile: (\S+)(?: \((.*)\))?\s*$", first)
+    commit = _git(["rev-parse", "--short=12", "HEAD"], root)
+    status = _git(["status", "--porcelain", "--untracked-files=no"], root)
+    changed = sorted({line[3:].strip() for line in (status or "").splitlines()
+                      if line[3:].strip() != "dvc.lock" and not line[3:].strip().startswith("metrics/")})
+    return {"profile": m.group(1) if m else None, "profile_description": (m.group(2) or "") if m else "",
+            "commit": commit.strip() if commit else None, "changed": changed,
+            "date": (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC"),
+            "hardware": _hardware()}
+
+
+# ---------------------------------------------------------------------------
+# Numbers and words
+
+def _isnum(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v: Any) -> str:
+    if not _isnum(v):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    a = abs(v)
+    if a != 0 and (a >= 1e5 or a < 1e-3):
+        return f"{v:.3g}"
+    return f"{v:.4g}" if a >= 100 else f"{v:.3f}"
+
+
+def fmt_value(v: Any, kind: str) -> str:
+    if not _isnum(v):
+        return "n/a"
+    if kind == "pct":
+        return f"{100 * v:.1f}%"
+    return f"{int(v):,}" if kind == "int" else _num(v)
+
+
+def fmt_interval(lo: Any, hi: Any, kind: str) -> str:
+    if not (_isnum(lo) and _isnum(hi)):
+        return ""
+    return f"[{100 * lo:.1f}, {100 * hi:.1f}]" if kind == "pct" else f"[{_num(lo)}, {_num(hi)}]"
+
+
+def fmt_delta(d: float, kind: str) -> str:
+    return f"{100 * d:+.1f} pp" if kind == "pct" else f"{d:+.3g}"
+
+
+def fmt_p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.1 else f"{p:.2f}"
+
+
+def verdict(res: dict) -> str:
+    """"up" / "down" (significant), "borderline" (test and interval disagree) or "flat"."""
+    if res["significant"]:
+        return "up" if res["delta"] > 0 else "down"
+    return "borderline" if res["borderline"] else "flat"
+
+
+MARK = {"up": "▲", "down": "▼", "borderline": "?", "flat": "·"}
+NBSP, NBSP_COMMA = "\u00a0", ",\u00a0"
+
+
+def _kind_of(skill: str, res: dict) -> str:
+    return "num" if res.get("type") == "score" and skill != "math_sampled" else "pct"
+
+
+def _change(skill: str, res: dict, with_values: bool = True) -> str:
+    k = _kind_of(skill, res)
+    text = f"{fmt_delta(res['delta'], k)} {fmt_interval(res['lo'], res['hi'], k)}".strip()
+    if with_values:
+        text = f"{fmt_value(res['parent_value'], k)} → {fmt_value(res['value'], k)}, {text}"
+    return text
+
+
+def _join(xs: Sequence[str]) -> str:
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+
+
+def stage_summary(child: str, paired: dict, evals: dict) -> tuple[str, list[str]]:
+    """What moved from the parent to `child`, from the paired comparisons: (one sentence in
+    words over the headline skills, [the numbers behind it, one line each])."""
+    parent, res = paired[child]["parent"], paired[child]["skills"]
+    head = [s for s in HEADLINE_SKILLS if s in res]
+    groups: dict[str, list[str]] = {"up": [], "down": [], "borderline": [], "flat": []}
+    for s in head:
+        groups[verdict(res[s])].append(s)
+    labels = lambda keys: _join([res[k]["label"] for k in keys])  # noqa: E731
+    parts = []
+    if groups["up"]:
+        parts.append("significantly better at " + labels(groups["up"]))
+    if groups["down"]:
+        parts.append("significantly worse at " + labels(groups["down"]))
+    if groups["flat"]:
+        parts.append(("no significant change in " if parts else "no significant change in any skill: ")
+                     + labels(groups["flat"]))
+    if groups["borderline"]:
+        parts.append("borderline for " + labels(groups["borderline"]))
+    sentence = f"{NAME[child]} against {NAME[parent]}: " + ("; ".join(parts) if parts else "no paired items") + "."
+    lines = []
+    for s in groups["up"] + groups["down"] + groups["borderline"]:
+        r = res[s]
+        p = f", McNemar p {fmt_p(r['p_value'])}" if "p_value" in r else ""
+        note = " (the test and the interval disagree)" if r["borderline"] else ""
+        lines.append(f"{MARK[verdict(r)]} {r['label']}: {_change(s, r)}{p}{note}")
+    fine = [f"{res[s]['label']} {MARK[verdict(res[s])]} {fmt_delta(res[s]['delta'], _kind_of(s, res[s]))}"
+            for s in res if s not in head and verdict(res[s]) in ("up", "down")]
+    if fine:
+        lines.append("significant within those: " + _join(fine))
+    ev = evals.get(child, {})
+    if _isnum(ev.get("rm_auc")):
+        lines.append(f"the reward model ranks {NAME[child]}'s right math answers above its wrong ones with AUC"
+                     f" {_num(ev['rm_auc'])} {fmt_interval(ev.get('rm_auc_lo'), ev.get('rm_auc_hi'), 'num')}"
+                     f" (0.5: its score says nothing about correctness; mean score {_num(ev['rm_score_right'])}"
+                     f" right, {_num(ev['rm_score_wrong'])} wrong)")
+    kl = ev.get("kl")
+    if child != "sft" and _isnum(kl):
+        lines.append(f"KL to SFT: {_num(kl)} nats/token" + (_NEG_KL if kl < 0 else ""))
+    return sentence, lines
+
+
+# What each model of the report is, one line each, in the order of MODELS (the reward model, which
+# the report does not evaluate as a chat model, after SFT, which it starts from)
+MODEL_LINES = (
+    ("base", "pretrained from random initialisation on plain text (Shakespeare, word problems): it continues"
+             " text and was never taught the chat format"),
+    ("sft", "supervised fine-tuning: the base model trained on example conversations, the loss on the answers"
+            " only, so that it answers inside the chat template"),
+    ("reward model", "SFT's network with a one-number head, trained on preference pairs so that the preferred"
+                     " answer scores higher; PPO's reward uses it (`ppo.reward_source`)"),
+    ("ppo", "reinforcement learning from SFT: it samples answers, scores them (`ppo.reward_source`), and takes"
+            " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT"),
+    ("ppo_rm", "PPO on the reward model's score alone, no verifier: where optimising a learnt reward stops"
+               " helping (Over-optimisation)"),
+    ("grpo", "reinforcement learning from SFT on math problems without a value model: several answers per"
+             " problem, each one's advantage its reward minus the group's mean, with a KL penalty to SFT"),
+    ("grpo_random", "GRPO's control: the same rewards shuffled across each step's samples, so any gain it shows"
+                    " is not from the reward"),
+    ("dpo", "direct preference optimisation: SFT trained on preference pairs to raise the preferred answer's"
+            " likelihood against the other's, relative to SFT, with no reward model and no sampling"),
+)
+# Under the training curves: what the KL columns are, so an estimate below 0 is not a surprise
+CURVES_NOTE = ("KL to SFT during RL is each run's own training estimate per token: PPO's is its penalty's"
+               " (`ppo.kl_estimator`: k1, the mean of log pi - log ref over the sampled tokens, is unbiased but"
+               " can fall below 0 in a batch while the policy is close to SFT; k3 cannot), GRPO's is k3. The KL"
+               " in the tables is exact, from held-out samples. DPO's preference accuracy counts a pair only when"
+               " the preferred answer's implicit reward is strictly higher, as TRL's rewards/accuracies does: at"
+               " step 0 the policy is SFT itself, every reward is 0, so it starts at 0.")
+
+
+_NEG_KL = (" (an estimate below zero: the sampled estimator's noise around a KL of about zero; KL itself"
+           " is never negative)")
+
+
+# ---------------------------------------------------------------------------
+# Tables
+
+def summary_rows(evals: dict[str, dict], paired: dict[str, dict]) -> tuple[list[tuple[str, str]], list[dict]]:
+    """(columns present as (key, label), rows): one row per model, each cell {"value", "interval",
+    "change", "verdict"} ("verdict" one of up / down / borderline / flat / "" without a test)."""
+    models = [m for m in MODELS if m in evals]
+    cols = [(key, skill, label, kind) for key, skill, label, kind in SUMMARY if any(_isnum(evals[m].get(key))
+                                                                                    for m in models)]
+    rows = []
+    for m in models:
+        cells = {}
+        for key, skill, _, kind in cols:
+            e = evals[m]
+            v = e.get(key)
+            cell = {"value": fmt_value(v, kind), "interval": fmt_interval(e.get(f"{key}_lo"), e.get(f"{key}_hi"), kind),
+                    "change": "", "verdict": ""}
+            if key == "kl" and _isnum(v) and v < 0:
+                cell["value"] += " †"
+            if key in ("kl", "win_rate_vs_sft") and m == "sft":
+                cell["interval"] = "(itself)"
+            res = paired.get(m, {}).get("skills", {}).get(skill) if skill else None
+            if res:
+                cell["change"] = _change(skill, res, with_values=False).replace(" pp", "")
+                cell["verdict"] = verdict(res)
+            cells[key] = cell
+        rows.append({"model": m, "parent": PARENT.get(m, ""), "cells": cells})
+    return [(key, label) for key, _, label, _ in cols], rows
+
+
+def all_metric_rows(evals: dict[str, dict]) -> tuple[list[str], list[dict]]:
+    """(models, rows) of every eval metric: {"label", "cells": {model: "value [interval]"}}."""
+    models = [m for m in MODELS if m in evals]
+    rows = []
+    for key, label, kind in ALL_METRICS:
+        if not any(_isnum(evals[m].get(key)) for m in models):
+            continue
+        if key == "math_pass_at_k":
+            ks = {evals[m].get("math_pass_k") for m in models} - {None}
+            label = f"math pass@{ks.pop()}" if len(ks) == 1 else label
+        cells = {m: (fmt_value(evals[m].get(key), kind) + " "
+                     + fmt_interval(evals[m].get(f"{key}_lo"), evals[m].get(f"{key}_hi"), kind)).strip()
+                 for m in models}
+        rows.append({"label": label, "cells": cells})
+    return models, rows
+
+
+def paired_rows(child: str, paired: dict) -> list[list[str]]:
+    """Every skill's paired comparison for one stage: [skill, parent, child, change [interval],
+    McNemar p, items, verdict] as text."""
+    out = []
+    for s, r in paired[child]["skills"].items():
+        k = _kind_of(s, r)
+        out.append([r["label"], fmt_value(r["parent_value"], k), fmt_value(r["value"], k), _change(s, r, False),
+                    fmt_p(r["p_value"]) if "p_value" in r else "", str(r["n"]),
+                    {"up": "better", "down": "worse", "borderline": "borderline", "flat": "no significant change"}
+                    [verdict(r)]])
+    return out
+
+
+def stage_headline_rows(stages: dict[str, dict]) -> list[tuple[str, str, str]]:
+    rows = []
+    for st, key, label, kind in STAGE_HEADLINES:
+        m = stages.get(st, {})
+        v = dig(m, key)
+        if _isnum(v):
+            interval = fmt_interval(dig(m, f"{key}_lo"), dig(m, f"{key}_hi"), kind)
+            rows.append((st, label, f"{fmt_value(v, kind)} {interval}".strip()))
+    return rows
+
+
+GROUP_TITLES = {("math", "en"): "English math", ("math", "zh"): "Chinese math", ("math", ""): "math",
+                ("arithmetic", ""): "bare arithmetic"}
+
+
+def sample_mark(x: dict) -> bool | None:
+    """A kept sample's mark: True right, False wrong, None neither. A request outside the model's
+    skills counts as right only when answered with the taught statement (its "answer"); with no
+    worked sum but other text (the base model's continuation, a near miss) it is neither, and with
+    a worked sum wrong (the eval's "correct" there means only "no worked sum")."""
+    if x.get("set") == "scope":
+        if x.get("response", "").strip() == str(x.get("answer", "")).strip():
+            return True
+        return None if x.get("correct") else False
+    return bool(x.get("correct"))
+
+
+def _disagreement(rec: dict) -> tuple[int, int]:
+    """How much the models' answers to one item differ: distinct marks, then distinct responses."""
+    answers = [rec["by_model"][m] for m in MODELS if m != "base" and m in rec["by_model"]]
+    return len({mark for _, mark in answers}), len({resp for resp, _ in answers})
+
+
+def item_sample_groups(samples: dict[str, dict], max_samples: int) -> list[tuple[str, list[dict]]]:
+    """[(group title, [{"prompt", "answer", "by_model": {model: (response, sample_mark)}}])]:
+    `max_samples` items of each group (math language, arithmetic, conversations, requests outside
+    the model's skills), one item per task kind; of the items the evaluations kept, those whose
+    answers differ most between the trained models (base aside: it differs from all) come first,
+    so the table shows where the models part, and in their own order when they agree."""
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    for m in MODELS:
+        for x in (samples.get(m) or {}).get("item_samples", []):
+            g = groups.setdefault((x["set"], x.get("group", "")), {})
+            rec = g.setdefault(x["prompt"], {"prompt": x["prompt"], "answer": x["answer"], "by_model": {}})
+            rec["by_model"][m] = (x.get("response", ""), sample_mark(x))
+    out = []
+    task_rows = []
+    for (item_set, group), recs in groups.items():
+        ranked = sorted(recs.values(), key=lambda r: tuple(-d for d in _disagreement(r)))  # stable
+        if item_set == "task":
+            first = ranked[0]
+            task_rows.append({**first, "prompt": f"[{group.replace('_', ' ')}] {first['prompt']}"})
+        else:
+            out.append((GROUP_TITLES.get((item_set, group), f"{item_set} {group}".strip()), ranked[:max_samples]))
+    if task_rows:
+        out.append(("instruction tasks (one per kind)", task_rows))
+    return out
+
+
+def fixed_prompt_rows(samples: dict[str, dict], max_samples: int) -> list[tuple[str, dict[str, str]]]:
+    order: list[str] = []
+    table: dict[str, dict[str, str]] = {}
+    for m in MODELS:
+        for s in (samples.get(m) or {}).get("sample_prompts", []):
+            p = s.get("prompt", "")
+            if p not in table:
+                order.append(p)
+                table[p] = {}
+            table[p][m] = s.get("response", "")
+    return [(p, table[p]) for p in order[:max_samples]]
+
+
+# ---------------------------------------------------------------------------
+# The variants: over-optimisation (ppo_rm) and the control of GRPO (grpo_random)
+
+def overoptimisation(kl: Sequence[float], gold: Sequence[float], proxy: Sequence[float] | None = None,
+                     window: int | None = None) -> dict[str, Any] | None:
+    """The over-optimisation curve of Gao, Schulman and Hilton (2022) from an RL run's steps: each
+    step's KL to the reference (nats per response; a negative estimate counts as 0), its gold
+    score (the verifier's accuracy) and its proxy (the RM score it was trained on). The steps are
+    ordered by sqrt(KL) and each score smoothed by a centred moving average over `window` of
+    them (default: a tenth of the steps, at least 3); the gold peaks where its smoothed curve is
+    highest. None with fewer than 3 usable steps.
+
+    Returns {"sqrt_kl", "gold", "proxy", "gold_smooth", "proxy_smooth" (lists in sqrt-KL order),
+    "window", "peak" (its index), "peak_sqrt_kl", "peak_gold" (smoothed), "still_rising" (the peak is the last point:
+    the gold had not stopped rising at the largest KL reached), "never_rose" (the peak is at the
+    smallest KL reached: the gold did not rise above where it started, so there is no rise that
+    stops), "n"}."""
+    proxy = proxy if proxy is not None else [math.nan] * len(kl)
+    pts = sorted((math.sqrt(max(k, 0.0)), g, p) for k, g, p in zip(kl, gold, proxy)
+                 if _isnum(k) and _isnum(g))
+    if len(pts) < 3:
+        return None
+    w = window or max(3, len(pts) // 10)
+    x, g, p = (list(c) for c in zip(*pts))
+
+    def centred(ys: list[float]) -> list[float]:
+        out = []
+        for i in range(len(ys)):
+            near = [y for y in ys[max(0, i - w // 2): i + w - w // 2] if _isnum(y)]
+            out.append(sum(near) / len(near) if near else math.nan)
+        return out
+
+    gs = centred(g)
+    peak = max(range(len(gs)), key=lambda i: (gs[i], -i))   # the first of equal maxima
+    return {"sqrt_kl": x, "gold": g, "proxy": p, "gold_smooth": gs, "proxy_smooth": centred(p), "window": w,
+            "peak": peak, "peak_sqrt_kl": x[peak], "peak_gold": gs[peak], "still_rising": peak == len(x) - 1,
+            "never_rose": x[peak] == x[0], "n": len(x)}
+
+
+def overopt_curve(curves: dict[str, dict[str, list[float]]], tsv: str = "ppo_rm.tsv") -> dict[str, Any] | None:
+    """`overoptimisation` of a run's per-step TSV (default ppo_rm's): KL per response (kl_seq, else
+    the per-token kl), gold = the rollouts' verifier accuracy, proxy = their mean reward."""
+    cols = curves.get(tsv) or {}
+    kl = cols.get("kl_seq") or cols.get("kl")
+    if not kl or not cols.get("accuracy"):
+        return None
+    return overoptimisation(kl, cols["accuracy"], cols.get("reward"))
+
+
+def overopt_line(curve: dict[str, Any]) -> str:
+    """The over-optimisation curve in one sentence: where the gold stops rising, or that it did not
+    rise (highest at the smallest KL reached), or that it had not stopped by the end."""
+    span = f"over {curve['n']} steps up to sqrt(KL) {curve['sqrt_kl'][-1]:.3g}"
+    gold = (f"PPO on the reward model alone: the verifier's accuracy of its rollouts (gold: each step's own"
+            f" training prompts, so noisy from step to step; mean of {curve['window']} steps)")
+    if curve["still_rising"]:
+        return (f"{gold} is still rising at the end, {fmt_value(curve['peak_gold'], 'pct')} at"
+                f" the largest KL reached ({span}): no over-optimisation within this run.")
+    proxy = curve["proxy_smooth"]
+    moved = (f"; the RM score it is trained on (proxy) goes from {_num(proxy[curve['peak']])} there to"
+             f" {_num(proxy[-1])} at the largest KL" if _isnum(proxy[curve["peak"]]) and _isnum(proxy[-1]) else "")
+    if curve.get("never_rose"):
+        return (f"{gold} never rises above where it starts: it is highest at the smallest KL reached"
+                f" (sqrt(KL) {curve['peak_sqrt_kl']:.3g}), at {fmt_value(curve['peak_gold'], 'pct')}, and ends at"
+                f" {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}): optimising the reward model"
+                " did not raise the gold at any KL in this run.")
+    return (f"{gold} stops rising at sqrt(KL to SFT) {curve['peak_sqrt_kl']:.3g}"
+            f" (KL {curve['peak_sqrt_kl'] ** 2:.3g} nats per response), at {fmt_value(curve['peak_gold'], 'pct')},"
+            f" and ends at {fmt_value(curve['gold_smooth'][-1], 'pct')}{moved} ({span}).")
+
+
+def control_line(paired: dict[str, dict], skill: str = "math") -> str | None:
+    """How much of GRPO's change in `skill` against SFT the real reward explains: GRPO's change
+    minus its control's (grpo_random, trained on the same rewards given to random samples), each
+    with its paired interval; None unless both were compared with SFT."""
+    res = [paired.get(m, {}).get("skills", {}).get(skill) for m in ("grpo", "grpo_random")]
+    if not all(res):
+        return None
+    g, c = res
+    k = _kind_of(skill, g)
+    return (f"GRPO against its control: GRPO's change in {g['label']} against SFT is {_change(skill, g, False)},"
+            f" its control's (the same rewards shuffled across each step's samples) {_change(skill, c, False)};"
+            f" the real reward explains {fmt_delta(g['delta'] - c['delta'], k)} of it (the difference of the two"
+            f" changes, whose intervals are those above).")

@@ -1,0 +1,71 @@
+"""The RL and evaluation prompts: math problems read from JSONL, rendered as chat prompts, pooled by level.
+
+    problems = read_problems("data/prepared/rl/train.jsonl")     # [{"question", "answer", "level", ...}]
+    pool = MathPrompts(problems, tokenizer, seq_len=256, max_new_tokens=64)
+    ids, problems = pool.sample(16, levels=[1, 2], generator=g)  # with replacement, seeded
+
+PPO and GRPO draw each step's prompts from a `MathPrompts` pool (llm/post/rl.py), and the bench
+scripts read the same files through `read_problems`. A problem's answer must be one number of
+the grammar llm/sample/rewards.py checks answers against, so a reference the verifier cannot read is an
+error at load time, not a zero reward in the middle of a run.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from llm.data.template import user_prompt
+from llm.fileio import MAX_RECORD_BYTES, read_jsonl
+from llm.sample.rewards import to_number
+
+
+def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Math problems {"question", "answer", "level", ...} from a JSONL file (data/prepared/rl/*.jsonl)."""
+    def validate(obj: Any) -> str | None:
+        if not isinstance(obj.get("question"), str) or not obj["question"].strip():
+            return "missing or empty 'question'"
+        if not isinstance(obj.get("answer"), str) or to_number(obj["answer"]) is None:
+            return f"'answer' must be a number as a string, got {obj.get('answer')!r}"
+        if not isinstance(obj.get("level", 0), int):
+            return f"'level' must be an int, got {obj.get('level')!r}"
+        return None
+    out = []
+    for obj in read_jsonl(path, validate=validate, max_line_bytes=MAX_RECORD_BYTES):
+        out.append(obj)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+class MathPrompts:
+    """Math problems as chat prompts, grouped by level, sampled with replacement per step.
+
+    Problems whose prompt leaves fewer than max_new_tokens positions in the context are
+    dropped (and counted in `dropped`).
+    """
+
+    def __init__(self, problems: Sequence[dict], tokenizer, *, seq_len: int, max_new_tokens: int, where: str = ""):
+        self.by_level: dict[int, list[tuple[list[int], dict]]] = defaultdict(list)
+        self.dropped = 0
+        for p in problems:
+            ids = user_prompt(p["question"], tokenizer)
+            if len(ids) + max_new_tokens > seq_len:
+                self.dropped += 1
+                continue
+            self.by_level[int(p.get("level", 0))].append((ids, p))
+        self.where = where
+
+    def pool(self, levels: Sequence[int]) -> list[tuple[list[int], dict]]:
+        out = [x for lvl in sorted(set(levels)) for x in self.by_level.get(lvl, [])]
+        if not out:
+            raise ValueError(f"{self.where or 'math prompts'}: no usable problem at levels {sorted(set(levels))}"
+                             f" (levels present: {sorted(self.by_level)}; {self.dropped} dropped as too long)")
+        return out
+
+    def sample(self, n: int, levels: Sequence[int], generator: torch.Generator) -> tuple[list[list[int]], list[dict]]:
+        pool = self.pool(levels)
+        idx = torch.randint(len(pool), (n,), generator=generator).tolist()
+        return [pool[i][0] for i in idx], [pool[i][1] for i in idx]
