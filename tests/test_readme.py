@@ -42,9 +42,14 @@ def _fake_run(tmp_path):
     (dst / "seeds").mkdir()
     read = lambda path: json.loads(path.read_text(encoding="utf-8"))  # noqa: E731
     evals = {f.stem: _fake(read(f), f.name) for f in (src / "eval").glob("*[a-z].json") if "_samples" not in f.name}
-    summary = _fake(read(src / "seeds" / "summary.json"), "summary")
-    for model, levels in summary["levels"].items():
-        levels["math"]["values"][0] = evals[model]["math_exact_match"]
+    committed = read(src / "seeds" / "summary.json")
+    summary = _fake(committed, "summary")
+    # the fake seeds hold the fake run exactly when the committed seeds hold the committed run, so
+    # the README shows the same blocks (with or without the seeds tables) before and after
+    if all(levels["math"]["values"][0] == read(src / "eval" / f"{model}.json")["math_exact_match"]
+           for model, levels in committed["levels"].items()):
+        for model, levels in summary["levels"].items():
+            levels["math"]["values"][0] = evals[model]["math_exact_match"]
     files = {f"eval/{m}.json": e for m, e in evals.items()} | {
         "paired.json": _fake(read(src / "paired.json"), "paired"), "seeds/summary.json": summary}
     for name, content in files.items():
@@ -75,6 +80,9 @@ def test_after_a_run_of_ones_own_no_number_of_the_committed_run_remains(tmp_path
     assert readme.main([str(page), "--metrics", str(_fake_run(tmp_path))]) == 0
     ours, theirs = _generated(README.read_text(encoding="utf-8")), _generated(page.read_text(encoding="utf-8"))
     for name, a, b in zip(readme.BLOCKS, ours, theirs):
+        if name == "findings" and not a and not b:  # read from the seeds, left out while they lack this run
+            assert "left out" in README.read_text(encoding="utf-8")
+            continue
         assert len(a) == len(b) and a, (name, a, b)
         same = [x for x, y in zip(a, b) if x == y]
         assert not same, f"README block {name!r} keeps the committed run's {same}"
