@@ -8,6 +8,7 @@ named after a command (`python -m llm.chat`) only forward to their module's main
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -107,8 +108,11 @@ def test_a_command_file_only_forwards(command, pkg):
 
 
 def test_every_command_the_docs_name_runs_its_help():
-    """`python -m llm.<command> --help` for the nine commands, all at once (each imports torch)."""
-    names = [*COMMANDS, "config"]
+    """`python -m llm.<command> --help` for every command the README, docs/, bench/ and .ci/run name
+    (at least the eight forwarding files and llm.config), all at once (each imports torch)."""
+    texts = [ROOT / "README.md", ROOT / ".ci" / "run", *(ROOT / "docs").glob("*.md"), *(ROOT / "bench").rglob("*.md")]
+    named = {m for f in texts for m in re.findall(r"python -m llm\.([a-z_.]+)", f.read_text(encoding="utf-8"))}
+    names = sorted(named | {*COMMANDS, "config"})
     procs = {c: subprocess.Popen([sys.executable, "-m", f"llm.{c}", "--help"], cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for c in names}
     for c, p in procs.items():
