@@ -391,8 +391,8 @@ def test_in_tmux_ctrl_c_stops_an_answer_and_the_chat_goes_on(tok, tmp_path):
     cmd = (f"cd {ROOT} && {sys.executable} -m llm.chat {tmp_path / 'long'} --temperature 0"
            f" --max-new-tokens 4000 2>{tmp_path / 'err'}; echo EXIT=$?; sleep 30")
 
-    def screen() -> str:  # the visible pane and its scrollback: a long first answer may scroll away
-        return subprocess.run(["tmux", "capture-pane", "-p", "-S", "-", "-t", session], capture_output=True,
+    def screen() -> str:  # the pane and its scrollback (a long answer may scroll away), wrapped lines joined (-J)
+        return subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-", "-t", session], capture_output=True,
                               text=True).stdout
 
     def wait_for(pred, timeout=90.0) -> str:
