@@ -264,7 +264,7 @@ def findings(metrics: Path) -> str:
     """The one-line findings, each number read from the seeds' summary (or this run, where it says so)."""
     summary = _read(metrics / "seeds" / "summary.json")
     if not summary_holds_run(summary, metrics) or "math" not in summary["levels"].get("sft", {}):
-        return _stale_seeds() if summary else "No `metrics/seeds/summary.json`: the findings read several seeds."
+        return run_findings(metrics)
     n, levels, paired = len(summary["runs"]), summary["levels"], summary["paired"]
     log = "([log](docs/log.md))"
     out = []
@@ -313,6 +313,30 @@ def findings(metrics: Path) -> str:
     if isinstance(sft.get("task_exact_match_reverse"), (int, float)):
         out.append("SFT's data mix is a trade: more instruction tasks cost math; reversing a word scores"
                    f" {100 * sft['task_exact_match_reverse']:.1f}% on this run, recalled not computed {log}.")
+    return "\n".join(f"- {line}" for line in out)
+
+
+def run_findings(metrics: Path) -> str:
+    """The findings of this run alone (one seed, and it says so), while the seeds' summary does not
+    hold it: SFT's math alone and in a conversation's contexts, and what each RL stage changed."""
+    sft, paired = _read(metrics / "eval" / "sft.json") or {}, _read(metrics / "paired.json") or {}
+    out = []
+    if isinstance(sft.get("math_exact_match"), (int, float)):
+        line = f"SFT does the work (this run, one seed): greedy math {100 * sft['math_exact_match']:.1f}%"
+        asked = [(f"context_{s}", what, ctx, label) for s, what in (("math", "word problems"),
+                                                                   ("arithmetic", "bare calculations"))
+                 for ctx, label in (("after_scope", "after an out-of-scope request"),
+                                    ("system_helpful", 'under "You are a helpful assistant."'))]
+        parts = [f"{what} {label} {100 * sft[f'{p}_{ctx}']:.0f}% against {100 * sft[f'{p}_alone']:.0f}% alone"
+                 for p, what, ctx, label in asked if isinstance(sft.get(f"{p}_{ctx}"), (int, float))]
+        out.append(line + ("; " + ", ".join(parts) if parts else "") + " ([log](docs/log.md)).")
+    rl = [(f"{m}_vs_sft", label) for m, label in (("grpo", "GRPO"), ("grpo_random", "its shuffled-reward control"),
+                                                  ("ppo", "PPO"), ("ppo_rm", "PPO on the reward model alone"),
+                                                  ("dpo", "DPO"))]
+    cells = [f"{label} {_pp(paired[k]['math'])}" for k, label in rl if "math" in paired.get(k, {})]
+    if cells:
+        out.append("RL's change of greedy math from SFT on this run's items: " + ", ".join(cells) + ".")
+    out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
 
 
