@@ -256,6 +256,11 @@ def results(metrics: Path) -> str:
     return "\n".join(out)
 
 
+# the RL stages in the findings' order, with the words a finding names them by
+RL_LABELS = (("grpo", "GRPO"), ("grpo_random", "its shuffled-reward control"), ("ppo", "PPO"),
+             ("ppo_rm", "PPO on the reward model alone"), ("dpo", "DPO"))
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -285,9 +290,7 @@ def findings(metrics: Path) -> str:
         parts.append(f"held-out text at {_mean([a / b for a, b in zip(bpb, base_bpb)]):.2f} times the base model's"
                      " bits/byte")
     out.append("; ".join(parts) + f" {log}.")
-    rl = [(m, label) for m, label in (("grpo", "GRPO"), ("grpo_random", "its shuffled-reward control"),
-                                     ("ppo", "PPO"), ("ppo_rm", "PPO on the reward model alone"), ("dpo", "DPO"))
-          if "math" in paired.get(m, {})]
+    rl = [(m, label) for m, label in RL_LABELS if "math" in paired.get(m, {})]
     if rl:
         # the first with its interval and p, the rest as means beside it
         cells = [f"{label} " + (_pooled(paired[m]["math"]) if i == 0 else f"{100 * paired[m]['math']['mean']:+.1f}")
@@ -330,10 +333,8 @@ def run_findings(metrics: Path) -> str:
         parts = [f"{what} {label} {100 * sft[f'{p}_{ctx}']:.0f}% against {100 * sft[f'{p}_alone']:.0f}% alone"
                  for p, what, ctx, label in asked if isinstance(sft.get(f"{p}_{ctx}"), (int, float))]
         out.append(line + ("; " + ", ".join(parts) if parts else "") + " ([log](docs/log.md)).")
-    rl = [(f"{m}_vs_sft", label) for m, label in (("grpo", "GRPO"), ("grpo_random", "its shuffled-reward control"),
-                                                  ("ppo", "PPO"), ("ppo_rm", "PPO on the reward model alone"),
-                                                  ("dpo", "DPO"))]
-    cells = [f"{label} {_pp(paired[k]['math'])}" for k, label in rl if "math" in paired.get(k, {})]
+    cells = [f"{label} {_pp(paired[f'{m}_vs_sft']['math'])}" for m, label in RL_LABELS
+             if "math" in paired.get(f"{m}_vs_sft", {})]
     if cells:
         out.append("RL's change of greedy math from SFT on this run's items: " + ", ".join(cells) + ".")
     out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
