@@ -78,6 +78,7 @@ MAX_BATCH = 65536          # sequences in one batch, minibatch or generation bat
 MAX_STEPS = 10 ** 8        # optimizer steps, and step counts and intervals
 MAX_COUNT = 10 ** 7        # records, problems, prompts or samples a stage generates or reads
 MAX_WORKERS = 1024         # processes, threads
+MAX_MATH_LEVEL = 5         # the hardest level llm/data/generators.py draws (its MAX_LEVEL; tests/test_config.py)
 # The same for floats without a natural range: each bound is a typo guard (`lr: 1.0e21`,
 # `kl_target: 8` for 0.08 reads fine to YAML), set far above every value a profile uses.
 MAX_LR = 10.0              # learning rates; AdamW is used here between 1e-6 and 1e-2
@@ -179,7 +180,8 @@ class PrepareConfig:
     math_train: int = _f(lo=0, hi=MAX_COUNT)
     math_val: int = _f(lo=0, hi=MAX_COUNT)
     math_test: int = _f(lo=0, hi=MAX_COUNT)
-    math_levels: list[int] = _f(lo=1, hi=4, nonempty=True, doc="difficulty levels of the generated math problems")
+    math_levels: list[int] = _f(lo=1, hi=MAX_MATH_LEVEL, nonempty=True, doc="difficulty levels of the generated math"
+                                " problems that pretraining, SFT and RL draw from")
     math_zh_fraction: float = _f(lo=0.0, hi=1.0)
     math_pretrain_docs: int = _f(lo=0, hi=MAX_COUNT, doc="generated math problems added to the pretraining text")
     task_train: int = _f(lo=0, hi=MAX_COUNT)
@@ -215,6 +217,13 @@ class PrepareConfig:
     context_system_share: float = _f(0.5, lo=0.0, hi=1.0, added=True, doc="share of the context_train"
                                      " conversations that open with an exchange and also have a system message"
                                      " (those with no exchange always have one)")
+    tier_test: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="evaluation-only word problems per difficulty tier"
+                        " (tiers/test.jsonl): in distribution (the math_levels not in edge_levels), the edge"
+                        " (edge_levels) and harder (harder_levels); none a training or held-out question; 0: none")
+    edge_levels: list[int] = _f([4], lo=1, hi=MAX_MATH_LEVEL, nonempty=True, added=True, doc="the levels of the"
+                                " edge tier: where SFT is right some of the time (greedy about half, pass@16 most)")
+    harder_levels: list[int] = _f([5], lo=1, hi=MAX_MATH_LEVEL, nonempty=True, added=True, doc="the levels of the"
+                                  " harder tier, which no stage trains on (none may be in math_levels)")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -229,6 +238,12 @@ class PrepareConfig:
         if self.task_weights and (len(self.task_weights) != len(TASK_KINDS) or not sum(self.task_weights) > 0):
             out.append(f"{key}.task_weights: expected {len(TASK_KINDS)} weights, one per task kind in the order"
                        f" {', '.join(TASK_KINDS)}, not all zero (or [] for even shares); got {self.task_weights}")
+        if self.tier_test and (trained := sorted(set(self.harder_levels) & set(self.math_levels))):
+            out.append(f"{key}.harder_levels: {trained} also in math_levels={self.math_levels}; the harder tier holds"
+                       f" levels nothing trains on: drop them from one of the two lists")
+        if self.tier_test and not set(self.math_levels) - set(self.edge_levels):
+            out.append(f"{key}.edge_levels: {self.edge_levels} leaves no level of math_levels={self.math_levels} for"
+                       f" the in-distribution tier; keep at least one trained level out of edge_levels")
         for i, src in enumerate(self.math_test_sources):
             if src.schema != "gsm8k":
                 out.append(f"{key}.math_test_sources[{i}].schema: {src.schema!r}; the evaluation's math test takes"
@@ -505,7 +520,8 @@ class RLConfig(LoopConfig):
     clip_epsilon: float = _f(lo=0.0, hi=1.0)
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
     temperature: float = _f(lo=1e-3, hi=100.0)
-    levels: list[int] = _f(lo=0, hi=4, nonempty=True, doc="math levels sampled for rollouts after the curriculum;"
+    levels: list[int] = _f(lo=0, hi=MAX_MATH_LEVEL, nonempty=True, doc="math levels sampled for rollouts after the"
+                           " curriculum (from rl/train: prepare.math_levels);"
                            " 0: problems from sources (GSM8K), which have no level")
     eval_problems: int = _f(lo=0, hi=MAX_COUNT)
     max_kl: float = _f(lo=0.0, hi=MAX_LIMIT, lo_open=True, doc="quality gate: the stage fails if final KL is above this")
@@ -555,7 +571,7 @@ class GRPOConfig(RLConfig):
     beta: float = _f(lo=0.0, hi=MAX_COEF, doc="k3 KL coefficient")
     loss_agg: Literal["grpo", "dr_grpo", "dapo"] = _f()
     curriculum_steps: int = _f(lo=0, hi=MAX_STEPS)
-    curriculum_levels: list[int] = _f(lo=0, hi=4)
+    curriculum_levels: list[int] = _f(lo=0, hi=MAX_MATH_LEVEL)
     max_zero_std_steps: int = _f(lo=1, hi=MAX_STEPS, doc="quality gate: consecutive steps with no informative group")
     step_credit: float = _f(lo=0.0, hi=10.0, doc="weight of the verifier's per-step credit (+1 right result, -1 slip)"
                                                  " added to each token's advantage; 0 = outcome reward only")
@@ -603,6 +619,23 @@ class EvalConfig:
                             " bare calculations asked again after an out-of-scope request, after an instruction"
                             " task and under system messages, each scored against the same items asked alone"
                             " (of the math, no more than the math_problems asked alone); 0: none")
+    tier_problems: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many problems of each difficulty"
+                            " tier (tiers/test.jsonl) answered greedily; 0: no tier evaluation")
+    tier_pass_k: int = _f(16, lo=1, hi=1024, added=True, doc="samples per problem for each tier's pass@k curve"
+                          " (k = 1..tier_pass_k, the unbiased estimator) and majority vote")
+    tier_pass_k_problems: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many of each tier's"
+                                   " greedy problems also sampled tier_pass_k times at eval.temperature; 0: none")
+
+
+@dataclass(kw_only=True)
+class RankersConfig:
+    problems: int = _f(lo=1, hi=MAX_COUNT, doc="the first this many problems of the tier (tiers/test.jsonl)")
+    tier: Literal["in_distribution", "edge", "harder"] = _f(doc="the difficulty tier whose problems are ranked")
+    samples: int = _f(lo=2, hi=1024, doc="answers sampled from SFT per problem (best-of-n runs n = 1..samples)")
+    temperature: float = _f(lo=1e-3, hi=100.0)
+    max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
+    batch_size: int = _f(lo=1, hi=MAX_BATCH)
+    confidence: float = _f(lo=0.5, hi=0.999)
 
 
 @dataclass(kw_only=True)
@@ -627,6 +660,7 @@ class Params:
     ppo: PPOConfig
     grpo: GRPOConfig
     eval: EvalConfig
+    rankers: RankersConfig
     report: ReportConfig
 
 

@@ -13,6 +13,7 @@ and `eval` sections of params.yaml and
     --arithmetic bare calculations, "What is 7 + 5?" (may be empty)
     --multiturn  conversations of two exchanges, the second turn to answer (may be empty)
     --scope      requests outside the model's skills, "Write a poem about the sea." (may be empty)
+    --tiers      word problems by difficulty tier: in distribution, the edge, harder (may be empty)
     --tokens     val.bin, meta.json: held-out pretraining text, for perplexity and bits per byte
 
 and computes (llm/eval/evaluate.py evaluate_model): perplexity and bits per byte on
@@ -40,7 +41,10 @@ from the model at temperature 1; 0 for SFT itself); the Detoxify toxicity rate w
 and whether the reward model's score follows correctness on this model's own answers: `rm_auc`,
 the share of (right, wrong) pairs among its scored greedy math answers in which the right one
 scores higher (0.5 = the score says nothing about being right), with its interval and the mean
-score of each group (llm/eval/paired.py rm_separation).
+score of each group (llm/eval/paired.py rm_separation). With `eval.tier_problems`, math per
+difficulty tier (llm/eval/tiers.py): greedy exact match, and on `eval.tier_pass_k_problems` of
+them the pass@k curve for k = 1..`eval.tier_pass_k`, majority vote and the share of problems
+greedy gets wrong while a sample is right (`tier_<tier>_*`).
 Sampling is seeded from (common.seed, part, batch): two runs give the same file. With
 `common.nproc` > 1 it runs under torchrun, each rank generating and scoring a share of every
 batch loop; rank 0 writes files byte for byte equal to a one-process run's (timings aside).
@@ -72,6 +76,7 @@ INPUTS = {"model": "the model directory evaluated", "sft": "the SFT model direct
           "arithmetic": "evaluation-only bare calculations (JSONL, may be empty)",
           "multiturn": "evaluation-only two-exchange conversations (JSONL, may be empty)",
           "scope": "evaluation-only requests outside the model's skills (JSONL, may be empty)",
+          "tiers": "evaluation-only word problems by difficulty tier (JSONL, may be empty)",
           "tokens": "token shards (val.bin, meta.json): held-out text for bits per byte"}
 OUTPUTS = {"metrics": "the metrics JSON", "samples": "the samples JSON (not a metric)",
            "items": "the per-item outcomes (JSONL): what the report's paired tests read"}
@@ -99,11 +104,11 @@ def _optional_jsonl(path: Path) -> list[dict]:
 
 def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: Path, rm: Path, test: Path,
         tasks: Path, arithmetic: Path, tokens: Path, metrics: Path, samples: Path, items: Path,
-        multiturn: Path | None = None, scope: Path | None = None, device: str | None = None, rt=None
-        ) -> tuple[dict, dict]:
+        multiturn: Path | None = None, scope: Path | None = None, tiers: Path | None = None,
+        device: str | None = None, rt=None) -> tuple[dict, dict]:
     """Evaluate the model `name` in directory `model`; write (rank 0) and return (metrics, samples).
     rt: a distributed llm.runtime.Runtime shares the work out over its ranks. multiturn, scope:
-    None scores neither (the command line always passes them)."""
+    tiers: None scores neither (the command line always passes them)."""
     from llm.eval.evaluate import evaluate_model
     from llm.nn.artifacts import load_model_dir
     from llm.runtime import resolve_device
@@ -153,6 +158,15 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
                                ref=ref, rm=rm_model, toxicity=toxicity, toxicity_threshold=cfg.toxicity_threshold,
                                rt=rt)
     outcomes = extras.pop("items")
+    tier_problems = _optional_jsonl(tiers) if tiers and cfg.tier_problems else []
+    if tier_problems:
+        from llm.eval.tiers import evaluate_tiers
+        tm, textras = evaluate_tiers(policy, tok, cfg, tier_problems, seed=derive_seed(common.seed, STAGE), rt=rt)
+        m.update(tm)
+        outcomes += textras["items"]
+        extras["tier_pass_curves"] = textras["pass_curves"]
+        extras["timing_s"] = {**extras["timing_s"], **{f"tier_{t}": v for t, v in textras["timing_s"].items()}}
+        extras["timing_s"]["total"] = round(extras["timing_s"]["total"] + sum(textras["timing_s"].values()), 3)
     sep = rm_separation(outcomes, confidence=cfg.confidence, seed=derive_seed(common.seed, STAGE, "rm_auc"))
     if sep is not None:  # None without an RM, or without both right and wrong answers among those it scored
         m.update({"rm_auc": sep["auc"], "rm_auc_lo": sep["lo"], "rm_auc_hi": sep["hi"],
@@ -190,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                            ("context_arithmetic_system_helpful", "arithmetic under \"You are a helpful assistant.\"")):
             if key in m:
                 parts.append(f"{label} {m[key]:.1%}")
+        k = m.get("tier_pass_k")
+        for tier in ("in_distribution", "edge", "harder"):
+            if f"tier_{tier}_exact_match" in m:
+                sampled = f" (pass@{k} {m[f'tier_{tier}_pass_at_{k}']:.1%})" if f"tier_{tier}_pass_at_{k}" in m else ""
+                parts.append(f"{tier.replace('_', ' ')} tier {m[f'tier_{tier}_exact_match']:.1%}{sampled}")
         if "val_bpb" in m:
             parts.insert(0, f"val bits/byte {m['val_bpb']:.4f}")
         if "math_pass_at_k" in m:

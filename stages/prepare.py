@@ -15,6 +15,7 @@ directory:
     arithmetic/test.jsonl        {"id", "question", "answer", "op", "lang", "source"}      eval only
     multiturn/test.jsonl         {"id", "messages", "answer", "kind", "lang", "source"}    eval only
     scope/test.jsonl             {"id", "prompt", "answer", "lang", "source"}              eval only
+    tiers/test.jsonl             {"id", "question", "answer", "level", "lang", "tier", "source"}  eval only
 
 and the metrics file (records and characters per source and split).
 

@@ -26,6 +26,8 @@ from `common.seed`), and writes, into the same directory:
                          base64 data URIs; the stage fails if an http(s) URL slipped in
     report_curves.png    training curves, smoothed over the faint raw ones (DVC image plot)
     report_eval.png      accuracy per skill, win rate and KL to SFT (log axis) per model
+    report_tiers.png     pass@k against k per difficulty tier, a line per model (a placeholder without tiers)
+    report_rankers.png   best-of-n against n per math ranker, beside pass@n (from plots/rankers.tsv)
     report_overopt.png   over-optimisation: ppo_rm's RM score (proxy) and verifier accuracy (gold)
                          per step against sqrt(KL to SFT), from plots/ppo_rm.tsv
     summary.json         the headline numbers per model (llm/train/metrics.py headline), a DVC metric
@@ -49,7 +51,7 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
         params: Path = Path("params.yaml")) -> tuple[dict, dict]:
     """Write the report files under metrics_dir; returns (what was collected, the paired changes)."""
     from llm.eval.report import collect, overopt_curve, paired_deltas, paired_metrics, provenance
-    from llm.eval.report_plots import curves_png, eval_png, overopt_png, placeholder_png
+    from llm.eval.report_plots import curves_png, eval_png, overopt_png, placeholder_png, rankers_png, tiers_png
     from llm.eval.report_render import find_urls, render_html, render_markdown
 
     data = collect(metrics_dir, max_samples=cfg.max_samples)
@@ -58,9 +60,13 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     curves, _ = curves_png(data["curves"])
     evals = eval_png(data["evals"])
     overopt = overopt_png(overopt_curve(data["curves"]))
+    tiers = tiers_png(data["samples"])
+    rankers = rankers_png(data["curves"].get("rankers.tsv"))
     images = {"curves": curves or placeholder_png("no training curves yet (metrics/plots/*.tsv)"),
               "eval": evals or placeholder_png("no eval metrics yet (metrics/eval/<model>.json)"),
-              "overopt": overopt or placeholder_png("no per-step history of ppo_rm yet (metrics/plots/ppo_rm.tsv)")}
+              "overopt": overopt or placeholder_png("no per-step history of ppo_rm yet (metrics/plots/ppo_rm.tsv)"),
+              "tiers": tiers or placeholder_png("no difficulty tiers evaluated (eval.tier_pass_k_problems: 0)"),
+              "rankers": rankers or placeholder_png("no math rankers measured yet (metrics/plots/rankers.tsv)")}
     page = render_html(data, paired, head, images)
     urls = find_urls(page)
     if urls:  # an internal error: render_html defangs every text it writes
@@ -69,9 +75,13 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     atomic_write_bytes(metrics_dir / "report_curves.png", images["curves"])
     atomic_write_bytes(metrics_dir / "report_eval.png", images["eval"])
     atomic_write_bytes(metrics_dir / "report_overopt.png", images["overopt"])
+    atomic_write_bytes(metrics_dir / "report_tiers.png", images["tiers"])
+    atomic_write_bytes(metrics_dir / "report_rankers.png", images["rankers"])
     atomic_write_text(metrics_dir / "report.md",
                       render_markdown(data, paired, head, {"curves": "report_curves.png", "eval": "report_eval.png",
-                                                           "overopt": "report_overopt.png"}))
+                                                           "overopt": "report_overopt.png",
+                                                           "tiers": "report_tiers.png" if tiers else None,
+                                                           "rankers": "report_rankers.png" if rankers else None}))
     atomic_write_text(metrics_dir / "report.html", page)
     atomic_write_json(metrics_dir / "summary.json", headline(metrics_dir))
     return data, paired

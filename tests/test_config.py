@@ -369,7 +369,7 @@ def test_list_items_are_range_checked_with_their_line():
     with pytest.raises(ConfigError) as e:
         load_params_text(text, "params.yaml")
     assert e.value.problems == [f"params.yaml:{_line_of(text, 'math_levels:')}: prepare.math_levels[2]: expected an"
-                                f" int in [1, 4], got 9"]
+                                f" int in [1, 5], got 9"]
 
 
 def test_a_yaml_alias_bomb_is_refused_in_bounded_time():

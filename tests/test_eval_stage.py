@@ -33,7 +33,8 @@ from tests.conftest import ROOT, common_params, dvc_command
 
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
                    rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
-                   confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5, context_items=0)
+                   confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5, context_items=0,
+                   tier_problems=4, tier_pass_k=4, tier_pass_k_problems=3)
 
 
 def _train(model: GPT, examples, tok, steps: int, seed: int) -> GPT:
@@ -96,7 +97,11 @@ def world(tmp_path_factory, one_thread):
                   "lang": c.lang} for i, c in enumerate(multiturn_conversation(trng, "en", levels=(1,)) for _ in range(3))]
     scope = [{"id": f"scope-test-{i}", "prompt": r.prompt, "answer": r.answer, "lang": r.lang}
              for i, r in enumerate(scope_request(trng, "en") for _ in range(2))]
-    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic), ("multiturn", multiturn), ("scope", scope)):
+    tiers = [{"id": f"tier-{t}-{i}", "question": p.question, "answer": str(p.answer), "level": p.level, "lang": "en",
+              "tier": t} for t, level in (("in_distribution", 1), ("edge", 2), ("harder", 3))
+             for i, p in enumerate(math_problem(trng, level, "en") for _ in range(5))]
+    for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic), ("multiturn", multiturn), ("scope", scope),
+                       ("tiers", tiers)):
         (root / "data/prepared" / kind).mkdir(parents=True)
         (root / "data/prepared" / kind / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
@@ -111,7 +116,7 @@ def world(tmp_path_factory, one_thread):
     import yaml
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return {"root": root, "tok": tok, "base": base, "sft": sft, "ppo": ppo, "reward": reward, "test": test,
-            "tasks": tasks, "arithmetic": arithmetic, "cfg": EvalConfig(**EVAL_PARAMS)}
+            "tasks": tasks, "arithmetic": arithmetic, "tiers": tiers, "cfg": EvalConfig(**EVAL_PARAMS)}
 
 
 def test_eval_metrics_are_deterministic_under_a_seed(world):
@@ -212,7 +217,7 @@ def _paths(root, name: str, out) -> dict:
             "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
             "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
             "multiturn": root / "data/prepared/multiturn/test.jsonl", "scope": root / "data/prepared/scope/test.jsonl",
-            "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
+            "tiers": root / "data/prepared/tiers/test.jsonl", "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
             "items": out / f"{name}_items.jsonl"}
 
 
@@ -249,6 +254,79 @@ def test_every_rate_is_the_mean_of_its_item_outcomes(world):
     shown = [x for x in samples["item_samples"] if x["set"] == "task"]
     assert {x["group"] for x in shown} == {t["kind"] for t in world["tasks"]}
     assert all(x["correct"] == (x["response"].strip() == x["answer"]) for x in shown)
+
+
+def test_tiers_pass_at_k_curve_majority_and_headroom(world, monkeypatch):
+    """Per tier: greedy on the first eval.tier_problems, and on the first tier_pass_k_problems of
+    them n samples: pass@1 is the mean share of right samples, the curve rises to the share of
+    problems with a right sample, and the headroom counts problems greedy gets wrong but a sample
+    right. A stand-in grader (a fixed function of the text) gives both outcomes on a tiny model."""
+    from llm.eval.tiers import evaluate_tiers, majority_correct
+    w = world
+    monkeypatch.setattr("llm.eval.tiers.is_correct", lambda answer, gold: zlib.crc32(answer.encode()) % 3 == 0)
+    cfg = w["cfg"]
+    m, x = evaluate_tiers(w["ppo"], w["tok"], cfg, w["tiers"], seed=5)
+    again, y = evaluate_tiers(w["ppo"], w["tok"], cfg, w["tiers"], seed=5)
+    assert again == m and y["items"] == x["items"] and y["pass_curves"] == x["pass_curves"]  # seeded sampling
+    n, k = cfg.tier_pass_k, cfg.tier_pass_k_problems
+    for t in ("in_distribution", "edge", "harder"):
+        greedy = [r for r in x["items"] if r["set"] == "tier" and r["tier"] == t]
+        sampled = [r for r in x["items"] if r["set"] == "tier_sampled" and r["tier"] == t]
+        assert len(greedy) == m[f"tier_{t}_n"] == cfg.tier_problems and len(sampled) == k
+        assert m[f"tier_{t}_exact_match"] == sum(r["correct"] for r in greedy) / len(greedy)
+        curve = x["pass_curves"][t]
+        assert len(curve) == n and all(a <= b + 1e-12 for a, b in zip(curve, curve[1:]))
+        assert curve[0] == pytest.approx(sum(r["score"] for r in sampled) / k)
+        assert curve[-1] == pytest.approx(sum(r["score"] > 0 for r in sampled) / k) == m[f"tier_{t}_pass_at_{n}"]
+        wrong_but_sampled = sum(not g["correct"] and s["score"] > 0 for g, s in zip(greedy, sampled)) / k
+        assert m[f"tier_{t}_greedy_wrong_pass"] == pytest.approx(wrong_but_sampled)
+    # the majority vote reads final answers: 2 of 3 say 12
+    monkeypatch.undo()
+    assert majority_correct(["7 + 5 = 12\n#### 12", "#### 13", "#### 12"], "12")
+    assert not majority_correct(["#### 13", "#### 13", "#### 12"], "12") and not majority_correct(["no"], "12")
+
+
+def test_eval_stage_writes_tier_items_the_report_pairs(world):
+    from llm.eval.paired import compare, read_items
+    from stages.eval import run
+    root = world["root"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    m, samples = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "tiers"))
+    run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "tiers"))
+    assert set(samples["tier_pass_curves"]) == {"in_distribution", "edge", "harder"}
+    assert m["tier_pass_k"] == EVAL_PARAMS["tier_pass_k"] and "tier_edge_maj_at_4" in m
+    paired = compare(read_items(root / "tiers/ppo_items.jsonl"), read_items(root / "tiers/sft_items.jsonl"))
+    assert paired["tier_edge"]["n"] == EVAL_PARAMS["tier_problems"] and paired["tier_edge"]["type"] == "rate"
+    assert paired["tier_sampled_harder"]["n"] == EVAL_PARAMS["tier_pass_k_problems"]
+    assert paired["tier_sampled_harder"]["type"] == "score"
+
+
+def test_the_rankers_stage_scores_sft_answers_on_a_tier(world, monkeypatch):
+    """stage rankers on the tiny models (a perturbed copy stands in for DPO's): metrics per ranker
+    and the best-of-n table, whose last pass@n row is the metrics' pass_at_n. A stand-in grader
+    gives right and wrong answers."""
+    from llm.config import RankersConfig
+    from llm.fileio import DataError
+    from stages.rankers import run
+    monkeypatch.setattr("llm.post.rankers.is_correct", lambda answer, gold: zlib.crc32(answer.encode()) % 3 == 0)
+    root = world["root"]
+    cfg = RankersConfig(problems=4, tier="edge", samples=3, temperature=1.0, max_new_tokens=12, batch_size=4,
+                        confidence=0.95)
+    m = run(load_sections(["common"], root / "params.yaml")["common"], cfg, "cpu", sft=root / "models/sft",
+            rm=root / "models/reward", dpo=root / "models/ppo", tiers=root / "data/prepared/tiers/test.jsonl",
+            metrics=root / "rankers/rankers.json", plots=root / "rankers")
+    assert m["problems"] == 4 and m["tier"] == "edge"
+    assert set(m["rankers"]) == {"likelihood", "per_token", "reward_model", "dpo_implicit", "agreement"}
+    for r in m["rankers"].values():
+        assert r["pair_accuracy"] is None or 0 <= r["pair_accuracy"] <= 1
+        assert 0 <= r["best_of_n"] <= m["pass_at_n"] + 1e-9  # no ranker beats a perfect one
+    rows = (root / "rankers/rankers.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[0] == "n" and len(rows) == 1 + cfg.samples
+    assert float(rows[-1].split("\t")[-2]) == pytest.approx(m["pass_at_n"], abs=1e-6)
+    with pytest.raises(DataError, match="no problem of tier 'harder'"):
+        run(load_sections(["common"], root / "params.yaml")["common"], RankersConfig(**{**cfg.__dict__, "tier": "harder",
+            "problems": 1}), "cpu", sft=root / "models/sft", rm=root / "models/reward", dpo=root / "models/ppo",
+            tiers=root / "data/prepared/rl/test.jsonl", metrics=root / "r2/rankers.json", plots=root / "r2")
 
 
 def test_eval_says_whether_the_rm_score_follows_correctness(world, monkeypatch):

@@ -17,7 +17,8 @@ def _run_prepare(tmp_path, **overrides):
                              task_val=20, pref_train=80, pref_val=20)
     # two-exchange conversations and out-of-scope requests off unless a test asks: they are drawn
     # last and skip what the evaluation asks, so they would blur what each test isolates
-    params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0, context_train=0)
+    params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0, context_train=0,
+                             tier_test=0)
     params["prepare"].update(overrides)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -74,11 +75,45 @@ def test_eval_only_items_change_no_training_record(tmp_path):
     assert _run_prepare(a, task_test=10, arithmetic_test=30, **none).returncode == 0
     assert _run_prepare(b, task_test=0, arithmetic_test=0, **none).returncode == 0
     files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
-    assert len(files) == 13  # multiturn/test and scope/test are empty at their default counts
+    assert len(files) == 14  # multiturn/test, scope/test and tiers/test are empty at these counts
     for f in files:
         same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
         assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
     assert (b / "data/prepared/tasks/test.jsonl").read_text() == ""
+
+
+def test_difficulty_tiers_are_held_out_and_change_no_other_record(tmp_path):
+    """prepare.tier_test problems per tier, drawn last from their own generator: every other file
+    stays byte for byte what it is without them, the tiers hold the levels they name (the
+    in-distribution tier the trained levels below the edge), and no tier question is a question
+    of any other file."""
+    a, b = tmp_path / "with", tmp_path / "without"
+    a.mkdir(), b.mkdir()
+    assert _run_prepare(a, tier_test=30, context_train=40).returncode == 0
+    assert _run_prepare(b, tier_test=0, context_train=40).returncode == 0
+    pa, pb = a / "data/prepared", b / "data/prepared"
+    for f in sorted(str(f.relative_to(pa)) for f in pa.rglob("*.jsonl")):
+        if f != "tiers/test.jsonl":
+            assert (pa / f).read_bytes() == (pb / f).read_bytes(), f
+    assert (pb / "tiers/test.jsonl").read_text() == ""
+    tiers = _jsonl(pa / "tiers/test.jsonl")
+    levels = {t: {r["level"] for r in tiers if r["tier"] == t} for t in ("in_distribution", "edge", "harder")}
+    assert levels == {"in_distribution": {1, 2, 3}, "edge": {4}, "harder": {5}}
+    assert [sum(r["tier"] == t for r in tiers) for t in levels] == [30, 30, 30]
+    assert len({r["question"] for r in tiers}) == len({r["id"] for r in tiers}) == 90
+    others = set()
+    for f in pa.rglob("*.jsonl"):
+        for rec in _jsonl(f) if f.name != "test.jsonl" or f.parent.name != "tiers" else []:
+            others |= {rec.get("question"), rec.get("prompt") if isinstance(rec.get("prompt"), str) else None}
+            others |= {m["content"] for m in rec.get("messages", [])}
+    assert not {r["question"] for r in tiers} & others
+    assert {r["answer"] for r in tiers if r["level"] == 5} and all(r["answer"].lstrip("-").isdigit() for r in tiers)
+
+
+def test_a_harder_tier_that_is_trained_on_is_refused(tmp_path):
+    r = _run_prepare(tmp_path, tier_test=10, harder_levels=[4])
+    assert r.returncode != 0
+    assert "prepare.harder_levels: [4] also in math_levels" in r.stderr
 
 
 def test_bare_calculations_for_sft_are_appended_and_never_asked_by_eval(tmp_path):

@@ -16,7 +16,8 @@ import pytest
 from llm.config import CommonConfig, ReportConfig
 from llm.eval.report import (all_metric_rows, collect, fmt_value, paired_deltas, provenance, read_tsv, recorded_seconds,
                              stage_headline_rows, stage_summary, stage_times, summary_rows)
-from llm.eval.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure
+from llm.eval.report_plots import _kl_panel, _plt, curves_figure, curves_png, eval_figure, overopt_figure, rankers_figure, \
+    tiers_figure
 from llm.eval.report_render import defang, find_urls, header_lines, render_html, render_markdown
 from stages.report import run
 
@@ -643,15 +644,90 @@ def test_no_legend_covers_a_plot_its_title_or_another_legend(metrics):
     seven = {m: _eval(0.8, kl=kl, kl_lo=kl / 2, kl_hi=kl * 2, win_rate_vs_sft=0.5) for m, kl in kls.items()}
     figures = {"RL curves": curves_figure(rl)[0], "fixture curves": curves_figure(data["curves"])[0],
                "evaluation": eval_figure(data["evals"]), "evaluation of seven": eval_figure(seven),
-               "over-optimisation": overopt_figure(curve)}
+               "over-optimisation": overopt_figure(curve),
+               "rankers": rankers_figure({"n": [1.0, 2.0, 4.0], **{k: [0.5, 0.55, 0.6] for k in (
+                   "likelihood", "per_token", "reward_model", "dpo_implicit", "agreement", "pass_at_n", "random")}}),
+               "tiers": tiers_figure({m: {"tier_pass_curves": {t: [k / 16 for k in range(1, 17)]
+                                                              for t in ("in_distribution", "edge", "harder")}}
+                                      for m in kls})}
     found = {name: _collisions(fig) for name, fig in figures.items()}
     n_legends = {name: len(fig.legends) + sum(ax.get_legend() is not None for ax in fig.axes)
                  for name, fig in figures.items()}
     for fig in figures.values():
         plt.close(fig)
     assert n_legends == {"RL curves": 5, "fixture curves": 4, "evaluation": 1, "evaluation of seven": 1,
-                         "over-optimisation": 2}
+                         "over-optimisation": 2, "rankers": 1, "tiers": 3}
     assert found == {name: [] for name in figures}
+
+
+def _with_tiers(metrics) -> None:
+    """Adds tiers to the fixture: on 100 edge problems SFT is right on the first 50 and GRPO on the
+    first 62 (12 up, none down); on the harder tier both get the first 3."""
+    for name, edge in (("sft", 50), ("grpo", 62)):
+        ev = json.loads((metrics / f"eval/{name}.json").read_text())
+        ev.update({"tier_pass_k": 16, "tier_edge_exact_match": edge / 100, "tier_edge_exact_match_lo": edge / 100 - 0.1,
+                   "tier_edge_exact_match_hi": edge / 100 + 0.1, "tier_edge_pass_at_1": 0.45, "tier_edge_pass_at_16": 0.86,
+                   "tier_edge_maj_at_8": 0.5, "tier_edge_greedy_wrong_pass": 0.23, "tier_harder_exact_match": 0.03})
+        _write(metrics / f"eval/{name}.json", ev)
+        items = [json.loads(x) for x in (metrics / f"eval/{name}_items.jsonl").read_text().splitlines()]
+        items += [{"set": "tier", "id": f"e{i}", "tier": "edge", "level": 4, "lang": "en", "correct": i < edge}
+                  for i in range(100)]
+        items += [{"set": "tier", "id": f"h{i}", "tier": "harder", "level": 5, "lang": "en", "correct": i < 3}
+                  for i in range(100)]
+        _write(metrics / f"eval/{name}_items.jsonl", items)
+        samples = json.loads((metrics / f"eval/{name}_samples.json").read_text())
+        samples["tier_pass_curves"] = {"edge": [0.45 + 0.4 * (k / 16) ** 0.5 for k in range(1, 17)],
+                                       "harder": [0.01 * k for k in range(1, 17)]}
+        _write(metrics / f"eval/{name}_samples.json", samples)
+
+
+def test_the_report_shows_math_per_difficulty_tier(metrics):
+    """A section per tier: each model's greedy accuracy with its paired change against its parent,
+    pass@1, pass@16, the majority vote and the headroom of sharpening; a sentence on GRPO at the
+    edge; the pass@k figure inlined (a third image)."""
+    _with_tiers(metrics)
+    _run(metrics)
+    md = (metrics / "report.md").read_text()
+    assert "## Math by difficulty tier" in md and "### the edge" in md and "### harder, never trained on" in md
+    assert "| **grpo** vs sft | 62.0% [52.0, 72.0]<br>▲ +12.0 pp [6.0, 19.0] |" in md
+    assert "GRPO on the edge tier: 50.0% → 62.0%, +12.0 pp" in md and "on 23.0% of the edge problems" in md
+    assert "| **sft** | 50.0% [40.0, 60.0] | 45.0% | 86.0% | 50.0% | 23.0% |" in md
+    assert "| **sft** | 3.0% | n/a | n/a | n/a | n/a |" in md  # the harder tier was not sampled here
+    assert "![pass@k per difficulty tier](report_tiers.png)" in md
+    page = (metrics / "report.html").read_text()
+    assert 'id="tiers"' in page and len(re.findall(r'src="data:image/png;base64,', page)) == 3
+    paired = json.loads((metrics / "paired.json").read_text())
+    assert paired["grpo_vs_sft"]["tier_edge"]["wins"] == 12 and paired["grpo_vs_sft"]["tier_edge"]["losses"] == 0
+    assert (metrics / "report_tiers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _with_rankers(metrics) -> None:
+    r = lambda acc, g, best: {"pair_accuracy": acc, "pair_accuracy_lo": acc - 0.05, "pair_accuracy_hi": acc + 0.05,  # noqa: E731
+                              "pairs": 900, "greedy_wrong_accuracy": g, "greedy_wrong_accuracy_lo": g - 0.05,
+                              "greedy_wrong_accuracy_hi": g + 0.05, "greedy_wrong_pairs": 40, "best_of_n": best,
+                              "best_of_n_lo": best - 0.08, "best_of_n_hi": best + 0.08}
+    _write(metrics / "rankers.json", {"tier": "edge", "problems": 128, "samples": 4, "greedy_accuracy": 0.555,
+                                      "pass_at_n": 0.8, "stage_time_s": 55.0,
+                                      "rankers": {"likelihood": r(0.74, 0.12, 0.555), "reward_model": r(0.62, 0.36, 0.44),
+                                                  "agreement": r(0.74, 0.23, 0.54)}})
+    _write(metrics / "plots/rankers.tsv", "n\tlikelihood\treward_model\tagreement\tpass_at_n\trandom\n"
+           + "".join(f"{k}\t0.5\t0.4\t0.5\t{0.45 + 0.1 * k}\t0.45\n" for k in range(1, 5)))
+
+
+def test_the_report_shows_the_math_rankers(metrics):
+    """A table of the rankers (pairs, against the greedy answer, best of n, with intervals), a
+    sentence saying whether any ranker's pick beats greedy decoding, and the best-of-n figure."""
+    _with_rankers(metrics)
+    _run(metrics)
+    md = (metrics / "report.md").read_text()
+    assert "## Math rankers" in md and "| ranker | pairs ranked right | against the greedy answer | best of 4 |" in md
+    assert "| the reward model | 62.0% [57.0, 67.0] | 36.0% [31.0, 41.0] (40 pairs) | 44.0% [36.0, 52.0] |" in md
+    assert ("the best ranker's pick of 4 samples, SFT's likelihood's, is right on 55.5% [47.5, 63.5]: no better"
+            " than greedy decoding") in md
+    assert "![best-of-n per ranker against the verifier](report_rankers.png)" in md
+    page = (metrics / "report.html").read_text()
+    assert 'id="rankers"' in page and len(re.findall(r'src="data:image/png;base64,', page)) == 3
+    assert "rankers" in (metrics / "report.md").read_text().split("## The models")[0]  # its stage time
 
 
 def test_a_rate_is_drawn_on_its_whole_range_and_kl_names_its_estimator():

@@ -12,7 +12,9 @@ records byte for byte:
 
   Levels drive the curriculum: 1 = one step, small numbers (add/subtract within 20);
   2 = one step, two-digit numbers or a times-table product; 3 = two steps;
-  4 = three steps with numbers up to a few hundred.
+  4 = three steps with numbers up to a few hundred; 5 = four such steps. The default
+  profile trains on levels 1-4 and keeps level 5 for the evaluation's harder tier, which
+  nothing trains on (`prepare.harder_levels`).
 - `task(rng, kind=None)`: small verifiable instruction tasks (`TASK_KINDS`: reverse,
   uppercase, sort, count words, last word, repeat, max), each with the exact expected answer.
 - `arithmetic_question(rng, lang)`: a bare sum the word problems never ask in this form,
@@ -116,11 +118,13 @@ _LEVELS = {
     2: dict(steps=1, hi=99, ops="+-*"),
     3: dict(steps=2, hi=50, ops="+-*/"),
     4: dict(steps=3, hi=200, ops="+-*/"),
+    5: dict(steps=4, hi=200, ops="+-*/"),
 }
+MAX_LEVEL = max(_LEVELS)
 
 
 def math_problem(rng: random.Random, level: int, lang: str = "en") -> MathProblem:
-    """One word problem at `level` (1..4) in `lang` ("en" or "zh")."""
+    """One word problem at `level` (1..MAX_LEVEL) in `lang` ("en" or "zh")."""
     spec = _LEVELS[level]
     while True:
         hi = spec["hi"]

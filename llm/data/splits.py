@@ -45,6 +45,12 @@ question or calculation or a user turn of the evaluation's conversations, and no
 an evaluation prompt (an instruction task or out-of-scope request of the test files): the
 evaluation asks its own held-out questions after its own held-out requests and tasks
 (llm/eval/evaluate.py `context_items`).
+
+Last of all, from a generator of its own, the difficulty tiers (`tiers/test`, off at
+`prepare.tier_test: 0`): that many word problems per tier, in distribution (the trained levels
+below the edge), the edge (`prepare.edge_levels`, where SFT is right about half the time) and
+harder (`prepare.harder_levels`, levels no stage trains on), none a question of any other file;
+llm/eval/tiers.py asks them.
 """
 from __future__ import annotations
 
@@ -188,7 +194,42 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # Math after another request or under a system message, last and from its own generator.
     requests = {r["prompt"] for r in data["scope"]["test"]} | {t["prompt"] for t in items["tasks"]}
     data["sft"]["train"] += _context(cfg, seed, asked | eval_questions | opened | prompts, requests)
+    # The difficulty tiers, last of all and from their own generator: they change no record above.
+    trained |= {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
+    data["tiers"]["test"] = _tiers(cfg, seed, trained | eval_questions | asked)
     return data, {"sources": sources_stats}
+
+
+def tier_levels(cfg) -> dict[str, list[int]]:
+    """The levels of each difficulty tier: the trained levels not at the edge, the edge, and the
+    harder levels that nothing trains on."""
+    return {"in_distribution": [lv for lv in cfg.math_levels if lv not in cfg.edge_levels],
+            "edge": list(cfg.edge_levels), "harder": list(cfg.harder_levels)}
+
+
+def _tiers(cfg, seed: int, held_out: set[str]) -> list[dict]:
+    """cfg.tier_test evaluation-only word problems per tier (`tier_levels`; the levels of a tier
+    in turn, cfg.math_zh_fraction in Chinese), distinct, none a question in `held_out` (every
+    training question and the other evaluation sets' questions)."""
+    rng = random.Random(f"{seed}:prepare:tiers")
+    out: list[dict] = []
+    taken = set(held_out)
+    for tier, levels in tier_levels(cfg).items():
+        drawn, attempts = 0, 0
+        while drawn < cfg.tier_test:
+            attempts += 1
+            if attempts > 50 * cfg.tier_test + 1000:
+                raise DataError(f"prepare: could not draw {cfg.tier_test} distinct unseen problems at levels {levels}"
+                                f" for the {tier} tier; lower prepare.tier_test")
+            level = levels[drawn % len(levels)]
+            p = math_problem(rng, level, "zh" if rng.random() < cfg.math_zh_fraction else "en")
+            if p.question in taken:
+                continue
+            taken.add(p.question)
+            out.append({"id": f"tier-{tier}-{drawn}", "question": p.question, "answer": str(p.answer),
+                        "level": p.level, "lang": p.lang, "tier": tier, "source": "generated/math"})
+            drawn += 1
+    return out
 
 
 def _context(cfg, seed: int, held_out: set[str], eval_requests: set[str]) -> list[dict]:
@@ -415,7 +456,8 @@ def _external(cfg, seed: int, data: dict, eval_questions: set[str]) -> list[dict
 # What the stage writes: kind -> splits. The evaluation-only files may be empty (eval then skips them).
 REQUIRED = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("train", "val"),
             "rl": ("train", "val", "test")}
-EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",), "multiturn": ("test",), "scope": ("test",)}
+EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",), "multiturn": ("test",), "scope": ("test",),
+                   "tiers": ("test",)}
 
 
 def check_required(data: dict[str, dict[str, list[dict]]]) -> None:

@@ -17,8 +17,9 @@ per level, the `#### N` format; instruction tasks overall and per kind; bare ari
 second turns of conversations and the out-of-scope answers without math, when evaluated; math
 and bare arithmetic asked again in each context (after an out-of-scope request, after a task,
 under each system message: `context_math_after_scope`, ...), paired over the same items asked in
-that context, when evaluated; the sampled math accuracy and the reward model's score (scores, not
-right/wrong).
+that context, when evaluated; math per difficulty tier, greedy (`tier_edge`, ...) and sampled
+(`tier_sampled_edge`, a score), when evaluated (llm/eval/tiers.py); the sampled math accuracy and
+the reward model's score (scores, not right/wrong).
 
 For a right/wrong skill on n paired items, with b items only the child gets right and c only
 the parent:
@@ -64,6 +65,9 @@ _SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score
 # The items asked again in contexts (set "context": "of" names the items, "context" where they were
 # asked; llm/eval/evaluate.py context_items), as the report words them.
 CONTEXT_OF = {"math": "math", "arithmetic": "bare arithmetic"}
+# The difficulty tiers of set "tier" (greedy) and "tier_sampled" (the share of right samples),
+# in report order (llm/eval/tiers.py).
+TIER_LABELS = {"in_distribution": "in distribution", "edge": "the edge", "harder": "harder, never trained on"}
 CONTEXT_WHERE = {"after_scope": " after an out-of-scope request", "after_task": " after an instruction task",
                  "system_short": ' under "You are terse."', "system_helpful": ' under "You are a helpful assistant."',
                  "system_unseen": " under a system message no training conversation has"}
@@ -121,6 +125,12 @@ def skills(items: Iterable[dict]) -> list[tuple[str, str, str, Callable[[dict], 
     out += [(f"context_{of}_{ctx}", f"{CONTEXT_OF.get(of, of)}{CONTEXT_WHERE.get(ctx, f' in context {ctx}')}",
              "context", lambda r, of=of, ctx=ctx: r.get("of") == of and r.get("context") == ctx, "correct")
             for of, ctx in contexts]
+    tiers = {r.get("tier") for r in items if r["set"] in ("tier", "tier_sampled")}
+    tiers = [t for t in TIER_LABELS if t in tiers] + sorted(t for t in tiers if t not in TIER_LABELS)
+    for item_set, what, field in (("tier", "math", "correct"), ("tier_sampled", "sampled math", "score")):
+        if item_set in present:
+            out += [(f"{item_set}_{t}", f"{what}, tier: {TIER_LABELS.get(t, t)}", item_set,
+                     lambda r, t=t: r.get("tier") == t, field) for t in tiers]
     for s, (field, label) in _SCORE_SETS.items():
         if s in present:
             out.append(({"rm": "rm_score"}.get(s, s), label, s, every, field))

@@ -162,9 +162,10 @@ def targets_table(summary: dict | None) -> list[str]:
                  [a / b for a, b in zip(sft_bpb, base_bpb)] if sft_bpb and base_bpb else None, "ratio", False,
                  "at most 1.2"))
     rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
-    rows.append(("RM: held-out comparisons of SFT's own answers ranked right", rm, "pct", True, "at least 95%"))
+    rows.append(("RM: held-out comparisons of SFT's own answers ranked right", rm, "pct", True,
+                 "- (95% withdrawn: a slip the trunk cannot see; docs/log.md)"))
     rows.append(("RM minus SFT's likelihood on the same pairs, points",
-                 [100 * (a - b) for a, b in zip(rm, lik)] if rm and lik else None, "pts", True, "at least +5"))
+                 [100 * (a - b) for a, b in zip(rm, lik)] if rm and lik else None, "pts", True, "-"))
     rows.append(("RM without its likelihood feature (the head alone)",
                  _vals(summary, "reward.json:accuracy_without_likelihood"), "pct", True, "-"))
     rows.append(("held-out wrong answers that are SFT's own greedy choice",
@@ -182,7 +183,29 @@ def targets_table(summary: dict | None) -> list[str]:
         f = show[kind]
         worst = min(values) if higher else max(values)
         lines.append(_row([label, " / ".join(f(v) for v in values), f(sum(values) / len(values)), f(worst), target]))
-    for model, skill, label, target in (("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
+    greedy, rank = _vals(summary, "rankers.json:greedy_accuracy"), _vals(summary, "rankers.json:rankers.likelihood.best_of_n")
+    if greedy and rank:
+        rows_extra = [("rankers: best of 16 by SFT's likelihood minus greedy, edge tier, points",
+                       [100 * (a - b) for a, b in zip(rank, greedy)])]
+        for key, name in (("reward_model", "the reward model"), ("dpo_implicit", "DPO's implicit reward"),
+                          ("agreement", "agreement")):
+            if v := _vals(summary, f"rankers.json:rankers.{key}.best_of_n"):
+                rows_extra.append((f"rankers: best of 16 by {name} minus greedy, points",
+                                   [100 * (a - b) for a, b in zip(v, greedy)]))
+        for label, values in rows_extra:
+            if len(values) == len(runs):
+                lines.append(_row([label, " / ".join(f"{v:+.1f}" for v in values),
+                                   f"{sum(values) / len(values):+.1f}", f"{min(values):+.1f}",
+                                   "- (what beats the likelihood becomes the math reward)"]))
+    for model, skill, label, target in (("grpo", "tier_edge", "GRPO on the edge tier: greedy change vs SFT",
+                                         "at least +8, above 0 on every seed"),
+                                        ("grpo_random", "tier_edge", "its shuffled-reward control on the edge tier",
+                                         "covers 0"),
+                                        ("grpo", "tier_in_distribution", "GRPO in distribution: change vs SFT",
+                                         "not below -1"),
+                                        ("grpo", "tier_harder", "GRPO on the harder tier (never trained on)",
+                                         "- (measured)"),
+                                        ("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
                                         ("ppo", "math", "PPO: math change vs SFT", "above 0"),
                                         ("ppo", "rm_score", "PPO: RM score change vs SFT", "above 0")):
         res = paired.get(model, {}).get(skill)
@@ -299,6 +322,11 @@ def findings(metrics: Path) -> str:
         if "math_sampled" in paired.get("dpo", {}):
             line += f"; DPO's sampled math {_pooled(paired['dpo']['math_sampled'])}"
         out.append(line + f" {log}.")
+    if line := tier_finding({m: paired.get(m, {}) for m in ("grpo", "grpo_random")},
+                            _vals(summary, "eval/sft.json:tier_edge_greedy_wrong_pass"), pooled=True):
+        out.append(line + f" {log}.")
+    if line := ranker_finding({k: _vals(summary, f"rankers.json:{k}") for k in RANKER_KEYS}):
+        out.append(line + f" {log}.")
     rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
     own = _vals(summary, "samples.json:heldout_errors_sft_would_make")
     sep = summary.get("rm_separation", {}).get("sft")
@@ -337,8 +365,68 @@ def run_findings(metrics: Path) -> str:
              if "math" in paired.get(f"{m}_vs_sft", {})]
     if cells:
         out.append("RL's change of greedy math from SFT on this run's items: " + ", ".join(cells) + ".")
+    tiers = {m: paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")}
+    head = sft.get("tier_edge_greedy_wrong_pass")
+    if line := tier_finding(tiers, [head] if isinstance(head, (int, float)) else None, pooled=False):
+        out.append(line + ".")
+    rankers = _read(metrics / "rankers.json") or {}
+    if line := ranker_finding({k: [v] for k in RANKER_KEYS if isinstance(v := _dig(rankers, k), (int, float))}):
+        out.append(line + ".")
     out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
+
+
+RANKER_KEYS = ("greedy_accuracy", "pass_at_n", "rankers.likelihood.best_of_n", "rankers.reward_model.best_of_n",
+               "rankers.dpo_implicit.best_of_n", "rankers.agreement.best_of_n")
+
+
+def _dig(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def _change(res: dict, pooled: bool) -> str:
+    """A paired change in points with its interval: pooled over seeds (summary["paired"]) or one
+    run's (metrics/paired.json)."""
+    if pooled:
+        worst = f", worst seed {100 * res['worst']:+.1f}" if len(res.get("deltas", [])) > 1 else ""
+        return f"{100 * res['mean']:+.1f} [{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]{worst}"
+    return _pp(res)
+
+
+def tier_finding(paired: dict[str, dict], headroom: list[float] | None, *, pooled: bool) -> str | None:
+    """GRPO's change of greedy math per difficulty tier and its control's on the edge, and how much
+    sharpening could add there; None when GRPO was not evaluated on the tiers."""
+    g = paired.get("grpo", {})
+    if "tier_edge" not in g:
+        return None
+    where = "pooled over the seeds' items" if pooled else "this run's items"
+    parts = [f"on the edge tier {_change(g['tier_edge'], pooled)}"]
+    if "tier_edge" in paired.get("grpo_random", {}):
+        parts.append(f"its shuffled-reward control there {_change(paired['grpo_random']['tier_edge'], pooled)}")
+    for key, label in (("tier_in_distribution", "in distribution"), ("tier_harder", "on the harder tier, never trained on")):
+        if key in g:
+            parts.append(f"{label} {_change(g[key], pooled)}")
+    line = f"GRPO per difficulty tier, greedy math against SFT ({where}): " + ", ".join(parts)
+    if headroom:
+        line += (f"; SFT's greedy answer is wrong while one of its 16 samples is right on"
+                 f" {100 * _mean(headroom):.0f}% of the edge problems, the most sharpening can add")
+    return line
+
+
+def ranker_finding(values: dict[str, list[float] | None]) -> str | None:
+    """Best-of-16 on the edge tier by each ranker against greedy decoding (means over the seeds)."""
+    greedy, n = values.get("greedy_accuracy"), len(values.get("greedy_accuracy") or [])
+    if not greedy or not values.get("rankers.likelihood.best_of_n"):
+        return None
+    names = (("likelihood", "SFT's likelihood"), ("reward_model", "the reward model"),
+             ("dpo_implicit", "DPO's implicit reward"), ("agreement", "agreement among the samples"))
+    cells = [f"{label} {100 * _mean(v):.1f}%" for key, label in names
+             if (v := values.get(f"rankers.{key}.best_of_n")) and len(v) == n]
+    return (f"Picking the best of 16 of SFT's answers on the edge tier{' (mean of ' + str(n) + ' seeds)' if n > 1 else ''}:"
+            f" greedy {100 * _mean(greedy):.1f}%, pass@16 {100 * _mean(values.get('pass_at_n') or greedy):.1f}%; by "
+            + ", ".join(cells))
 
 
 def experiment(metrics: Path) -> str:

@@ -24,6 +24,13 @@ The page, top to bottom:
   paired comparison (per level, per task kind and per context too); for GRPO, how much of its change in
   math its control (grpo_random: the same rewards given to random samples) leaves to the
   real reward (`control_line`);
+- math by difficulty tier (when evaluated: llm/eval/tiers.py): per tier and model, greedy accuracy
+  with its paired change against the parent, pass@1 and pass@k of sampled answers, the majority
+  vote, and the share greedy gets wrong while a sample is right (what sharpening can add at most),
+  the pass@k curves as a figure (`tier_rows`, `tier_line`);
+- math rankers (stage rankers, llm/post/rankers.py): how often each score ranks a right answer of
+  SFT's above a wrong one, overall and against SFT's own greedy answer, and its best-of-n accuracy
+  beside pass@n (`ranker_rows`, `ranker_line`; the curves as a figure);
 - over-optimisation: PPO on the reward model alone (ppo_rm), its RM score (proxy) and the
   verifier's accuracy (gold) of each step's rollouts against sqrt(KL to SFT), and the KL at
   which the gold stops rising (`overoptimisation`, `overopt_line`);
@@ -47,7 +54,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llm.config import TASK_KINDS
-from llm.eval.paired import CONTEXT_OF, CONTEXT_WHERE, compare, read_items
+from llm.eval.paired import CONTEXT_OF, CONTEXT_WHERE, TIER_LABELS, compare, read_items
 from llm.train.metrics import join_metrics, run_info_path, timings_path
 
 # ppo_rm (PPO on the reward model alone) and grpo_random (GRPO's control: its rewards shuffled
@@ -57,7 +64,7 @@ PARENT = {"sft": "base", "ppo": "sft", "ppo_rm": "sft", "grpo": "sft", "grpo_ran
 NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "ppo_rm": "PPO on the RM alone", "grpo": "GRPO",
         "grpo_random": "GRPO on shuffled rewards", "dpo": "DPO"}
 STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "samples", "reward", "pairs", "dpo", "ppo",
-          "ppo_rm", "grpo", "grpo_random")
+          "ppo_rm", "grpo", "grpo_random", "rankers")
 PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
                               " in minutes. These numbers check the plumbing, not learning: do not read them as"
                               " results."}
@@ -100,6 +107,7 @@ ALL_METRICS: tuple[tuple[str, str, str], ...] = (
     *((f"context_{of}_{ctx}", f"{label}{where}", "pct")
       for of, label in CONTEXT_OF.items()
       for ctx, where in {"alone": " asked alone (the items asked again below)", **CONTEXT_WHERE}.items()),
+    *((f"tier_{t}_exact_match", f"math, tier: {label}", "pct") for t, label in TIER_LABELS.items()),
     ("rm_score", "reward model score", "num"),
     ("rm_auc", "RM ranks its right math answers above its wrong ones (AUC)", "num"),
     ("win_rate_vs_sft", "win rate vs SFT (RM judge)", "pct"),
@@ -239,6 +247,9 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
             cols = read_tsv(f)
             if cols.get("step"):
                 curves[f.name] = cols
+    f = root / "plots" / "rankers.tsv"   # best-of-n against n (stage rankers)
+    if f.is_file() and (cols := read_tsv(f)).get("n"):
+        curves[f.name] = cols
     return {"evals": evals, "samples": samples, "items": items, "stages": stages, "curves": curves, "notes": notes,
             "max_samples": max_samples}
 
@@ -689,3 +700,113 @@ def control_line(paired: dict[str, dict], skill: str = "math") -> str | None:
             f" its control's (the same rewards shuffled across each step's samples) {_change(skill, c, False)};"
             f" the real reward explains {fmt_delta(g['delta'] - c['delta'], k)} of it (the difference of the two"
             f" changes, whose intervals are those above).")
+
+
+def tier_rows(evals: dict[str, dict], paired: dict[str, dict]) -> list[tuple[str, int | None, list[dict]]]:
+    """Per difficulty tier evaluated: (label, k of pass@k, rows), a row per model: {"model",
+    "parent", "greedy": "value [interval]", "change": paired change against the parent or "",
+    "verdict", "pass_1", "pass_k", "maj", "headroom"} as text ("–" where not measured)."""
+    out = []
+    models = [m for m in MODELS if m in evals]
+    tiers = [t for t in TIER_LABELS if any(_isnum(evals[m].get(f"tier_{t}_exact_match")) for m in models)]
+    for t in tiers:
+        ks = {evals[m].get("tier_pass_k") for m in models} - {None}
+        k = ks.pop() if len(ks) == 1 else None
+        rows = []
+        for m in models:
+            e = evals[m]
+            if not _isnum(e.get(f"tier_{t}_exact_match")):
+                continue
+            key = f"tier_{t}_exact_match"
+            res = paired.get(m, {}).get("skills", {}).get(f"tier_{t}")
+            maj = next((v for kk, v in e.items() if kk.startswith(f"tier_{t}_maj_at_")), None)
+            rows.append({"model": m, "parent": PARENT.get(m, ""),
+                         "greedy": (fmt_value(e.get(key), "pct") + " "
+                                    + fmt_interval(e.get(f"{key}_lo"), e.get(f"{key}_hi"), "pct")).strip(),
+                         "change": _change(f"tier_{t}", res, with_values=False) if res else "",
+                         "verdict": verdict(res) if res else "",
+                         "pass_1": fmt_value(e.get(f"tier_{t}_pass_at_1"), "pct"),
+                         "pass_k": fmt_value(e.get(f"tier_{t}_pass_at_{k}"), "pct") if k else "–",
+                         "maj": fmt_value(maj, "pct"),
+                         "headroom": fmt_value(e.get(f"tier_{t}_greedy_wrong_pass"), "pct")})
+        out.append((TIER_LABELS[t], k, rows))
+    return out
+
+
+TIER_NOTE = ("Greedy accuracy [95% interval] on each tier's held-out problems, and below it the change against"
+             " the parent on the same problems with its paired interval. pass@1 and pass@k: of k sampled answers"
+             " (eval.temperature), the unbiased estimate that one is right; majority: the most common answer of"
+             " the first 8 samples; greedy wrong, a sample right: the share of problems where greedy decoding"
+             " misses an answer the model does sample, the most that sharpening (making the model choose what it"
+             " already samples) can add to greedy accuracy. The in-distribution tier holds the trained levels"
+             " below the edge; the edge, trained levels the SFT model solves about half the time; the harder tier,"
+             " levels nothing trains on.")
+
+
+def tier_line(paired: dict[str, dict], evals: dict[str, dict]) -> str | None:
+    """GRPO on the edge tier against SFT and against its control, and what sharpening could add
+    there at most; None unless GRPO was compared with SFT on the edge tier."""
+    g = paired.get("grpo", {}).get("skills", {}).get("tier_edge")
+    if not g:
+        return None
+    line = f"GRPO on the edge tier: {_change('tier_edge', g, True)} against SFT"
+    c = paired.get("grpo_random", {}).get("skills", {}).get("tier_edge")
+    if c:
+        line += f", its control (shuffled rewards) {_change('tier_edge', c, False)}"
+    head = evals.get("sft", {}).get("tier_edge_greedy_wrong_pass")
+    if _isnum(head):
+        line += (f"; SFT's greedy answer is wrong while one of its samples is right on {fmt_value(head, 'pct')}"
+                 f" of the edge problems sampled, the most sharpening could add")
+    h = paired.get("grpo", {}).get("skills", {}).get("tier_harder")
+    if h:
+        line += f". On the harder tier, which nothing trains on: {_change('tier_harder', h, True)}"
+    return line + "."
+
+
+# The rankers of stage rankers (its metrics' keys), as the report words them, in order.
+RANKER_LABELS = {"likelihood": "SFT's likelihood", "per_token": "SFT's likelihood per token",
+                 "reward_model": "the reward model", "dpo_implicit": "DPO's implicit reward",
+                 "agreement": "agreement with the other samples"}
+RANKERS_NOTE = ("Each of SFT's problems on the tier gets its greedy answer and n sampled answers; the verifier says"
+                " which are right. Pairs: every (right, wrong) pair of different answers to one problem, ranked"
+                " right when the right one scores higher (ties count half); against the greedy answer: the pairs"
+                " of a right sample and SFT's own wrong greedy answer, the only errors a reward must fix to change"
+                " what greedy decoding says. Best of n: the share of problems whose top-ranked of n samples is right"
+                " (pass@n is the most any ranker can reach; a random pick scores the sampled accuracy).")
+
+
+def ranker_rows(stages: dict[str, dict]) -> list[list[str]]:
+    """[ranker, pairs ranked right [interval], against the greedy answer [interval] (pairs), best of n]
+    per ranker of metrics/rankers.json; [] without it."""
+    m = stages.get("rankers") or {}
+    out = []
+    for key, label in RANKER_LABELS.items():
+        r = (m.get("rankers") or {}).get(key)
+        if not r:
+            continue
+        pair = f"{fmt_value(r.get('pair_accuracy'), 'pct')} {fmt_interval(r.get('pair_accuracy_lo'), r.get('pair_accuracy_hi'), 'pct')}"
+        slice_ = (f"{fmt_value(r.get('greedy_wrong_accuracy'), 'pct')} "
+                  f"{fmt_interval(r.get('greedy_wrong_accuracy_lo'), r.get('greedy_wrong_accuracy_hi'), 'pct')}"
+                  f" ({r.get('greedy_wrong_pairs', 0)} pairs)") if _isnum(r.get("greedy_wrong_accuracy")) else "–"
+        best = f"{fmt_value(r.get('best_of_n'), 'pct')} {fmt_interval(r.get('best_of_n_lo'), r.get('best_of_n_hi'), 'pct')}"
+        out.append([label, pair.strip(), slice_, best.strip()])
+    return out
+
+
+def ranker_line(stages: dict[str, dict]) -> str | None:
+    """One sentence: the tier, greedy and pass@n, and which ranker's best-of-n is highest against
+    greedy decoding; None without metrics/rankers.json."""
+    m = stages.get("rankers") or {}
+    rs = {k: r for k, r in (m.get("rankers") or {}).items() if _isnum(r.get("best_of_n"))}
+    if not rs or not _isnum(m.get("greedy_accuracy")):
+        return None
+    best = max(rs, key=lambda k: rs[k]["best_of_n"])
+    n, greedy = m.get("samples"), m["greedy_accuracy"]
+    r = rs[best]
+    beats = r["best_of_n_lo"] is not None and r["best_of_n_lo"] > greedy
+    return (f"On {m.get('problems')} problems of the {str(m.get('tier', '')).replace('_', ' ')} tier SFT answers"
+            f" {fmt_value(greedy, 'pct')} greedily and pass@{n} is {fmt_value(m.get('pass_at_n'), 'pct')}; the best"
+            f" ranker's pick of {n} samples, {RANKER_LABELS.get(best, best)}'s, is right on"
+            f" {fmt_value(r['best_of_n'], 'pct')} {fmt_interval(r['best_of_n_lo'], r['best_of_n_hi'], 'pct')}: "
+            + ("above greedy decoding." if beats else "no better than greedy decoding, so none of these scores"
+               " would make a better math reward than the likelihood the policy already has."))

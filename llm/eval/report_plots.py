@@ -315,3 +315,71 @@ def overopt_figure(curve: dict | None):
         ax.grid(alpha=0.3)
         _legend_below(ax, legend_row)
     return fig
+
+
+def _samples_axis(ax, legend_row, title: str, xlabel: str, ylabel: str) -> None:
+    """A rate (0-100%) against a number of samples on a log2 axis, with its legend in its own row."""
+    ax.set_xscale("log", base=2)
+    _rate_axis(ax)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    _legend_below(ax, legend_row)
+
+
+def tiers_png(samples: dict[str, dict]) -> bytes | None:
+    """pass@k against k (log axis) per difficulty tier, a line per model, from each model's
+    samples file ("tier_pass_curves": {tier: [pass@1, ..., pass@n]}); None when no model has one."""
+    fig = tiers_figure(samples)
+    return _png(fig) if fig is not None else None
+
+
+def tiers_figure(samples: dict[str, dict]):
+    """The matplotlib figure of `tiers_png`, or None."""
+    from llm.eval.paired import TIER_LABELS
+    models = [m for m in MODELS if (samples.get(m) or {}).get("tier_pass_curves")]
+    tiers = [t for t in TIER_LABELS if any(t in samples[m]["tier_pass_curves"] for m in models)]
+    if not tiers:
+        return None
+    fig, axes, legend_rows = _panel_grid(len(tiers), ncol=3, width=3.6, height=3.0, legend_lines=len(models))
+    for ax, legend_row, t in zip(axes, legend_rows, tiers):
+        for i, m in enumerate(models):
+            curve = samples[m]["tier_pass_curves"].get(t)
+            if curve:
+                ks = list(range(1, len(curve) + 1))
+                ax.plot(ks, curve, "-o", ms=2.5, lw=1.4, color=f"C{i}", label=m)
+        _samples_axis(ax, legend_row, f"tier: {TIER_LABELS[t]}", "k (samples)", "pass@k")
+    return fig
+
+
+RANKER_COLUMNS = (("likelihood", "SFT's likelihood"), ("per_token", "likelihood per token"),
+                  ("reward_model", "reward model"), ("dpo_implicit", "DPO implicit reward"),
+                  ("agreement", "agreement"))
+
+
+def rankers_png(curve: dict[str, list[float]] | None) -> bytes | None:
+    """Best-of-n accuracy against n (log axis), a line per ranker, pass@n and a random pick dashed,
+    from plots/rankers.tsv's columns; None without it."""
+    fig = rankers_figure(curve)
+    return _png(fig) if fig is not None else None
+
+
+def rankers_figure(curve: dict[str, list[float]] | None):
+    """The matplotlib figure of `rankers_png`, or None."""
+    if not curve or not curve.get("n"):
+        return None
+    lines = [(k, label) for k, label in RANKER_COLUMNS if k in curve]
+    fig, axes, legend_rows = _panel_grid(1, ncol=1, width=5.5, height=3.4, legend_lines=len(lines) + 2)
+    ax, legend_row = axes[0], legend_rows[0]
+    n = curve["n"]
+    for i, (k, label) in enumerate(lines):
+        ax.plot(n, curve[k], "-o", ms=2.5, lw=1.4, color=f"C{i}", label=label)
+    if "pass_at_n" in curve:
+        ax.plot(n, curve["pass_at_n"], "--", lw=1.2, color="k", label="pass@n (a perfect ranker)")
+    if "random" in curve:
+        ax.plot(n, curve["random"], ":", lw=1.2, color="0.4", label="a random pick (sampled accuracy)")
+    _samples_axis(ax, legend_row, "rankers: the top-ranked of n samples, right?", "n (samples ranked)",
+                  "best-of-n accuracy (verifier)")
+    return fig

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from llm.eval.report import (CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL,
                              _join, all_metric_rows, control_line, fixed_prompt_rows, item_sample_groups, overopt_curve,
                              overopt_line, paired_rows, stage_headline_rows, stage_summary, stage_times, summary_rows,
-                             verdict)
+                             RANKERS_NOTE, TIER_NOTE, ranker_line, ranker_rows, tier_line, tier_rows, verdict)
 
 _URL = re.compile(r"(?i)\b(http)(s?)://")
 
@@ -121,6 +121,22 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out.append("_No eval metrics yet (metrics/eval/<model>.json)._")
     if images.get("eval"):
         out += ["", f"![held-out accuracy per skill, win rate and KL with 95% intervals]({images['eval']})"]
+    tiers = tier_rows(data["evals"], paired)
+    if tiers:
+        out += ["", "## Math by difficulty tier", "", TIER_NOTE, ""]
+        if line := tier_line(paired, data["evals"]):
+            out += [_md(line), ""]
+        for label, k, rows in tiers:
+            out += [f"### {label}", "", f"| model | greedy | pass@1 | pass@{k or 'k'} | majority of 8"
+                    " | greedy wrong, a sample right |", "|---|---|---|---|---|---|"]
+            for r in rows:
+                change = f"<br>{MARK[r['verdict']]} {r['change']}" if r["change"] else ""
+                vs = f" vs {r['parent']}" if r["change"] else ""
+                out.append(f"| **{r['model']}**{vs} | {r['greedy']}{change} | {r['pass_1']} | {r['pass_k']}"
+                           f" | {r['maj']} | {r['headroom']} |")
+            out.append("")
+        if images.get("tiers"):
+            out += [f"![pass@k per difficulty tier]({images['tiers']})", ""]
     out += ["", "## What each stage changed", ""]
     if not paired:
         out += ["_No paired comparison: per-item outcomes (metrics/eval/<model>_items.jsonl) are missing._", ""]
@@ -135,6 +151,17 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out.append("")
         if child == "grpo_random" and (line := control_line(paired)):
             out += [_md(line), ""]
+    rrows = ranker_rows(data["stages"])
+    if rrows:
+        n = data["stages"]["rankers"].get("samples", "n")
+        out += ["## Math rankers", "", RANKERS_NOTE, ""]
+        if line := ranker_line(data["stages"]):
+            out += [_md(line), ""]
+        out += [f"| ranker | pairs ranked right | against the greedy answer | best of {n} |", "|---|---|---|---|"]
+        out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rrows]
+        out.append("")
+        if images.get("rankers"):
+            out += [f"![best-of-n per ranker against the verifier]({images['rankers']})", ""]
     out += ["## Over-optimisation", ""]
     curve = overopt_curve(data["curves"])
     if curve:
@@ -280,6 +307,27 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
     else:
         h.append('<p class="note">No eval metrics yet (metrics/eval/&lt;model&gt;.json).</p>')
     h.append(_img(images.get("eval"), "held-out accuracy per skill, win rate and KL with 95% intervals"))
+    tiers = tier_rows(data["evals"], paired)
+    if tiers:
+        h.append('<h2 id="tiers">Math by difficulty tier</h2>')
+        h.append(f'<p class="note">{_e(TIER_NOTE)}</p>')
+        if line := tier_line(paired, data["evals"]):
+            h.append(f'<p class="stage">{_e(line)}</p>')
+        for label, k, rows in tiers:
+            h.append(f"<h3>{_e(label)}</h3>")
+            h.append('<div class="wide"><table class="tiers"><tr><th>model</th><th>greedy</th><th>pass@1</th>'
+                     f"<th>pass@{_e(k or 'k')}</th><th>majority of 8</th><th>greedy wrong, a sample right</th></tr>")
+            for r in rows:
+                cell = f'<span class="v">{_e(r["greedy"])}</span>'
+                if r["change"]:
+                    change = _e(r["change"]).replace(", ", NBSP_COMMA)
+                    cell += (f'<br><span class="chg {r["verdict"]}">{MARK[r["verdict"]]}{NBSP}{change}'
+                             f' vs {_e(r["parent"])}</span>')
+                h.append(f"<tr><th>{_e(r['model'])}</th><td>{cell}</td>"
+                         + "".join(f'<td class="num">{_e(r[c])}</td>' for c in ("pass_1", "pass_k", "maj", "headroom"))
+                         + "</tr>")
+            h.append("</table></div>")
+        h.append(_img(images.get("tiers"), "pass@k per difficulty tier"))
     h.append("<h2>What each stage changed</h2>")
     if not paired:
         h.append('<p class="note">No paired comparison: per-item outcomes (metrics/eval/&lt;model&gt;_items.jsonl)'
@@ -302,6 +350,19 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h.append("</table></details>")
         if child == "grpo_random" and (line := control_line(paired)):
             h.append(f'<p class="stage" id="control">{_e(line)}</p>')
+    rrows = ranker_rows(data["stages"])
+    if rrows:
+        n = data["stages"]["rankers"].get("samples", "n")
+        h.append('<h2 id="rankers">Math rankers</h2>')
+        h.append(f'<p class="note">{_e(RANKERS_NOTE)}</p>')
+        if line := ranker_line(data["stages"]):
+            h.append(f'<p class="stage">{_e(line)}</p>')
+        h.append('<table class="rankers"><tr><th>ranker</th><th>pairs ranked right</th><th>against the greedy'
+                 f" answer</th><th>best of {_e(n)}</th></tr>")
+        h += ["<tr><th>" + _e(row[0]) + "</th>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row[1:]) + "</tr>"
+              for row in rrows]
+        h.append("</table>")
+        h.append(_img(images.get("rankers"), "best-of-n per ranker against the verifier"))
     h.append("<h2>Over-optimisation</h2>")
     curve = overopt_curve(data["curves"])
     if curve:

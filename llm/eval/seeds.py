@@ -52,7 +52,8 @@ from llm.eval.paired import (bootstrap_means, compare, mcnemar_exact, parse_item
                              rm_separation, skills, t_quantile)
 
 EVAL_DIR = "metrics/eval"
-HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score")
+HEADLINE = ("math", "math_en", "math_zh", "task", "arithmetic", "math_sampled", "rm_score",
+            "tier_in_distribution", "tier_edge", "tier_harder")
 # FILE:KEY in a run's metrics/: what the eval items do not hold (shown where every run has it)
 STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                  "reward.json:accuracy_without_likelihood", "samples.json:heldout_errors_sft_would_make",
@@ -63,7 +64,10 @@ STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                  "eval/dpo.json:kl", "eval/sft.json:multiturn_exact_match", "eval/sft.json:scope_no_math_rate",
                  "eval/sft.json:scope_no_math_rate_second_turn", "eval/sft.json:scope_exact_match",
                  "eval/sft.json:context_math_after_scope_drop", "eval/sft.json:context_arithmetic_system_helpful_drop",
-                 "eval/sft.json:val_bpb", "eval/base.json:val_bpb")
+                 "eval/sft.json:val_bpb", "eval/base.json:val_bpb", "eval/sft.json:tier_edge_greedy_wrong_pass",
+                 "eval/sft.json:tier_edge_pass_at_16", "rankers.json:greedy_accuracy", "rankers.json:pass_at_n",
+                 *(f"rankers.json:rankers.{r}.best_of_n" for r in ("likelihood", "reward_model", "dpo_implicit",
+                                                                  "agreement")))
 
 
 @dataclass
