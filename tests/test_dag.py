@@ -118,7 +118,7 @@ def _downstream(stage: str) -> set[str]:
     return {
         "ppo": {"ppo", "eval@ppo", "ppo_rm", "eval@ppo_rm", "report"},          # ppo_rm: a variant of ppo
         "grpo": {"grpo", "eval@grpo", "grpo_random", "eval@grpo_random", "report"},
-        "dpo": {"dpo", "eval@dpo", "report"},
+        "dpo": {"dpo", "eval@dpo", "rankers", "report"},                         # rankers reads DPO's model
     }[stage]
 
 
