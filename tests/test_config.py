@@ -589,3 +589,14 @@ def test_an_added_key_inside_a_nested_section_is_left_out_at_its_default_too():
     plain = {"inner": {"width": 8}, "items": [{"width": 8}]}
     assert fingerprint(Outer(items=[Inner()])) == fingerprint(plain)
     assert fingerprint(Outer(inner=Inner(extra=1), items=[Inner()])) != fingerprint(plain)
+
+
+def test_the_config_knows_the_hardest_level_the_generator_draws():
+    """llm/config.py cannot import the generators (it sits below them): its bound on every math
+    level key is checked against the levels the generator has."""
+    from llm.config import MAX_MATH_LEVEL
+    from llm.data.generators import MAX_LEVEL, math_problem
+    import random
+    assert MAX_MATH_LEVEL == MAX_LEVEL
+    p = math_problem(random.Random(0), MAX_LEVEL, "en")
+    assert p.level == MAX_LEVEL and len(p.steps) == 4

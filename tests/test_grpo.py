@@ -436,11 +436,11 @@ def test_no_informative_group_for_n_steps_ends_the_run_and_fails_its_gate(tmp_pa
 def test_rl_config_checks_levels():
     from llm.config import ConfigError, params_from_dict
     d = yaml.safe_load((ROOT / "params.yaml").read_text())
-    d["grpo"]["curriculum_levels"] = [5, 2]  # 0 is allowed: problems from sources, which have no level
+    d["grpo"]["curriculum_levels"] = [6, 2]  # 0 is allowed: problems from sources, which have no level
     d["ppo"]["kl_alert_low"] = 0.5
     with pytest.raises(ConfigError) as e:
         params_from_dict(d)
-    assert "grpo.curriculum_levels[0]: expected an int in [0, 4], got 5" in str(e.value)
+    assert "grpo.curriculum_levels[0]: expected an int in [0, 5], got 6" in str(e.value)
     assert "ppo.kl_alert_low: 0.5 is above kl_alert_high" in str(e.value)
     assert isinstance(grpo_cfg(), RLConfig)
 

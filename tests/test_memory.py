@@ -128,7 +128,9 @@ def expected(params: dict, a: Allocated) -> dict[str, dict[str, dict[str, int]]]
                 "held-out eval": {"weights": ppo_held, "optimizer": val["optimizer"],
                                   "kv_cache": a.kv(min(64, p["eval_problems"]), gen("ppo"))}},
         "grpo": {"rollout": {"weights": grpo_held, "optimizer": lm["optimizer"],
-                             "kv_cache": a.kv(g["prompts_per_step"] * g["group_size"], gen("grpo"))},
+                             # dynamic sampling rolls out oversample x prompts_per_step groups at once
+                             "kv_cache": a.kv(g["prompts_per_step"] * g.get("oversample", 1) * g["group_size"],
+                                              gen("grpo"))},
                  "scoring": {"weights": grpo_held, "optimizer": lm["optimizer"]},
                  "update": {**lm, "weights": grpo_held},
                  "held-out eval": {"weights": grpo_held, "optimizer": lm["optimizer"],

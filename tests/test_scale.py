@@ -419,7 +419,7 @@ def test_work_that_does_not_share_out_over_the_processes_is_refused_by_key(tmp_p
     p = yaml.safe_load((ROOT / "params.yaml").read_text())
     p["common"].update(nproc=2, nnodes=2, rdzv_endpoint="node0:29400", device="cpu")
     p["pretrain"]["grad_accum"] = 2
-    p["grpo"]["prompts_per_step"] = 6
+    p["grpo"].update(prompts_per_step=6, oversample=1)  # 6 groups a step for 4 processes
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p))
     paths = [f"--{k.replace('_', '-')}=x" for k in (*stages.pretrain.INPUTS, *stages.pretrain.OUTPUTS)]
     assert stages.pretrain.main(["--params", str(tmp_path / "params.yaml"), *paths]) == 1
