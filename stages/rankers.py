@@ -77,7 +77,7 @@ def run(common: CommonConfig, cfg: RankersConfig, device, *, sft: Path, rm: Path
     if rt is not None and not rt.is_main:
         return m
     names = [r for r in RANKERS if r in table["rankers"]]
-    rows = ["\t".join(["n", *(r.replace(" ", "_") for r in names), "pass_at_n", "random"])]
+    rows = ["\t".join(["n", *(r.replace(" ", "_").lower() for r in names), "pass_at_n", "random"])]
     rows += ["\t".join([str(k + 1), *(f"{table['rankers'][r]['best_of_n'][k]:.6f}" for r in names),
                         f"{table['pass_at_n'][k]:.6f}", f"{table['random'][k]:.6f}"]) for k in range(n)]
     atomic_write_text(Path(plots) / f"{STAGE}.tsv", "\n".join(rows) + "\n")

@@ -322,6 +322,7 @@ def test_the_rankers_stage_scores_sft_answers_on_a_tier(world, monkeypatch):
         assert 0 <= r["best_of_n"] <= m["pass_at_n"] + 1e-9  # no ranker beats a perfect one
     rows = (root / "rankers/rankers.tsv").read_text().splitlines()
     assert rows[0].split("\t")[0] == "n" and len(rows) == 1 + cfg.samples
+    assert rows[0].split("\t")[1:-2] == list(m["rankers"])  # the columns the report's figure draws, by name
     assert float(rows[-1].split("\t")[-2]) == pytest.approx(m["pass_at_n"], abs=1e-6)
     with pytest.raises(DataError, match="no problem of tier 'harder'"):
         run(load_sections(["common"], root / "params.yaml")["common"], RankersConfig(**{**cfg.__dict__, "tier": "harder",
