@@ -184,7 +184,7 @@ def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
     assert rows["SFT: out-of-scope requests answered without a worked sum"].split(" | ")[3] == "96.0%"
     assert rows["SFT's held-out text bits/byte over the base model's"].split(" | ")[1:4] == ["1.00 / 1.30", "1.15",
                                                                                               "1.30"]
-    assert rows["RM minus SFT's likelihood on the same pairs, points"].split(" | ")[3] == "-10.0"
+    assert "RM minus SFT's likelihood on the same pairs, points" not in rows  # a finding, not a target
     assert rows["RM AUC, SFT's right over wrong test answers"].split(" | ")[3] == "0.70"
     assert "the same, asked after a sum or a word problem" not in rows  # no seed has it
     assert rows["SFT: math after an out-of-scope request below math alone, points"].split(" | ")[1:5] == [

@@ -163,14 +163,7 @@ def targets_table(summary: dict | None) -> list[str]:
                  "at most 1.2"))
     rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
     rows.append(("RM: held-out comparisons of SFT's own answers ranked right", rm, "pct", True,
-                 "- (95% withdrawn: a slip the trunk cannot see; docs/log.md)"))
-    rows.append(("RM minus SFT's likelihood on the same pairs, points",
-                 [100 * (a - b) for a, b in zip(rm, lik)] if rm and lik else None, "pts", True, "-"))
-    rows.append(("RM without its likelihood feature (the head alone)",
-                 _vals(summary, "reward.json:accuracy_without_likelihood"), "pct", True, "-"))
-    rows.append(("held-out wrong answers that are SFT's own greedy choice",
-                 _vals(summary, "samples.json:heldout_errors_sft_would_make"), "pct", False, "- (no reward read from"
-                 " SFT ranks these)"))
+                 "- (the old target is withdrawn: a slip the trunk cannot see; docs/log.md)"))
     sep = summary.get("rm_separation", {}).get("sft")
     rows.append(("RM AUC, SFT's right over wrong test answers", sep["values"] if sep else None, "num", True,
                  "at least 0.85"))
@@ -183,31 +176,14 @@ def targets_table(summary: dict | None) -> list[str]:
         f = show[kind]
         worst = min(values) if higher else max(values)
         lines.append(_row([label, " / ".join(f(v) for v in values), f(sum(values) / len(values)), f(worst), target]))
-    greedy, rank = _vals(summary, "rankers.json:greedy_accuracy"), _vals(summary, "rankers.json:rankers.likelihood.best_of_n")
-    if greedy and rank:
-        rows_extra = [("rankers: best of 16 by SFT's likelihood minus greedy, edge tier, points",
-                       [100 * (a - b) for a, b in zip(rank, greedy)])]
-        for key, name in (("reward_model", "the reward model"), ("dpo_implicit", "DPO's implicit reward"),
-                          ("agreement", "agreement")):
-            if v := _vals(summary, f"rankers.json:rankers.{key}.best_of_n"):
-                rows_extra.append((f"rankers: best of 16 by {name} minus greedy, points",
-                                   [100 * (a - b) for a, b in zip(v, greedy)]))
-        for label, values in rows_extra:
-            if len(values) == len(runs):
-                lines.append(_row([label, " / ".join(f"{v:+.1f}" for v in values),
-                                   f"{sum(values) / len(values):+.1f}", f"{min(values):+.1f}",
-                                   "- (what beats the likelihood becomes the math reward)"]))
     for model, skill, label, target in (("grpo", "tier_edge", "GRPO on the edge tier: greedy change vs SFT",
                                          "at least +8, above 0 on every seed"),
                                         ("grpo_random", "tier_edge", "its shuffled-reward control on the edge tier",
                                          "covers 0"),
                                         ("grpo", "tier_in_distribution", "GRPO in distribution: change vs SFT",
                                          "not below -1"),
-                                        ("grpo", "tier_harder", "GRPO on the harder tier (never trained on)",
-                                         "- (measured)"),
                                         ("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
-                                        ("ppo", "math", "PPO: math change vs SFT", "above 0"),
-                                        ("ppo", "rm_score", "PPO: RM score change vs SFT", "above 0")):
+                                        ("ppo", "math", "PPO: math change vs SFT", "above 0")):
         res = paired.get(model, {}).get(skill)
         if res:
             f = (lambda v: f"{100 * v:+.1f}") if res.get("type") == "rate" else (lambda v: f"{v:+.4f}")
