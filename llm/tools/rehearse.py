@@ -41,7 +41,8 @@ What is cut, and why (everything else keeps the profile's value, so the shapes a
     sft.average_last 1                              one step writes one checkpoint to average
     *.max_new_tokens 8                              generation proves the KV-cache path in 8 steps
     sft.eval_math_problems, *.eval_problems,        one problem or prompt each
-      *.kl_prompts, eval.* counts 1; pairs.n_prompts 16 (pairs for DPO's train and val
+      *.kl_prompts, eval.* and rankers.* counts 1 (2 samples); prepare.tier_test 3;
+      pairs.n_prompts 16 (pairs for DPO's train and val
       splits); eval.sample_prompts its first
     pairs.verify_tasks false                        a one-step model gets no task right: every
                                                     verified prompt would tie and leave DPO no
@@ -81,7 +82,8 @@ RL = {"max_steps": 1, "warmup_steps": 0, "minibatch_size": 1, "epochs": 1, "max_
 CUTS: dict[str, dict] = {
     "common": {"device": "cpu", "dtype": "fp32", "nproc": 1},
     "prepare": {"math_train": 600, "math_val": 50, "math_test": 60, "math_pretrain_docs": 200, "task_train": 200,
-                "task_val": 20, "task_test": 3, "arithmetic_test": 14, "arithmetic_train": 40, "pref_train": 200, "pref_val": 40},
+                "task_val": 20, "task_test": 3, "arithmetic_test": 14, "arithmetic_train": 40, "pref_train": 200, "pref_val": 40,
+                "tier_test": 3},
     "tokenizer": {"min_frequency": 1},
     "pretrain": STEPS,
     "sft": {**STEPS, "eval_math_problems": 1, "max_new_tokens": 8, "average_last": 1},
@@ -91,7 +93,9 @@ CUTS: dict[str, dict] = {
     "ppo": {**RL, "rollout_prompts": 1},
     "grpo": {**RL, "prompts_per_step": 1, "group_size": 2, "max_zero_std_steps": 1000},
     "eval": {"math_problems": 1, "pass_k": 1, "pass_k_problems": 1, "max_new_tokens": 8, "ppl_batches": 1,
-             "rm_prompts": 1, "kl_prompts": 1, "batch_size": 1},
+             "rm_prompts": 1, "kl_prompts": 1, "batch_size": 1, "tier_problems": 1, "tier_pass_k": 2,
+             "tier_pass_k_problems": 1},
+    "rankers": {"problems": 1, "samples": 2, "max_new_tokens": 8, "batch_size": 1},
 }
 
 
