@@ -90,12 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         m = run(common, cfg, rt.device, **{k: getattr(args, k) for k in (*INPUTS, *OUTPUTS)}, rt=rt)
         if not rt.is_main:
             return None
-        parts = [f"{name} {r['pair_accuracy']:.1%} of pairs ({r['greedy_wrong_accuracy']:.1%} against the greedy"
-                 f" answer), best of {m['samples']} {r['best_of_n']:.1%}" if r["greedy_wrong_accuracy"] is not None
-                 else f"{name} {r['pair_accuracy']:.1%} of pairs, best of {m['samples']} {r['best_of_n']:.1%}"
-                 for name, r in m["rankers"].items()]
-        return (f"{STAGE}: {m['tier']} tier, {m['problems']} problems: greedy {m['greedy_accuracy']:.1%},"
-                f" pass@{m['samples']} {m['pass_at_n']:.1%}; " + "; ".join(parts) + f"; wrote {args.metrics}")
+        pct = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731  (None: no right/wrong pair to rank)
+        parts = [f"{name} {pct(r['pair_accuracy'])} of pairs ({pct(r['greedy_wrong_accuracy'])} against the greedy"
+                 f" answer), best of {m['samples']} {pct(r['best_of_n'])}" for name, r in m["rankers"].items()]
+        return (f"{STAGE}: {m['tier']} tier, {m['problems']} problems: greedy {pct(m['greedy_accuracy'])},"
+                f" pass@{m['samples']} {pct(m['pass_at_n'])}; " + "; ".join(parts) + f"; wrote {args.metrics}")
 
     return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,
                       torchrun=True)
