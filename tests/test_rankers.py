@@ -3,7 +3,7 @@ candidates whose answers and scores are known."""
 import numpy as np
 import pytest
 
-from llm.post.rankers import _comb_ratio, agreement_with, best_of_n, ranker_table
+from llm.post.rankers import agreement_with, best_of_n, ranker_table
 
 
 def _cand(right, greedy_right=False, texts=None):
@@ -49,7 +49,5 @@ def test_best_of_n_of_a_perfect_ranker_is_pass_at_n_and_of_a_constant_one_the_sa
 
 
 def test_pass_at_n_uses_the_unbiased_estimator():
-    assert _comb_ratio(8, 2, 1) == pytest.approx(6 / 8)
-    assert _comb_ratio(8, 2, 7) == 0.0 and _comb_ratio(8, 0, 8) == 1.0
     t = ranker_table([_cand([True, False, False, False])], {"s": [[0.0] * 4]}, {"s": [0.0]}, confidence=0.9, seed=0)
     assert t["pass_at_n"] == pytest.approx([0.25, 0.5, 0.75, 1.0])

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from llm.eval.report import MODELS, NAME, PARENT, fmt_interval, fmt_p, fmt_value
+from llm.eval.report import MODELS, NAME, PARENT, dig, fmt_interval, fmt_p, fmt_value
 from llm.fileio import atomic_write_text
 
 SEEDS_COMMAND = ("python -m llm.seeds 1337=. 1338=metrics/seeds/1338 1339=metrics/seeds/1339 --json"
@@ -346,7 +346,7 @@ def run_findings(metrics: Path) -> str:
     if line := tier_finding(tiers, [head] if isinstance(head, (int, float)) else None, pooled=False):
         out.append(line + ".")
     rankers = _read(metrics / "rankers.json") or {}
-    if line := ranker_finding({k: [v] for k in RANKER_KEYS if isinstance(v := _dig(rankers, k), (int, float))}):
+    if line := ranker_finding({k: [v] for k in RANKER_KEYS if isinstance(v := dig(rankers, k), (int, float))}):
         out.append(line + ".")
     out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
@@ -354,12 +354,6 @@ def run_findings(metrics: Path) -> str:
 
 RANKER_KEYS = ("greedy_accuracy", "pass_at_n", "rankers.likelihood.best_of_n", "rankers.reward_model.best_of_n",
                "rankers.dpo_implicit.best_of_n", "rankers.agreement.best_of_n")
-
-
-def _dig(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
-    return obj
 
 
 def _change(res: dict, pooled: bool) -> str:

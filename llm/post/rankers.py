@@ -37,7 +37,7 @@ import numpy as np
 
 from llm.data.batching import derive_seed
 from llm.data.template import user_prompt
-from llm.eval.evaluate import generate_replies
+from llm.eval.evaluate import generate_replies, pass_at_k
 from llm.sample.rewards import is_correct, parse_answer
 
 RANKERS = ("likelihood", "per token", "reward model", "DPO implicit", "agreement")
@@ -125,19 +125,9 @@ def ranker_table(cands: Sequence[dict], scores: dict[str, list[list[float]]], gr
     n = len(cands[0]["samples"]) if cands else 0
     ok = np.array([c["right"] for c in cands], dtype=float).reshape(len(cands), n)
     c_right = ok.sum(1)
-    out["pass_at_n"] = [float(np.mean([1 - _comb_ratio(n, int(c), k) for c in c_right])) for k in range(1, n + 1)]
+    out["pass_at_n"] = [float(np.mean([pass_at_k(n, int(c), k) for c in c_right])) for k in range(1, n + 1)]
     out["random"] = [float(ok.mean())] * n
     return out
-
-
-def _comb_ratio(n: int, c: int, k: int) -> float:
-    """C(n - c, k) / C(n, k): the chance that k of n samples, c of them right, hold none right."""
-    if n - c < k:
-        return 0.0
-    r = 1.0
-    for j in range(k):
-        r *= (n - c - j) / (n - j)
-    return r
 
 
 def score_all(cands: Sequence[dict], tok, *, sft, rm, dpo, batch_size: int, device,
