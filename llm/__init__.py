@@ -7,23 +7,25 @@ each package reads with what it stands on already read.
     llm/*.py: config, errors, fileio, runtime, threads, kernels, stage
         config, errors, atomic files, devices and processes, CPU threads and kernels, a stage's
         main()
-    llm/data/: sources, generators, splits, clean, tokenizer, batching, preference, template
-        data before any model: sources, generated tasks, the splits, cleaning, the tokenizer,
-        batches, preference pairs, the chat template
+    llm/data/: sources, generators, continuation, splits, clean, tokenizer, batching, preference,
+               template
+        data before any model: sources, generated tasks, passages to continue, the splits,
+        cleaning, the tokenizer, batches, preference pairs, the chat template
     llm/nn/: model, losses, optim, reward_model, memory, artifacts
         the networks: the GPT, its losses and optimizer, the reward model, memory per GPU, model
         directories
-    llm/sample/: generate, rollout, rewards, prompts
-        what a model says: KV-cache generation, rollouts, rewards, the math prompts RL samples
+    llm/sample/: generate, rollout, rewards, prompts, gold
+        what a model says: KV-cache generation, rollouts, rewards, the math prompts RL samples,
+        the gold judge of the continuation preference
     llm/train/: loop, trainer, checkpoint, monitor, metrics, finish, average
         the one training loop and the supervised step, checkpoints, curves, metrics, the end of
         a stage, checkpoint means
-    llm/eval/: evaluate, paired, seeds, report, report_plots, report_render, readme
-        judging models: skills with intervals, paired comparisons, seeds, the report card, the
-        README's tables
-    llm/post/: rl, ppo, grpo, shares, heldout, pairs, dpo
+    llm/eval/: evaluate, tiers, paired, seeds, report, report_plots, report_render, readme
+        judging models: skills with intervals, math by difficulty tier, paired comparisons,
+        seeds, the report card, the README's tables
+    llm/post/: rl, ppo, grpo, shares, heldout, pairs, dpo, rankers, continuation
         post-training: PPO, GRPO and their shares, held-out checks, the RL stages' glue, pairs
-        from SFT's samples, DPO
+        from SFT's samples, DPO, math rankers, the continuation preference and its proxy measured
     llm/tools/: chat, serve, serve_guard, export, profile, rehearse
         what a person runs: terminal chat, the server, HF export, profiles, the rehearsal
 

@@ -224,6 +224,14 @@ class PrepareConfig:
                                 " edge tier: where SFT is right some of the time (greedy about half, pass@16 most)")
     harder_levels: list[int] = _f([5], lo=1, hi=MAX_MATH_LEVEL, nonempty=True, added=True, doc="the levels of the"
                                   " harder tier, which no stage trains on (none may be in math_levels)")
+    continuation_train: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="lessons in continuing a passage added to"
+                                 " SFT's training conversations (\"Continue this passage:\" and two lines of verse from"
+                                 " a pretraining work, answered with the next two); 0: none")
+    continuation_rl: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="passages of the pretraining works to continue"
+                              " (continue/train.jsonl), none a lesson's: the prompts of the continuation preference's"
+                              " samples and of PPO; 0: none")
+    continuation_test: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="evaluation-only passages to continue"
+                                " (continue/test.jsonl), from the works held out of pretraining; 0: none")
     pref_train: int = _f(lo=0, hi=MAX_COUNT)
     pref_val: int = _f(lo=0, hi=MAX_COUNT)
     pref_broken_format_fraction: float = _f(lo=0.0, hi=1.0)
@@ -491,6 +499,11 @@ class PairsConfig:
                             " (SFT records from generated/task_* and generated/arithmetic) against their"
                             " reference answers, as the evaluation does, instead of with the reward model;"
                             " other task prompts stay with the reward model")
+    continuation_prompts: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="passages to continue (of"
+                                   " prepare.continuation_rl) whose samples the gold judge labels: the continuation"
+                                   " preference's comparisons, on top of n_prompts; 0: none")
+    gold_margin: float = _f(0.1, lo=0.0, hi=2.0, added=True, doc="two continuations whose gold scores (in [-1, 1])"
+                            " differ by at most this are a near-tie: no comparison")
 
 
 @dataclass(kw_only=True)
@@ -546,6 +559,13 @@ class PPOConfig(RLConfig):
     kl_horizon: int = _f(lo=1, hi=MAX_STEPS)
     kl_alert_low: float = _f(lo=0.0, hi=MAX_LIMIT)
     kl_alert_high: float = _f(lo=0.0, hi=MAX_LIMIT)
+    continuation_share: float = _f(0.0, lo=0.0, hi=1.0, added=True, doc="share of each step's rollout prompts that"
+                                   " are passages to continue (continue/train.jsonl), rewarded by the reward model"
+                                   " alone; the rest are math, rewarded by reward_source; 0: math only")
+    continuation_eval: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="held-out passages (continue/test.jsonl)"
+                                " continued at every evaluation: the gold judge's and the reward model's mean, the"
+                                " win rate against the reference and the KL on them (the over-optimisation curve);"
+                                " 0: none")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         return _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,

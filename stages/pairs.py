@@ -75,7 +75,7 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, samples: Path, rm: Pa
     for smp in answers:
         for x in smp:
             x["score"] = x.get("rm") if x["verifier"] is None else x["verifier"]
-    pairs, ties, tied_prompts = lib.choose_pairs(prompts, answers, cfg.tie_epsilon, cfg.tie_break)
+    pairs, ties, tied_prompts = lib.choose_pairs(prompts, answers, cfg.tie_epsilon, cfg.tie_break, cfg.gold_margin)
     todo = [r for r in pairs if r["rm_chosen"] is None]
     index = {p["id"]: ids for p, ids in zip(prompts, prompt_ids)}
     seqs = [encode_response(index[r["prompt_id"]], r[side], tok)[-seq_len:] for r in todo for side in ("chosen", "rejected")]

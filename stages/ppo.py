@@ -10,6 +10,11 @@ Reads the `common` and `ppo` sections of params.yaml and
               llm.sample.rewards.rm_verifier_reward)
     --data    train.jsonl: math problems whose questions are the rollout prompts (ppo.levels);
               val.jsonl: held-out problems (the first ppo.eval_problems)
+    --continuation  passages to continue (prepare's continue/): train.jsonl, a
+              ppo.continuation_share of each step's prompts, rewarded by the reward model alone;
+              test.jsonl, the first ppo.continuation_eval measured at every evaluation with the
+              gold judge (llm/sample/gold.py), which never rewards the policy. Read only when those
+              keys are above 0.
 
 Each step samples ppo.rollout_prompts prompts, one response each, scores them (RM or verifier),
 adds the per-token KL penalty (ppo.kl_estimator, coefficient from the adaptive KL controller),
@@ -18,7 +23,10 @@ minibatches (llm/post/ppo.py). A KL outside [kl_alert_low, kl_alert_high] is rep
 With `common.nproc` > 1 it runs under torchrun: each rank rolls out and scores a share of
 the prompts, and the trajectory is one process's up to the order of float sums (llm/post/shares.py).
 Held-out exact match (greedy), held-out reward (sampled responses scored the same way) and KL
-to the reference are measured before the first step, every ppo.eval_every steps and at the end.
+to the reference are measured before the first step, every ppo.eval_every steps and at the end;
+with ppo.continuation_eval also, on held-out passages, the gold judge's mean score of the policy's
+continuations, the reward model's, the win rate against the reference's continuation of the same
+passage (by the gold judge) and the KL there: along the run, the over-optimisation curve.
 
 `--variant ppo_rm` (dvc.yaml's stage ppo_rm) runs it as `ppo_rm` with ppo.reward_source forced
 to rm and everything else from the `ppo` section (the same seed, so the same prompts): the
@@ -48,30 +56,43 @@ from llm.stage import training_outputs
 STAGE = "ppo"
 INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen reference)",
           "rm": "the reward model directory (read when ppo.reward_source uses it)",
-          "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)"}
+          "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)",
+          "continuation": "passages to continue: train.jsonl (rollout prompts), test.jsonl (held out)"}
 OUTPUTS = training_outputs("the PPO model directory")
 VARIANTS = {"ppo_rm": {"reward_source": "rm"}}   # name: the keys of the ppo section it forces
 
 
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
-        model: Path, metrics: Path, plots: Path, progress: bool = True, name: str = STAGE) -> dict:
+        model: Path, metrics: Path, plots: Path, continuation: Path | None = None, progress: bool = True,
+        name: str = STAGE) -> dict:
     from llm.post.ppo import PPO
     from llm.post.rl import finish_rl_stage, setup_rl_stage
     from llm.post.shares import step_generator
 
     setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
-                           reward_source=cfg.reward_source, rm=rm, section=STAGE, overrides=VARIANTS.get(name))
+                           reward_source=cfg.reward_source, rm=rm, section=STAGE, overrides=VARIANTS.get(name),
+                           continuation=continuation, continuation_share=cfg.continuation_share,
+                           continuation_eval=cfg.continuation_eval)
     policy, tok = setup.policy, setup.tokenizer
     policy.add_head("value", seed=derive_seed(setup.seed, "value_head"))
     source = {"rm": f"the reward model {rm}", "verifier": "the verifier",
               "rm+verifier": f"the reward model {rm} plus the verifier"}[cfg.reward_source]
+    n_passages = round(cfg.continuation_share * cfg.rollout_prompts)
     if rt.is_main:
-        print(f"{name}: reward from {source};"
+        mixed = (f"; {n_passages} of {cfg.rollout_prompts} prompts a step are passages to continue, rewarded by"
+                 f" the reward model alone" if n_passages else "")
+        print(f"{name}: reward from {source}{mixed};"
               f" {setup.train_problems} train problems ({setup.pool.dropped} too long), {len(setup.val)}"
               f" held-out; {policy.summary()}; {rt.world_size} process(es)", flush=True)
 
     def prompts_fn(step: int):
-        return setup.pool.sample(cfg.rollout_prompts, cfg.levels, step_generator(setup.seed, "prompts", step))
+        n_math = cfg.rollout_prompts - n_passages
+        ids, problems = (setup.pool.sample(n_math, cfg.levels, step_generator(setup.seed, "prompts", step))
+                         if n_math else ([], []))
+        if n_passages:
+            more_ids, more = setup.passages.sample(n_passages, step_generator(setup.seed, "passages", step))
+            ids, problems = ids + more_ids, problems + more
+        return ids, problems
 
     algo = PPO(policy, setup.ref, cfg, prompts_fn=prompts_fn, reward_fn=setup.reward_fn,
                stop_ids=(tok.end_id, tok.eot_id), pad_id=tok.pad_id, seed=setup.seed,

@@ -16,6 +16,7 @@ directory:
     multiturn/test.jsonl         {"id", "messages", "answer", "kind", "lang", "source"}    eval only
     scope/test.jsonl             {"id", "prompt", "answer", "lang", "source"}              eval only
     tiers/test.jsonl             {"id", "question", "answer", "level", "lang", "tier", "source"}  eval only
+    continue/{train,test}.jsonl  {"id", "prompt", "passage", "reference", "source"}   passages to continue
 
 and the metrics file (records and characters per source and split).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llm.data.splits import EVALUATION_ONLY, REQUIRED, build, check_required, summarize
+from llm.data.splits import WRITTEN, build, check_required, summarize
 from llm.fileio import atomic_dir, write_jsonl
 from llm.train.metrics import write_metrics
 
@@ -37,7 +38,7 @@ def write(data: dict[str, dict[str, list[dict]]], stats: dict, out: Path, metric
     """Write every kind and split under `out` (atomically, as one directory) and the metrics."""
     check_required(data)
     with atomic_dir(out) as tmp:
-        for kind, splits in {**REQUIRED, **EVALUATION_ONLY}.items():
+        for kind, splits in WRITTEN.items():
             for split in splits:
                 write_jsonl(tmp / kind / f"{split}.jsonl", data[kind][split])
     metrics = summarize(data, stats)

@@ -47,12 +47,13 @@ from llm.train.metrics import write_metrics
 STAGE = "samples"
 SEED_NAME = "pairs"  # the seed the pairs stage drew its samples with before this stage existed: the same draws
 INPUTS = {"sft": "the SFT model directory (writes the answers)", "math": "math questions with answers (JSONL)",
-          "sft_data": "SFT conversations (JSONL): the task prompts"}
+          "sft_data": "SFT conversations (JSONL): the task prompts",
+          "continuation": "passages to continue (JSONL, prepare's continue/train.jsonl): the gold judge's prompts"}
 OUTPUTS = {"out": "the samples directory", "metrics": "the metrics JSON"}
 
 
 def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path, sft_data: Path, out: Path,
-        metrics: Path, progress: bool = True, rt: Runtime | None = None) -> dict:
+        metrics: Path, continuation: Path | None = None, progress: bool = True, rt: Runtime | None = None) -> dict:
     """Sample, label, pair, write (rank 0) and return the metrics."""
     t_start = time.perf_counter()
     main = rt is None or rt.is_main
@@ -60,7 +61,7 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
     policy.eval()
     seq_len = policy.config.seq_len
-    prompts = lib.sample_prompts(cfg, seed, math, sft_data)
+    prompts = lib.sample_prompts(cfg, seed, math, sft_data, continuation)
     prompt_ids = [render_prompt(p["prompt"], tok) for p in prompts]
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) < seq_len]
     too_long = len(prompts) - len(keep)
@@ -87,7 +88,8 @@ def run(common: CommonConfig, cfg: PairsConfig, device, *, sft: Path, math: Path
                         batch_size=cfg.batch_size, device=device, rt=rt)
 
     checked = [i for i, p in enumerate(prompts) if p["check"] is not None]
-    pairs = lib.comparisons([prompts[i] for i in checked], [samples[i] for i in checked], cfg.tie_epsilon)
+    pairs = lib.comparisons([prompts[i] for i in checked], [samples[i] for i in checked], cfg.tie_epsilon,
+                            cfg.gold_margin)
     paired = {r["prompt_id"] for r in pairs}
     ties = len(checked) - len(paired)
     split_of = {p["id"]: p["split"] for p in prompts}

@@ -334,3 +334,41 @@ def test_errors_sft_would_make_are_wrong_steps_the_model_itself_predicts():
                                                                       "share": 1.0}
     assert errors_sft_would_make(Predicts(False), tok, recs, ids)["share"] == 0.0
     assert errors_sft_would_make(Predicts(True), tok, recs[1:2], ids)["share"] is None
+
+
+def test_continuations_are_labelled_by_the_gold_judge_and_near_ties_dropped():
+    from llm.post.pairs import comparisons, scorer_of, verify
+    passage = "Merchant of Syracuse, plead no more;\nI am not partial to infringe our laws:"
+    prompt = {"id": "c", "prompt": [{"role": "user", "content": "Continue this passage:\n" + passage}],
+              "answer": passage, "check": "gold", "source": "generated/continuation", "kind": "continuation"}
+    texts = ["With joy and love I greet thee, gentle friend,", "With grief and hate I curse thee, wretched foe,",
+             "The ship was sailing to the town by night,", "The ship was sailing to the town by day,"]
+    smp = [{"text": t, "score": verify(t, prompt), "temperature": 1.0, "logp_mean": -1.0} for t in texts]
+    assert smp[0]["score"] > 0.5 and smp[1]["score"] < -0.5 and smp[2]["score"] == smp[3]["score"] == 0.0
+    recs = comparisons([prompt], [smp], tie_epsilon=1e-3, gold_margin=0.1)
+    got = sorted((r["chosen"], r["rejected"]) for r in recs)
+    assert got == sorted([(texts[0], texts[1]), (texts[0], texts[2]), (texts[0], texts[3]),
+                          (texts[2], texts[1]), (texts[3], texts[1])])   # the two neutral lines tie
+    assert {r["scorer"] for r in recs} == {"gold"} == {scorer_of(prompt)}
+    assert len(comparisons([prompt], [smp], tie_epsilon=1e-3, gold_margin=1.9)) == 0
+
+
+def test_continuation_prompts_come_after_the_others_and_leave_them_as_they_were(tmp_path):
+    from llm.fileio import write_jsonl
+    from llm.post.pairs import sample_prompts
+    ws = make_workspace(tmp_path, reward_model=True)
+    cont = tmp_path / "continue.jsonl"
+    write_jsonl(cont, [{"id": f"continue-train-{i}", "prompt": f"Continue this passage:\nline {i}\nand more",
+                        "passage": f"line {i}\nand more", "reference": "x", "source": "shakespeare/w"}
+                       for i in range(30)])
+    base = PairsConfig(**{**params()["pairs"], "n_prompts": 20, "math_fraction": 0.5})
+    math, sft = ws / "data/prepared/rl/train.jsonl", ws / "data/clean_sft/train.jsonl"
+    off = sample_prompts(base, 5, math, sft)
+    on = sample_prompts(PairsConfig(**{**params()["pairs"], "n_prompts": 20, "math_fraction": 0.5,
+                                       "continuation_prompts": 12}), 5, math, sft, cont)
+    assert on[:20] == off and len(on) == 32
+    assert all(p["check"] == "gold" and p["kind"] == "continuation" and p["answer"].startswith("line ")
+               for p in on[20:])
+    from llm.fileio import DataError
+    with pytest.raises(DataError, match="raise prepare.continuation_rl"):
+        sample_prompts(PairsConfig(**{**params()["pairs"], "continuation_prompts": 31}), 5, math, sft, cont)

@@ -225,3 +225,57 @@ def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
     _, _, meta = load_model_dir(tmp_path / "models/ppo_rm")
     assert meta["stage"] == "ppo_rm" and meta["overrides"] == {"reward_source": "rm"}
     assert not (tmp_path / "models/ppo").exists() and (tmp_path / "runs/ppo_rm").is_dir()
+
+
+def _passages(root, n_train=6, n_test=4):
+    import json
+    d = root / "data/prepared/continue"
+    d.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        rows = [{"id": f"continue-{split}-{i}", "prompt": f"Continue this passage:\nWhat is {i} + 1?",
+                 "passage": f"What is {i} + 1?", "reference": "x", "source": "shakespeare/w"} for i in range(n)]
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.slow
+def test_ppo_on_passages_to_continue_rewards_them_with_the_rm_and_measures_the_gold_judge(tmp_path):
+    """ppo.continuation_share: half of each step's prompts are passages, scored by the reward model
+    alone (the math half by the verifier); ppo.continuation_eval: held-out passages measured at each
+    evaluation: the gold judge, the reward model, the win rate against the reference, the KL."""
+    make_workspace(tmp_path, "ppo", {"reward_source": "verifier", "continuation_share": 0.5, "continuation_eval": 4},
+                   rm=True)
+    _passages(tmp_path)
+    p = run_stage(tmp_path, "ppo")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 of 4 prompts a step are passages to continue" in p.stdout
+    assert "held-out continuations: gold judge" in p.stdout
+    m = read_metrics(tmp_path / "metrics/ppo.json")
+    for k in ("continuation_gold", "continuation_gold_start", "continuation_gold_delta", "continuation_rm",
+              "continuation_rm_start", "continuation_kl", "continuation_win", "continuation_repetition"):
+        assert k in m, k
+    assert 0.0 <= m["continuation_win"] <= 1.0 and m["continuation_kl"] >= 0.0
+    assert -1.0 <= m["continuation_gold"] <= 1.0
+    val = (tmp_path / "metrics/plots/ppo_val.tsv").read_text().splitlines()
+    head = val[0].split("\t")
+    assert {"continuation_gold", "continuation_rm", "continuation_win", "continuation_kl"} <= set(head)
+    first = dict(zip(head, val[1].split("\t")))
+    assert float(first["continuation_win"]) == 0.5 and float(first["continuation_kl"]) == pytest.approx(0, abs=1e-6)
+    train = (tmp_path / "metrics/plots/ppo.tsv").read_text().splitlines()[0].split("\t")
+    assert {"continuation_rm", "continuation_gold", "accuracy"} <= set(train)   # both halves logged apart
+    from llm.nn.artifacts import load_model_dir
+    _, _, meta = load_model_dir(tmp_path / "models/ppo")
+    assert {"continuation_train", "continuation_test", "reward"} <= set(meta["inputs"])
+
+
+def test_passages_without_a_reward_model_are_refused(tmp_path):
+    from llm.config import load_params_text  # noqa: F401  (the stage's own check runs in setup)
+    from llm.post.rl import setup_rl_stage
+    sec = make_workspace(tmp_path, "ppo", {"reward_source": "verifier", "continuation_share": 0.5})
+    _passages(tmp_path)
+    cfg = PPOConfig(**sec)
+    from llm.config import CommonConfig
+    import yaml
+    common = CommonConfig(**yaml.safe_load((tmp_path / "params.yaml").read_text())["common"])
+    with pytest.raises(ValueError, match="passages to continue needs a reward model directory"):
+        setup_rl_stage("ppo", common, cfg, "cpu", sft=tmp_path / "models/sft", data=tmp_path / "data/prepared/rl",
+                       levels=([1, 2],), continuation=tmp_path / "data/prepared/continue", continuation_share=0.5)

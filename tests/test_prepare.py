@@ -408,3 +408,41 @@ def test_params_refuse_more_evaluation_math_than_prepare_writes_and_a_test_sourc
     limited = dict(chat, schema="gsm8k", limit=1)
     ok = {**too_many, "prepare": {**params["prepare"], "math_test_sources": [limited]}}
     assert params_from_dict(ok).eval.math_problems == 501
+
+
+def test_continuation_passages_come_last_and_the_held_out_ones_from_held_out_works():
+    """prepare.continuation_*: SFT's lessons appended last to sft/train, the RL prompts from the
+    pretraining works with no passage of a lesson, the test prompts from the works held out of
+    pretraining; every other record is what it is without them."""
+    from llm.data.continuation import PROMPT_HEAD, passage_of
+    from llm.data.splits import CONTINUATION_SOURCE, build
+    on, _ = build(_small_cfg(shakespeare=True, continuation_train=200, continuation_rl=100,
+                             continuation_test=50), seed=7)
+    off, _ = build(_small_cfg(shakespeare=True), seed=7)
+    for kind in set(on) | set(off):
+        for split in set(on[kind]) | set(off[kind]):
+            if kind == "sft" and split == "train":
+                assert on[kind][split][:len(off[kind][split])] == off[kind][split]
+            elif kind != "continue":
+                assert on[kind][split] == off[kind][split], (kind, split)
+    lessons = on["sft"]["train"][len(off["sft"]["train"]):]
+    assert len(lessons) == 200 and {r["source"] for r in lessons} == {CONTINUATION_SOURCE}
+    assert all(r["messages"][0]["content"].startswith(PROMPT_HEAD + "\n") for r in lessons)
+    assert [len(on["continue"][s]) for s in ("train", "test")] == [100, 50]
+    taught = {passage_of(r["messages"][0]["content"]) for r in lessons}
+    assert not taught & {r["passage"] for r in on["continue"]["train"]}
+    held_out = {r["source"] for r in on["pretrain"]["val"]}
+    trained = {r["source"] for r in on["pretrain"]["train"]}
+    assert {r["source"] for r in on["continue"]["test"]} <= held_out
+    assert {r["source"] for r in on["continue"]["train"]} <= trained
+    assert all(r["prompt"] == f"{PROMPT_HEAD}\n{r['passage']}" and r["reference"] for r in on["continue"]["test"])
+    assert not off["continue"]["train"] and not off["continue"]["test"]
+
+
+def test_continuation_without_shakespeare_or_beyond_the_works_is_refused():
+    from llm.data.splits import build
+    from llm.fileio import DataError
+    with pytest.raises(DataError, match="set prepare.shakespeare: true or the continuation counts to 0"):
+        build(_small_cfg(continuation_test=5), seed=7)
+    with pytest.raises(DataError, match="ask for more: lower them"):
+        build(_small_cfg(shakespeare=True, continuation_test=1_000_000), seed=7)

@@ -1,4 +1,4 @@
-"""Data before any model: sources, generated tasks, the splits, cleaning, the tokenizer, batches, preference pairs, the chat template.
+"""Data before any model: sources, generated tasks, passages to continue, the splits, cleaning, the tokenizer, batches, preference pairs, the chat template.
 
-Modules: sources, generators, splits, clean, tokenizer, batching, preference, template. (Levels: llm/__init__.py.)
+Modules: sources, generators, continuation, splits, clean, tokenizer, batching, preference, template. (Levels: llm/__init__.py.)
 """

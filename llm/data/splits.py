@@ -46,11 +46,18 @@ an evaluation prompt (an instruction task or out-of-scope request of the test fi
 evaluation asks its own held-out questions after its own held-out requests and tasks
 (llm/eval/evaluate.py `context_items`).
 
-Last of all, from a generator of its own, the difficulty tiers (`tiers/test`, off at
+Then, from a generator of its own, the difficulty tiers (`tiers/test`, off at
 `prepare.tier_test: 0`): that many word problems per tier, in distribution (the trained levels
 below the edge), the edge (`prepare.edge_levels`, where SFT is right about half the time) and
 harder (`prepare.harder_levels`, levels no stage trains on), none a question of any other file;
 llm/eval/tiers.py asks them.
+
+Last of all, off by default and from a generator of its own, the passages of the continuation
+preference (llm/data/continuation.py; llm/sample/gold.py judges it): `prepare.continuation_train`
+lessons in sft/train ("Continue this passage:" and two lines of verse, answered with the next
+two) and `prepare.continuation_rl` prompts in continue/train, from the pretraining works, no
+passage in both; `prepare.continuation_test` prompts in continue/test from the works held out of
+pretraining.
 """
 from __future__ import annotations
 
@@ -62,6 +69,7 @@ from pathlib import Path
 from llm.data.generators import (TASK_KINDS, arithmetic_question, context_conversation, math_problem,
                                  multiturn_conversation, opening_exchange, paraphrase_answer, preference_pair,
                                  scope_prompt_count, scope_request, task, task_preference_pair)
+from llm.data import continuation
 from llm.data.sources import KIND_OF_SCHEMA, read_source, shakespeare_works
 from llm.fileio import DataError
 
@@ -197,6 +205,8 @@ def build(cfg, seed: int) -> tuple[dict[str, dict[str, list[dict]]], dict]:
     # The difficulty tiers, last of all and from their own generator: they change no record above.
     trained |= {m["content"] for r in data["sft"]["train"] for m in r["messages"] if m["role"] == "user"}
     data["tiers"]["test"] = _tiers(cfg, seed, trained | eval_questions | asked)
+    # The continuation preference's passages, after everything else, from their own generator.
+    _continuation(cfg, seed, data)
     return data, {"sources": sources_stats}
 
 
@@ -338,10 +348,49 @@ def _shakespeare(cfg, seed: int, data: dict) -> None:
     if cfg.shakespeare_val_works >= len(names):
         raise DataError(f"prepare.shakespeare_val_works={cfg.shakespeare_val_works} leaves no training"
                         f" text ({len(names)} works)")
-    val_names = set(random.Random(f"{seed}:shakespeare").sample(names, cfg.shakespeare_val_works))
+    val_names = _held_out_works(cfg, seed, names)
     for name, text in works:
         data["pretrain"]["val" if name in val_names else "train"].append(
             {"text": text, "source": f"shakespeare/{name}"})
+
+
+def _held_out_works(cfg, seed: int, names: list[str]) -> set[str]:
+    """The Shakespeare works held out of pretraining (pretrain/val), from `names` sorted."""
+    return set(random.Random(f"{seed}:shakespeare").sample(names, cfg.shakespeare_val_works))
+
+
+def _continuation(cfg, seed: int, data: dict) -> None:
+    """The continuation preference's passages (llm/data/continuation.py), from a generator of its
+    own: cfg.continuation_train lessons in sft/train (the real next lines as the answer) and
+    cfg.continuation_rl prompts in continue/train (the samples' and PPO's), from the pretraining
+    works, no passage in both; cfg.continuation_test prompts in continue/test from the works
+    held out of pretraining (no model trains on those works' text)."""
+    wanted = cfg.continuation_train + cfg.continuation_rl + cfg.continuation_test
+    if not wanted:
+        return
+    if not cfg.shakespeare:
+        raise DataError("prepare.continuation_*: the passages to continue come from the Shakespeare corpus;"
+                        " set prepare.shakespeare: true or the continuation counts to 0")
+    works = shakespeare_works()
+    held_out = _held_out_works(cfg, seed, sorted(n for n, _ in works))
+    windows = {split: [(name, p, a) for name, text in works if (name in held_out) == (split == "test")
+                       for p, a in continuation.passages(text)] for split in ("train", "test")}
+    rng = random.Random(f"{seed}:prepare:continuation")
+    lessons = cfg.continuation_train + cfg.continuation_rl
+    trained = continuation.draw(windows["train"], lessons, rng)
+    test = continuation.draw(windows["test"], cfg.continuation_test, rng)
+    if len(trained) < lessons or len(test) < cfg.continuation_test:
+        raise DataError(f"prepare: {len(windows['train'])} passages in the pretraining works and"
+                        f" {len(windows['test'])} in the held-out ones; continuation_train + continuation_rl ="
+                        f" {lessons} and continuation_test = {cfg.continuation_test} ask for more: lower them")
+    for i, (work, passage, answer) in enumerate(trained[:cfg.continuation_train]):
+        data["sft"]["train"].append({"id": f"continue-sft-{i}", "source": CONTINUATION_SOURCE, "messages": [
+            {"role": "user", "content": continuation.continuation_prompt(passage)},
+            {"role": "assistant", "content": answer}]})
+    for split, items in (("train", trained[cfg.continuation_train:]), ("test", test)):
+        data["continue"][split] = [{"id": f"continue-{split}-{i}", "prompt": continuation.continuation_prompt(p),
+                                    "passage": p, "reference": a, "source": f"shakespeare/{work}"}
+                                   for i, (work, p, a) in enumerate(items)]
 
 
 def _math(cfg, rng: random.Random, data: dict) -> set[str]:
@@ -458,6 +507,10 @@ REQUIRED = {"pretrain": ("train", "val"), "sft": ("train", "val"), "prefs": ("tr
             "rl": ("train", "val", "test")}
 EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",), "multiturn": ("test",), "scope": ("test",),
                    "tiers": ("test",)}
+# The continuation preference's prompts (RL and evaluation), empty at their default counts (0).
+CONTINUATION = {"continue": ("train", "test")}
+WRITTEN = {**REQUIRED, **EVALUATION_ONLY, **CONTINUATION}
+CONTINUATION_SOURCE = "generated/continuation"  # the source of SFT's continuation lessons
 
 
 def check_required(data: dict[str, dict[str, list[dict]]]) -> None:
@@ -473,7 +526,7 @@ def summarize(data: dict[str, dict[str, list[dict]]], stats: dict) -> dict:
     """The metrics: records, characters and records per source of every kind/split, and the
     external sources' read statistics."""
     metrics: dict = {"records": {}, "chars": {}, "by_source": {}, **stats}
-    for kind, splits in {**REQUIRED, **EVALUATION_ONLY}.items():
+    for kind, splits in WRITTEN.items():
         for split in splits:
             recs = data[kind][split]
             metrics["records"][f"{kind}/{split}"] = len(recs)

@@ -1,4 +1,4 @@
-"""Judging models: skills with intervals, paired comparisons, seeds, the report card, the README's tables.
+"""Judging models: skills with intervals, math by difficulty tier, paired comparisons, seeds, the report card, the README's tables.
 
-Modules: evaluate, paired, seeds, report, report_plots, report_render, readme. (Levels: llm/__init__.py.)
+Modules: evaluate, tiers, paired, seeds, report, report_plots, report_render, readme. (Levels: llm/__init__.py.)
 """

@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -319,3 +319,23 @@ def linear_trend(xs, ys, confidence: float = 0.95) -> dict[str, float] | None:
     span = float(x.max() - x.min())
     half = t_quantile(1 - (1 - confidence) / 2, n - 2) * se * span
     return {"change": b * span, "lo": b * span - half, "hi": b * span + half, "n": n}
+
+
+def ranks(x: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tied = x == v
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (Pearson's on the ranks); None where either side is constant."""
+    ra, rb = ranks(a), ranks(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])

@@ -43,7 +43,10 @@ from llm.config import PairsConfig
 from llm.data.batching import derive_seed
 from llm.fileio import DataError, read_jsonl
 from llm.runtime import sharded_map
+from llm.sample.gold import gold_score
 from llm.sample.rewards import math_reward, parse_answer, task_correct, to_number
+
+CONTINUATION_SOURCE = "generated/continuation"  # SFT's lessons in continuing a passage (llm/data/splits.py)
 
 CORRECT, FORMAT = 1.0, 0.2  # the verifier's rewards (llm.sample.rewards.math_reward defaults)
 
@@ -67,9 +70,13 @@ def reference_check(source: str, reference: str) -> tuple[str | None, str | None
     return None, None
 
 
-def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path) -> list[dict]:
+def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path,
+                   continuation_path: Path | None = None) -> list[dict]:
     """The prompts: {"id", "prompt": [messages], "answer": str | None, "check": "math" | "exact" |
-    None, "source", "kind"}; a prompt with a check is scored by the verifier, else by the RM."""
+    "gold" | None, "source", "kind"}; a prompt with a check is scored by the verifier (or, for a
+    passage to continue, by the gold judge, its "answer" the passage), else by the RM. The
+    continuation prompts (`cfg.continuation_prompts` of `continuation_path`) come last, from a
+    generator of their own, so the others are what they are without them."""
     rng = random.Random(derive_seed(seed, "prompts"))
     n_math = round(cfg.n_prompts * cfg.math_fraction)
     math = [r for r in read_jsonl(math_path) if r.get("question") and r.get("answer") is not None]
@@ -77,8 +84,8 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
     for r in read_jsonl(sft_path):
         msgs = r.get("messages") or []
         last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=-1)
-        if last < 1 or is_math_source(str(r.get("source", ""))):
-            continue
+        if last < 1 or is_math_source(str(r.get("source", ""))) or r.get("source") == CONTINUATION_SOURCE:
+            continue  # SFT's continuation lessons were trained on: the preference asks passages of its own
         prompt = msgs[:last]
         key = tuple((m["role"], m["content"]) for m in prompt)
         if key in seen:
@@ -100,7 +107,22 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path)
     out = [{"id": str(r.get("id", f"math-{i}")), "prompt": [{"role": "user", "content": r["question"]}],
             "answer": str(r["answer"]), "check": "math", "source": str(r.get("source", "math")), "kind": "math"}
            for i, r in enumerate(rng.sample(math, n_math))]
-    return out + rng.sample(tasks, n_task)
+    return out + rng.sample(tasks, n_task) + continuation_prompts(cfg, seed, continuation_path)
+
+
+def continuation_prompts(cfg: PairsConfig, seed: int, path: Path | None) -> list[dict]:
+    """`cfg.continuation_prompts` passages of `path` (continue/train.jsonl) to continue, judged by
+    the gold judge (llm/sample/gold.py)."""
+    if not cfg.continuation_prompts:
+        return []
+    recs = [r for r in read_jsonl(path) if r.get("prompt") and r.get("passage")] if path is not None else []
+    if len(recs) < cfg.continuation_prompts:
+        raise DataError(f"{path}: {len(recs)} passages to continue, pairs.continuation_prompts ="
+                        f" {cfg.continuation_prompts} needed; lower it or raise prepare.continuation_rl")
+    rng = random.Random(derive_seed(seed, "continuation"))
+    return [{"id": str(r["id"]), "prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["passage"],
+             "check": "gold", "source": CONTINUATION_SOURCE, "kind": "continuation"}
+            for r in rng.sample(recs, cfg.continuation_prompts)]
 
 
 
@@ -149,7 +171,19 @@ def verify(text: str, prompt: dict) -> float | None:
         return math_reward(text, prompt["answer"], CORRECT, FORMAT)
     if prompt["check"] == "exact":
         return CORRECT + FORMAT if task_correct(text, prompt["answer"]) else 0.0
+    if prompt["check"] == "gold":
+        return gold_score(text, prompt["answer"])
     return None
+
+
+def margin_of(prompt: dict, tie_epsilon: float, gold_margin: float) -> float:
+    """How far apart two scores of `prompt`'s answers must be to make a comparison: the gold
+    judge's scores are continuous, and closer than `gold_margin` they are a near-tie, dropped."""
+    return gold_margin if prompt["check"] == "gold" else tie_epsilon
+
+
+def scorer_of(prompt: dict) -> str:
+    return "gold" if prompt["check"] == "gold" else "verifier" if prompt["answer"] is not None else "rm"
 
 
 @torch.no_grad()
@@ -187,8 +221,8 @@ def add_likelihoods(samples: list[list[dict]], prompt_ids: list[list[int]], poli
             samples[i][k]["logp_mean"] = v / max(1, len(seqs[j]) - starts[j])
 
 
-def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float, tie_break: str = "first"
-                 ) -> tuple[list[dict], Counter, list[int]]:
+def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float, tie_break: str = "first",
+                 gold_margin: float = 0.0) -> tuple[list[dict], Counter, list[int]]:
     """(pair records, ties by scorer, the indices of the prompts that tied).
 
     tie_break: which of several equally scored best (or worst) samples is taken: "first", or
@@ -199,12 +233,12 @@ def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: fl
     pairs, ties, tied_prompts = [], Counter(), []
     for i, p in enumerate(prompts):
         smp = samples[i]
-        pick = choose_pair([x["score"] for x in smp], tie_epsilon)
+        pick = choose_pair([x["score"] for x in smp], margin_of(p, tie_epsilon, gold_margin))
         if pick is not None and tie_break == "likelihood":
             best, worst = smp[pick[0]]["score"], smp[pick[1]]["score"]
             pick = (max((j for j, x in enumerate(smp) if x["score"] == best), key=lambda j: smp[j]["logp"]),
                     max((j for j, x in enumerate(smp) if x["score"] == worst), key=lambda j: smp[j]["logp"]))
-        scorer = "verifier" if p["answer"] is not None else "rm"
+        scorer = scorer_of(p)
         if pick is None or smp[pick[0]]["text"] == smp[pick[1]]["text"]:
             ties[scorer] += 1
             tied_prompts.append(i)
@@ -214,23 +248,25 @@ def choose_pairs(prompts: list[dict], samples: list[list[dict]], tie_epsilon: fl
     return pairs, ties, tied_prompts
 
 
-def comparisons(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float) -> list[dict]:
+def comparisons(prompts: list[dict], samples: list[list[dict]], tie_epsilon: float, gold_margin: float = 0.0
+                ) -> list[dict]:
     """Every comparison the scores make within one prompt: each pair of distinct answers whose
-    scores differ by more than `tie_epsilon`, the higher one chosen (three answers, two right and
+    scores differ by more than `tie_epsilon` (`gold_margin` for the gold judge's), the higher one chosen (three answers, two right and
     one wrong: two pairs). These are the reward model's lessons and its held-out test, as PPO
     uses it: any two of the policy's answers, not only the hardest pair that `choose_pairs`
     keeps for DPO."""
     out = []
     for p, smp in zip(prompts, samples):
         seen = set()
+        eps = margin_of(p, tie_epsilon, gold_margin)
         for a in smp:
             for b in smp:
-                if a["score"] is None or b["score"] is None or a["score"] - b["score"] <= tie_epsilon:
+                if a["score"] is None or b["score"] is None or a["score"] - b["score"] <= eps:
                     continue
                 if a["text"] == b["text"] or (a["text"], b["text"]) in seen:
                     continue
                 seen.add((a["text"], b["text"]))
-                scorer = "verifier" if p["answer"] is not None else "rm"
+                scorer = scorer_of(p)
                 out.append(_record(p, a, b, a["score"], b["score"], scorer, kind=p["kind"], adversarial=False))
     return out
 
@@ -330,7 +366,8 @@ def summarize(prompts: list[dict], samples: list[list[dict]], pairs: list[dict],
     held-out prompts' pairs (prompts with "split" "val": the others taught the reward model), per
     temperature."""
     heldout = {p["id"] for p in prompts if p.get("split", "val") == "val"}
-    scores = {s: [r["preference_score"] for r in pairs if r["scorer"] == s] for s in ("rm", "verifier")}
+    scorers = ("rm", "verifier") + (("gold",) if any(r["scorer"] == "gold" for r in pairs) else ())
+    scores = {s: [r["preference_score"] for r in pairs if r["scorer"] == s] for s in scorers}
     all_scores = [r["preference_score"] for r in pairs]
     assert all(0.5 < x < 1.0 for x in all_scores), "preference_score outside (0.5, 1)"
     natural_v = [r for r in pairs if r["scorer"] == "verifier" and not r["adversarial"] and r["prompt_id"] in heldout]
@@ -463,12 +500,14 @@ def quality_by_temperature(prompts: list[dict], samples: list[list[dict]], tempe
         at = [(p, x) for p, ss in zip(prompts, samples) for x in ss if x["temperature"] == temp]
         smp = [x for _, x in at]
         m_smp = [x for p, x in at if p["kind"] == "math" and x["verifier"] is not None]
-        v_smp = [x for p, x in at if p["kind"] != "math" and x["verifier"] is not None]
+        v_smp = [x for p, x in at if p["kind"] != "math" and p["check"] != "gold" and x["verifier"] is not None]
+        g_smp = [x for p, x in at if p["check"] == "gold"]
         t_smp = [x for x in smp if x["verifier"] is None and x.get("rm") is not None]
         by_temp[str(temp)] = {
             "math_correct": mean(x["verifier"] >= CORRECT for x in m_smp),
             "math_formatted": mean(x["verifier"] in (FORMAT, CORRECT + FORMAT) for x in m_smp),
             **({"task_correct": mean(x["verifier"] >= CORRECT for x in v_smp)} if v_smp else {}),
             "task_rm_mean": mean(x["rm"] for x in t_smp),
+            **({"continuation_gold_mean": mean(x["verifier"] for x in g_smp)} if g_smp else {}),
             "mean_tokens": mean(x["tokens"] for x in smp), "truncated": mean(not x["stopped"] for x in smp)}
     return by_temp

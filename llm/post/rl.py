@@ -29,10 +29,10 @@ from llm.data.batching import derive_seed
 from llm.eval.paired import linear_trend
 from llm.fileio import sha256_file
 from llm.nn.artifacts import load_model_dir
-from llm.post.heldout import heldout_eval, heldout_reward_change, heldout_rewards
+from llm.post.heldout import continuation_heldout, heldout_eval, heldout_reward_change, heldout_rewards, win_rate
 from llm.runtime import Runtime
-from llm.sample.prompts import MathPrompts, read_problems
-from llm.sample.rewards import RewardFn, rm_reward, rm_verifier_reward, verifier_reward
+from llm.sample.prompts import MathPrompts, PassagePrompts, read_passages, read_problems
+from llm.sample.rewards import RewardFn, rm_reward, rm_verifier_reward, verifier_reward, with_continuations
 from llm.train.finish import Gate, finish_stage, run_plots
 from llm.train.loop import LoopResult, StepBody, Updater, run_loop
 from llm.train.monitor import Plots
@@ -41,7 +41,10 @@ from llm.train.monitor import Plots
 RL_PANELS = [("reward", [("train", "reward", "reward (rollouts)"), ("val", "reward", "reward (held-out)")]),
              ("KL to the reference", [("train", "kl", "kl (train, per token)"),
                                       ("val", "kl", "kl (held-out, exact per token)")]),
-             ("held-out exact match", [("val", "math_exact_match", "math exact match (greedy)")])]
+             ("held-out exact match", [("val", "math_exact_match", "math exact match (greedy)")]),
+             ("held-out continuations", [("val", "continuation_gold", "gold judge"),
+                                         ("val", "continuation_rm", "reward model"),
+                                         ("val", "continuation_win", "win rate against the reference")])]
 
 
 def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> dict[str, Any]:
@@ -82,7 +85,8 @@ def summarize(result: LoopResult, *, window: int = 5, trend_after: int = 0) -> d
         for key, val in last.items():
             if key != "step":
                 out[name.get(key, key)] = val
-        for key in ("math_exact_match", "reward", "rm_score"):
+        for key in ("math_exact_match", "reward", "rm_score", "continuation_gold", "continuation_rm",
+                    "continuation_kl"):
             if key in first:
                 out[f"{name.get(key, key)}_start"] = first[key]
                 out[f"{name.get(key, key)}_delta"] = last[key] - first[key]
@@ -114,8 +118,11 @@ def summary_line(stage: str, m: dict[str, Any], model: Path, metrics: Path) -> s
     em = m.get("math_exact_match")
     math = (f"; held-out math exact match {m['math_exact_match_start']:.1%} -> {em:.1%}"
             f" [{m['math_exact_match_lo']:.1%}, {m['math_exact_match_hi']:.1%}]" if em is not None else "")
+    gold = (f"; held-out continuations: gold judge {m['continuation_gold_start']:+.3f} ->"
+            f" {m['continuation_gold']:+.3f}, win rate {m['continuation_win']:.1%}, KL {m['continuation_kl']:.4f}"
+            if "continuation_gold" in m else "")
     return (f"{stage}: reward {m['reward_start']:.3f} -> {m['reward_end']:.3f}{held}; final KL {m['final_kl']:.4f}"
-            f"{ctl}{math}; wrote {model}/ and {metrics}")
+            f"{ctl}{math}{gold}; wrote {model}/ and {metrics}")
 
 
 def rl_stage_main(stage: str, doc: str, run: Callable[..., dict | None], argv: list[str] | None, *,
@@ -163,6 +170,9 @@ class RLSetup:
     seed: int                 # derive_seed(common.seed, section)
     section: str = ""         # its params section, when it is a variant of another stage (ppo_rm: ppo)
     overrides: dict[str, Any] = field(default_factory=dict)   # the keys the variant forces
+    rm: nn.Module | None = None              # the reward model, where it was loaded
+    passages: PassagePrompts | None = None   # passages to continue, for the rollouts
+    passages_test: list[dict] = field(default_factory=list)   # held-out passages, for the evaluation
 
     @property
     def train_problems(self) -> int:
@@ -172,7 +182,8 @@ class RLSetup:
 def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torch.device | str, *, sft: Path,
                    data: Path, levels: Sequence[Sequence[int]], reward_source: str = "verifier",
                    rm: Path | None = None, section: str | None = None,
-                   overrides: dict[str, Any] | None = None) -> RLSetup:
+                   overrides: dict[str, Any] | None = None, continuation: Path | None = None,
+                   continuation_share: float = 0.0, continuation_eval: int = 0) -> RLSetup:
     """Load the SFT model twice (policy and reference), the prompts of data/train.jsonl and the
     first cfg.eval_problems of data/val.jsonl, and the reward: `reward_source` "verifier", "rm"
     (the reward model in `rm`, which must share the policy's tokenizer) or "rm+verifier" (its
@@ -181,24 +192,52 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
 
     A variant (`stage` ppo_rm of `section` ppo, with `overrides` forced into cfg) draws from the
     section's seed: the same prompts and first samples as the stage it varies, so the two runs
-    differ by what the overrides change (and cfg, in the fingerprint, tells them apart)."""
+    differ by what the overrides change (and cfg, in the fingerprint, tells them apart).
+
+    Passages to continue (`continuation`: a directory with prepare's continue/train.jsonl and
+    test.jsonl): with `continuation_share` > 0 the rollouts draw passages too (`passages`) and
+    the reward is `with_continuations` (the reward model on them, `reward_source` on math); with
+    `continuation_eval` > 0 that many held-out passages are measured at every evaluation. Both
+    need the reward model, whatever `reward_source` says; at 0 neither file is read."""
     policy, tok, sft_meta = load_model_dir(sft, device=device, heads=("lm",))
     ref, _, _ = load_model_dir(sft, device=device, heads=("lm",))
     inputs = {"sft": sft_meta.get("fingerprint", "")}
-    if reward_source == "verifier":
-        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
-    else:
+    uses_passages = continuation_share > 0 or continuation_eval > 0
+    rm_model = None
+    if reward_source != "verifier" or uses_passages:
         if rm is None:
-            raise ValueError(f"{stage}: reward_source {reward_source!r} needs a reward model directory")
+            why = f"reward_source {reward_source!r}" if reward_source != "verifier" else "passages to continue"
+            raise ValueError(f"{stage}: {why} needs a reward model directory")
         rm_model, rm_tok, rm_meta = load_model_dir(rm, device=device, heads=("reward",))
         if rm_tok.sha256() != tok.sha256():
             raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
                              f" tokenizer (retrain it from {sft})")
         rm_model.eval().requires_grad_(False)
+        inputs["reward"] = rm_meta.get("fingerprint", "")
+    if reward_source == "verifier":
+        reward_fn = verifier_reward(tok, correct_reward=cfg.correct_reward, format_reward=cfg.format_reward)
+    else:
         reward_fn = (rm_reward(rm_model, tok) if reward_source == "rm" else
                      rm_verifier_reward(rm_model, tok, correct_reward=cfg.correct_reward,
                                         format_reward=cfg.format_reward))
-        inputs["reward"] = rm_meta.get("fingerprint", "")
+    passages, passages_test = None, []
+    if uses_passages:
+        if continuation is None:
+            raise ValueError(f"{stage}: continuation_share / continuation_eval need the passages' directory"
+                             f" (prepare's continue/)")
+        if continuation_share > 0:
+            path = continuation / "train.jsonl"
+            passages = PassagePrompts(read_passages(path), tok, seq_len=policy.config.seq_len,
+                                      max_new_tokens=cfg.max_new_tokens, where=str(path))
+            reward_fn = with_continuations(reward_fn, rm_model, tok)
+            inputs["continuation_train"] = sha256_file(path)
+        if continuation_eval > 0:
+            path = continuation / "test.jsonl"
+            passages_test = read_passages(path, continuation_eval)
+            if not passages_test:
+                raise ValueError(f"{path}: no held-out passage to continue; raise prepare.continuation_test or set"
+                                 f" {section or stage}.continuation_eval: 0")
+            inputs["continuation_test"] = sha256_file(path)
     train_path, val_path = data / "train.jsonl", data / "val.jsonl"
     pool = MathPrompts(read_problems(train_path), tok, seq_len=policy.config.seq_len,
                        max_new_tokens=cfg.max_new_tokens, where=str(train_path))
@@ -209,7 +248,8 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
     return RLSetup(stage=stage, sft=sft, policy=policy, ref=ref, tokenizer=tok, reward_fn=reward_fn, pool=pool,
                    val=val, inputs=inputs, fingerprint=fingerprint(common, cfg, inputs),
                    seed=derive_seed(common.seed, section or stage),
-                   section=section if section and section != stage else "", overrides=dict(overrides or {}))
+                   section=section if section and section != stage else "", overrides=dict(overrides or {}),
+                   rm=rm_model, passages=passages, passages_test=passages_test)
 
 
 def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, *, run_dir: Path, model: Path,
@@ -230,11 +270,22 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
     each held-out batch) and rank 0 alone writes."""
     stage = setup.stage
     samples: list[dict] = []
+    reference_gold: list[float] = []   # the reference's continuations, judged once: the win rate's baseline
+
+    def continuations(model) -> tuple[dict, list[float]]:
+        return continuation_heldout(model, setup.ref, setup.rm, setup.tokenizer, setup.passages_test,
+                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=setup.seed,
+                                    rt=rt)
 
     def eval_fn(model) -> dict:
         row, s = heldout_eval(model, setup.ref, setup.tokenizer, setup.val, max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, seed=setup.seed, reward_fn=setup.reward_fn, rt=rt)
         samples[:] = s[:3]
+        if setup.passages_test:
+            if not reference_gold:
+                reference_gold[:] = continuations(setup.ref)[1]
+            numbers, gold = continuations(model)
+            row.update(numbers, continuation_win=win_rate(gold, reference_gold))
         return row
 
     def evaluate(step: int) -> dict:

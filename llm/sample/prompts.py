@@ -40,6 +40,41 @@ def read_problems(path: str | Path, limit: int | None = None) -> list[dict]:
     return out
 
 
+def read_passages(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Passages to continue {"id", "prompt", "passage", ...} (prepare's continue/*.jsonl)."""
+    def validate(obj: Any) -> str | None:
+        for key in ("prompt", "passage"):
+            if not isinstance(obj.get(key), str) or not obj[key].strip():
+                return f"missing or empty {key!r}"
+        return None
+    out = list(read_jsonl(path, validate=validate, max_line_bytes=MAX_RECORD_BYTES))
+    return out[:limit] if limit is not None else out
+
+
+class PassagePrompts:
+    """Passages to continue as chat prompts, sampled with replacement per step. Each sampled
+    problem is {"question": the prompt, "passage", "kind": "continuation"}: a reward function
+    tells it from a math problem by its "passage" (llm/sample/rewards.py `with_continuations`).
+    Passages whose prompt leaves fewer than max_new_tokens positions are dropped (`dropped`)."""
+
+    def __init__(self, items: Sequence[dict], tokenizer, *, seq_len: int, max_new_tokens: int, where: str = ""):
+        self.items: list[tuple[list[int], dict]] = []
+        self.dropped = 0
+        for it in items:
+            ids = user_prompt(it["prompt"], tokenizer)
+            if len(ids) + max_new_tokens > seq_len:
+                self.dropped += 1
+                continue
+            self.items.append((ids, {"id": it.get("id"), "question": it["prompt"], "passage": it["passage"],
+                                     "kind": "continuation"}))
+        if not self.items:
+            raise ValueError(f"{where or 'passages'}: no usable passage to continue ({self.dropped} too long)")
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[list[list[int]], list[dict]]:
+        idx = torch.randint(len(self.items), (n,), generator=generator).tolist()
+        return [self.items[i][0] for i in idx], [self.items[i][1] for i in idx]
+
+
 class MathPrompts:
     """Math problems as chat prompts, grouped by level, sampled with replacement per step.
 

@@ -168,6 +168,37 @@ def rm_verifier_reward(rm: nn.Module, tokenizer, *, correct_reward: float, forma
     return score
 
 
+def with_continuations(math_fn: RewardFn, rm: nn.Module, tokenizer) -> RewardFn:
+    """A reward for batches that mix math problems and passages to continue (a problem with a
+    "passage", llm/sample/prompts.py `PassagePrompts`): a continuation's reward is the reward
+    model's score alone, a math problem's is `math_fn`'s. Statistics: math_fn's over the math
+    rows, and over the continuations the reward model's mean (`continuation_rm`) and the gold
+    judge's (`continuation_gold`, llm/sample/gold.py): logged, never a reward, so the policy
+    learns the preference from the reward model only."""
+    from llm.nn.reward_model import reward
+    from llm.sample.gold import gold_score
+
+    @torch.no_grad()
+    def score(ro, problems: list[dict]) -> tuple[Tensor, dict[str, float]]:
+        cont = [i for i, p in enumerate(problems) if "passage" in p]
+        if not cont:
+            return math_fn(ro, problems)
+        taken = set(cont)
+        maths = [i for i in range(len(problems)) if i not in taken]
+        r = torch.zeros(len(problems), dtype=torch.float32)
+        stats: dict[str, float] = {}
+        if maths:
+            r_math, stats = math_fn(ro.select(maths), [problems[i] for i in maths])
+            r[maths] = r_math.float()
+        sub = ro.select(cont)
+        r_rm = reward(rm, sub.tokens, sub.attention_mask).float().cpu()
+        r[cont] = r_rm
+        texts = [tokenizer.decode(ids) for ids in sub.response_ids()]
+        gold = [gold_score(t, problems[i]["passage"]) for t, i in zip(texts, cont)]
+        return r, {**stats, "continuation_rm": float(r_rm.mean()), "continuation_gold": sum(gold) / len(gold)}
+    return score
+
+
 # ---------------------------------------------------------------------------
 # Process-level credit: which result tokens of a worked answer are right
 
