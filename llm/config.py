@@ -568,8 +568,13 @@ class PPOConfig(RLConfig):
                                 " 0: none")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
-        return _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
-                           "each process rolls out and scores an equal share of them")
+        out = _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
+                          "each process rolls out and scores an equal share of them")
+        if self.continuation_share > 0 and common.world_size > 1:
+            out.append(f"{key}.continuation_share: passages mixed into the rollouts run in one process for now (each"
+                       f" process would hold a different mix of math and passages, and the per-kind statistics are"
+                       f" not yet summed across processes); set common.nproc: 1, or {key}.continuation_share: 0")
+        return out
 
     def check(self, key: str) -> list[str]:
         out = super().check(key)
@@ -577,6 +582,9 @@ class PPOConfig(RLConfig):
             out.append(f"{key}.kl_alert_low: {self.kl_alert_low} is above kl_alert_high={self.kl_alert_high}")
         if self.adaptive_kl and self.kl_target <= 0:
             out.append(f"{key}.kl_target: adaptive_kl needs kl_target > 0, got {self.kl_target}")
+        if self.continuation_share > 0 and round(self.continuation_share * self.rollout_prompts) == 0:
+            out.append(f"{key}.continuation_share: {self.continuation_share} of rollout_prompts={self.rollout_prompts}"
+                       f" rounds to no passage a step; raise it to at least {0.5 / self.rollout_prompts:.3g}, or set 0")
         if self.adaptive_kl and self.kl_horizon < self.rollout_prompts:
             # coef *= 1 + clip(err, -0.2, 0.2) * rollout_prompts / kl_horizon must stay in [0.8, 1.2]
             out.append(f"{key}.kl_horizon: must be >= rollout_prompts={self.rollout_prompts} (one update may"
@@ -1107,7 +1115,23 @@ def _parse(tree: _Loc, where: str, problems: list[str], sections: list[str] | No
 
 def _across_sections(p: Params, where: str) -> list[str]:
     """Problems no one section shows: the evaluation asks for more math test problems than
-    prepare writes (found only at the end of a run, by the eval stage, otherwise)."""
+    prepare writes (found only at the end of a run, by the eval stage, otherwise); the samples
+    or PPO ask for more passages to continue than prepare writes."""
+    out = []
+    c = p.prepare
+    if p.pairs.continuation_prompts > c.continuation_rl:
+        out.append(f"{where}: pairs.continuation_prompts={p.pairs.continuation_prompts} asks for more passages than"
+                   f" prepare.continuation_rl={c.continuation_rl} writes; lower the one or raise the other")
+    if p.ppo.continuation_share > 0 and c.continuation_rl == 0:
+        out.append(f"{where}: ppo.continuation_share={p.ppo.continuation_share} rolls out passages to continue, and"
+                   f" prepare.continuation_rl is 0; raise it, or set ppo.continuation_share: 0")
+    if p.ppo.continuation_eval > c.continuation_test:
+        out.append(f"{where}: ppo.continuation_eval={p.ppo.continuation_eval} asks for more held-out passages than"
+                   f" prepare.continuation_test={c.continuation_test} writes; lower the one or raise the other")
+    return out + _math_test_count(p, where)
+
+
+def _math_test_count(p: Params, where: str) -> list[str]:
     held = p.prepare.math_test_sources
     if any(s.limit == 0 for s in held):
         return []  # a whole held-out source: its size is known only once read

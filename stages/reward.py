@@ -31,8 +31,9 @@ and beside them what the SFT model's own likelihood ranks right on the same pair
 (`sft_likelihood_accuracy`, the baseline to beat), the accuracy with the likelihood feature
 switched off (`accuracy_without_likelihood`: what the learned head ranks by itself) and the
 accuracy on the generated pairs (`generated_accuracy`, `generated_by_kind`). Where the samples hold
-continuations of held-out passages (pairs.continuation_prompts), `continuation_spearman` is the
-rank correlation of the reward model's score of each single continuation with the gold judge's. Quality gate:
+continuations of passages (pairs.continuation_prompts), `continuation_spearman` is the rank
+correlation of the reward model's score of each single continuation of the val-split passages
+with the gold judge's (llm/post/continuation.py `agreement_on_samples`). Quality gate:
 held-out accuracy on SFT's own answers below `reward.min_accuracy` fails the stage with exit
 code 1 and the numbers; then neither the model nor the metrics nor the plots are written (the
 previous outputs stay; the failed run's metrics are in <run dir>/failed_metrics.json).
@@ -56,6 +57,7 @@ from llm.data.template import ROLE_TOKENS
 from llm.fileio import sha256_tree
 from llm.nn.optim import set_trainable
 from llm.nn.reward_model import RewardModel, evaluate_pairs, reward_loss_fn
+from llm.post.continuation import agreement_on_samples
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
 from llm.train.finish import Gate, finish_stage, run_plots
@@ -128,8 +130,8 @@ def run(common: CommonConfig, cfg: RewardConfig, rt: Runtime, *, sft: Path, data
         "min_accuracy": cfg.min_accuracy,
         "held_out_on": "generated" if own is generated else "own",
         **{k: held[k] for k in _BESIDE},
-        **continuation_agreement(out_model, Path(samples) / "samples.jsonl", tok, batch_size=2 * cfg.batch_size,
-                                 device=rt.device),
+        **agreement_on_samples(out_model, Path(samples) / "samples.jsonl", tok, batch_size=2 * cfg.batch_size,
+                               device=rt.device, autocast=rt.autocast),
     }
     m = result.metrics
     out.update({
@@ -165,32 +167,6 @@ def _accuracy_gate(out: dict, cfg: RewardConfig) -> Gate:
                        + ", ".join(f"{k} {v['accuracy']:.3f} (n={v['n']})" for k, v in worst),
                 advice="Train longer (reward.max_steps), adjust reward.lr, or lower reward.min_accuracy if this"
                        " is expected")
-
-
-def continuation_agreement(rm, samples_file: Path, tok, *, batch_size: int, device) -> dict:
-    """How the reward model's scores of single held-out continuations (the samples stage's
-    continuations of held-out passages, each with the gold judge's score) rank against the
-    judge's: {"continuation_spearman", "continuation_samples"}; {} where the samples hold none."""
-    from llm.data.preference import encode_response
-    from llm.data.template import render_prompt
-    from llm.eval.paired import spearman
-    from llm.fileio import read_jsonl
-    from llm.nn.reward_model import score_sequences
-
-    if not samples_file.is_file():
-        return {}
-    gold, seqs = [], []
-    for p in read_jsonl(samples_file):
-        if p.get("check") != "gold" or p.get("split") != "val":
-            continue
-        ids = render_prompt(p["prompt"], tok)
-        for x in p["samples"]:
-            gold.append(x["verifier"])
-            seqs.append(encode_response(ids, x["text"], tok)[-rm.config.seq_len:])
-    if not seqs:
-        return {}
-    scores = score_sequences(rm, seqs, pad_id=tok.pad_id, batch_size=batch_size, device=device).tolist()
-    return {"continuation_spearman": spearman(gold, scores), "continuation_samples": len(seqs)}
 
 
 def _load_own(samples: Path, tok, seq_len: int):

@@ -1,4 +1,4 @@
-"""Stage `samples`: the SFT model's own answers to training prompts, labelled by the verifier.
+"""Stage `samples`: the SFT model's own answers to training prompts, labelled by the verifier (and continuations of passages, by the gold judge).
 
     dvc repro samples        (dvc.yaml passes the paths: `python -m stages.samples --help`)
 
@@ -13,7 +13,10 @@ DPO's pairs from the same samples, adding the reward model's labels only where n
 check an answer. The procedure, seeded from (common.seed, "pairs"), is llm/post/pairs.py's: prompts
 (each assigned to train or val, `pairs.val_fraction` of them to val), samples at several
 temperatures, the verifier's score of each (math and bare calculations by their number,
-generated instruction tasks by their reference text with `pairs.verify_tasks`), SFT's
+generated instruction tasks by their reference text with `pairs.verify_tasks`; with
+`pairs.continuation_prompts`, that many passages of --continuation are continued too and each
+continuation scored by the gold judge, llm/sample/gold.py, whose scores closer than
+`pairs.gold_margin` make no comparison), SFT's
 log-probability of each answer, and per prompt with a check every comparison its scores make
 (each pair of distinct answers whose scores differ by more than `pairs.tie_epsilon`: the
 reward model's lessons, and its test as PPO uses it, any two of the policy's answers).

@@ -67,9 +67,7 @@ def test_gold_prefers_the_more_positive_continuation():
     happy = "With joy and love I greet thee, gentle friend,\nAnd all our days be sweet and full of hope."
     sad = "With grief and hate I curse thee, wretched foe,\nAnd all our days be bitter, dark with woe."
     assert gold.gold_score(happy, PASSAGE) > 0.5 > -0.5 > gold.gold_score(sad, PASSAGE) > gold.FLOOR
-    assert gold.prefers(happy, sad, PASSAGE, margin=0.1) == 1
-    assert gold.prefers(sad, happy, PASSAGE, margin=0.1) == -1
-    assert gold.prefers(happy, happy + " ", PASSAGE, margin=0.1) == 0   # a near-tie is no comparison
+    assert gold.gold_score(happy + " ", PASSAGE) == gold.gold_score(happy, PASSAGE)
 
 
 @pytest.mark.parametrize("text, why", [
@@ -113,3 +111,82 @@ def test_proxy_table_ranks_comparisons_beyond_the_margin_and_picks_best_of_n_exa
     assert t["best_of_n_proxy"][1] == pytest.approx((0.0 + 0.9 + 0.0) / 3)
     s = continuation_stats(cands, [[0.9, gold.FLOOR, 0.0]])
     assert s["not_continuation"] == pytest.approx(1 / 3) and s["words"] == 3.0 and s["repetition_rate"] == 0.0
+
+
+def test_with_continuations_rewards_passages_by_the_rm_and_math_by_its_own_function():
+    import torch
+
+    from llm.nn.reward_model import reward
+    from llm.sample.rewards import with_continuations
+    from llm.sample.rollout import Rollout
+    from tests.test_grpo import tiny
+    rm = tiny(("lm", "reward"))
+    B, P, N = 5, 3, 4
+    g = torch.Generator().manual_seed(0)
+    from tests.test_grpo import V
+    ro = Rollout(tokens=torch.randint(5, V, (B, P + N), generator=g), attention_mask=torch.ones(B, P + N, dtype=torch.bool),
+                 prompt_len=P, response_mask=torch.ones(B, N, dtype=torch.bool), logprobs=torch.zeros(B, N),
+                 stopped=torch.zeros(B, dtype=torch.bool))
+    problems = [{"answer": "1"}, {"passage": "p one two"}, {"answer": "2"}, {"passage": "p three four"},
+                {"answer": "3"}]
+    seen = {}
+
+    def math_fn(sub, probs):
+        seen["rows"], seen["answers"] = sub.tokens.clone(), [p["answer"] for p in probs]
+        return torch.tensor([10.0, 20.0, 30.0]), {"accuracy": 0.5}
+
+    class Tok:
+        def decode(self, ids):
+            return "joy and love and hope"
+
+    r, stats = with_continuations(math_fn, rm, Tok())(ro, problems)
+    assert seen["answers"] == ["1", "2", "3"] and torch.equal(seen["rows"], ro.tokens[[0, 2, 4]])
+    assert r[[0, 2, 4]].tolist() == [10.0, 20.0, 30.0]
+    assert torch.allclose(r[[1, 3]], reward(rm, ro.tokens[[1, 3]], ro.attention_mask[[1, 3]]).float())
+    assert stats["accuracy"] == 0.5 and stats["continuation_gold"] == gold.sentiment("joy and love and hope")
+    only_math = with_continuations(math_fn, rm, Tok())(ro.select([0, 2, 4]), [problems[i] for i in (0, 2, 4)])
+    assert only_math[1] == {"accuracy": 0.5}   # no passage: math_fn's reward and statistics as they are
+
+
+def test_passage_prompts_refuse_bad_records_and_drop_what_does_not_fit(tmp_path):
+    from llm.fileio import DataError, write_jsonl
+    from llm.sample.prompts import PassagePrompts, read_passages
+
+    class Tok:
+        special = {}
+
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"id": "a", "prompt": "Continue this passage:\nx", "passage": "x"}, {"id": "b", "prompt": ""}])
+    with pytest.raises(DataError, match="missing or empty 'prompt'"):
+        read_passages(path)
+    import llm.sample.prompts as prompts_mod
+    orig = prompts_mod.user_prompt
+    prompts_mod.user_prompt = lambda text, tok: [1] * len(text)
+    try:
+        items = [{"id": "a", "prompt": "short", "passage": "x"}, {"id": "b", "prompt": "x" * 50, "passage": "y"}]
+        pool = PassagePrompts(items, Tok(), seq_len=40, max_new_tokens=10)
+        assert pool.dropped == 1 and [p["id"] for _, p in pool.items] == ["a"]
+        assert pool.items[0][1] == {"id": "a", "question": "short", "passage": "x", "kind": "continuation"}
+        with pytest.raises(ValueError, match="raise prepare.continuation_rl"):
+            PassagePrompts(items[1:], Tok(), seq_len=40, max_new_tokens=10)
+    finally:
+        prompts_mod.user_prompt = orig
+
+
+def test_passage_counts_beyond_what_prepare_writes_are_refused_before_a_run():
+    import yaml
+
+    from llm.config import ConfigError, params_from_dict
+    from tests.conftest import ROOT
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["prepare"].update(continuation_rl=10, continuation_test=5)
+    params["pairs"]["continuation_prompts"] = 11
+    params["ppo"].update(continuation_eval=6, continuation_share=0.5)
+    with pytest.raises(ConfigError) as e:
+        params_from_dict(params)
+    text = str(e.value)
+    assert "pairs.continuation_prompts=11 asks for more passages than prepare.continuation_rl=10" in text
+    assert "ppo.continuation_eval=6 asks for more held-out passages than prepare.continuation_test=5" in text
+    params["ppo"]["continuation_share"] = 0.01
+    with pytest.raises(ConfigError, match="ppo.continuation_share: 0.01 of rollout_prompts=32 rounds to no passage"):
+        params_from_dict(params)

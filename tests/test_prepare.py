@@ -75,7 +75,7 @@ def test_eval_only_items_change_no_training_record(tmp_path):
     assert _run_prepare(a, task_test=10, arithmetic_test=30, **none).returncode == 0
     assert _run_prepare(b, task_test=0, arithmetic_test=0, **none).returncode == 0
     files = sorted(str(f.relative_to(a / "data/prepared")) for f in (a / "data/prepared").rglob("*.jsonl"))
-    assert len(files) == 14  # multiturn/test, scope/test and tiers/test are empty at these counts
+    assert len(files) == 16  # multiturn/test, scope/test, tiers/test and continue/* are empty at these counts
     for f in files:
         same = (a / "data/prepared" / f).read_bytes() == (b / "data/prepared" / f).read_bytes()
         assert same == (f not in ("tasks/test.jsonl", "arithmetic/test.jsonl")), f
@@ -437,6 +437,15 @@ def test_continuation_passages_come_last_and_the_held_out_ones_from_held_out_wor
     assert {r["source"] for r in on["continue"]["train"]} <= trained
     assert all(r["prompt"] == f"{PROMPT_HEAD}\n{r['passage']}" and r["reference"] for r in on["continue"]["test"])
     assert not off["continue"]["train"] and not off["continue"]["test"]
+    from llm.data.continuation import passages
+    from llm.data.sources import shakespeare_works
+    from llm.data.splits import summarize
+    lines = {ln for name, text in shakespeare_works() if f"shakespeare/{name}" in trained
+             for p, a in passages(text) for ln in (p + "\n" + a).split("\n")}
+    assert not {ln for r in on["continue"]["test"] for ln in (r["passage"] + "\n" + r["reference"]).split("\n")} & lines
+    # off, the metrics are those of a run before the preference existed; on, they count it
+    assert not any(k.startswith("continue/") for k in summarize(off, {"sources": []})["records"])
+    assert summarize(on, {"sources": []})["records"]["continue/test"] == 50
 
 
 def test_continuation_without_shakespeare_or_beyond_the_works_is_refused():

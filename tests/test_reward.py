@@ -469,16 +469,14 @@ def test_a_missing_comparison_file_is_an_error_naming_it_not_a_silent_fallback(t
 
 
 def test_continuation_agreement_is_the_rank_correlation_on_held_out_single_continuations(tmp_path):
-    """stages/reward.py `continuation_agreement`: the reward model's score of each held-out
+    """llm/post/continuation.py `agreement_on_samples` (the reward stage's): the reward model's score of each held-out
     continuation against the gold judge's, by rank; nothing where the samples hold none."""
-    import importlib
-
     from llm.eval.paired import spearman
     from llm.nn.artifacts import load_model_dir
+    from llm.post.continuation import agreement_on_samples
     from llm.nn.reward_model import score_sequences
     from llm.data.preference import encode_response
     from llm.data.template import render_prompt
-    reward_stage = importlib.import_module("stages.reward")
     ws = make_workspace(tmp_path)
     gpt, tok, _ = load_model_dir(ws / "models/sft", heads=("lm",))
     gpt.add_head("reward", seed=3)
@@ -490,9 +488,9 @@ def test_continuation_agreement_is_the_rank_correlation_on_held_out_single_conti
     prompts.append({"id": "m", "prompt": [{"role": "user", "content": "What is 1 + 1?"}], "check": "math",
                     "split": "val", "answer": "2", "samples": [{"text": "#### 2", "verifier": 1.2}]})
     _write_jsonl(ws / "data/samples/samples.jsonl", prompts)
-    got = reward_stage.continuation_agreement(gpt, ws / "data/samples/samples.jsonl", tok, batch_size=4, device="cpu")
+    got = agreement_on_samples(gpt, ws / "data/samples/samples.jsonl", tok, batch_size=4, device="cpu")
     assert got["continuation_samples"] == 8          # the two held-out passages' continuations, no math
     seqs = [encode_response(render_prompt(p["prompt"], tok), t, tok) for p in (prompts[0], prompts[2]) for t in texts]
     scores = score_sequences(gpt, seqs, pad_id=tok.pad_id, batch_size=4).tolist()
     assert got["continuation_spearman"] == pytest.approx(spearman([0.8, -0.7, 0.0, 0.9] * 2, scores))
-    assert reward_stage.continuation_agreement(gpt, ws / "nothing.jsonl", tok, batch_size=4, device="cpu") == {}
+    assert agreement_on_samples(gpt, ws / "nothing.jsonl", tok, batch_size=4, device="cpu") == {}

@@ -9,10 +9,12 @@ for it, one fixed wording, so the chat, SFT, the samples and the evaluation ask 
     Thus have you heard me sever'd from my bliss;
     That by misfortunes was my life prolong'd,
 
-A window keeps verse only: every line of it 4 to 14 words (a verse line has 6 to 12; prose
-runs longer), none a speaker's name ("DUKE."), a stage direction ("Enter ...", "[Exit]"), an
-act or scene heading or a cast list (a word in capitals, columns of spaces), all four lines inside one speech (no blank line between them). The
-windows of a work do not overlap, so no continuation is another window's passage.
+A window keeps verse only: every line of it 4 to 14 words and at most 60 characters, opening
+with a capital letter (a verse line has 6 to 12 words and starts with a capital; the texts wrap
+prose at about 70 characters, mid-sentence), none a speaker's name ("DUKE."), a stage direction
+("Enter ...", "[Exit]"), an act or scene heading or a cast list (a word in capitals, columns of
+spaces), all four lines inside one speech (no blank line between them). The windows of a work
+do not overlap, so no continuation is another window's passage.
 
 Which works a window may come from is the caller's choice (llm/data/splits.py: SFT's lessons
 and the RL prompts from the pretraining works, the evaluation's prompts from the held-out ones);
@@ -25,9 +27,10 @@ import re
 from typing import Callable, Iterable
 
 PROMPT_HEAD = "Continue this passage:"
+SOURCE = "generated/continuation"   # the `source` of SFT's continuation lessons
 CONTEXT_LINES = 2   # lines of the passage the user gives
 ANSWER_LINES = 2    # lines the model is asked for (SFT's lessons answer with the real next lines)
-MIN_WORDS, MAX_WORDS = 4, 14
+MIN_LINE_WORDS, MAX_LINE_WORDS, MAX_LINE_CHARS = 4, 14, 60
 
 _SPEAKER = re.compile(r"^[A-Z][A-Z' .,&-]*\.$")             # "DUKE.", "FIRST LORD.", "SIR TOBY."
 _SHOUTED = re.compile(r"\b[A-Z]{2,}\b")                   # a name in capitals: a cast list, a heading
@@ -47,7 +50,9 @@ def passage_of(prompt: str) -> str | None:
 
 def _verse(line: str) -> bool:
     words = line.split()
-    return (MIN_WORDS <= len(words) <= MAX_WORDS and not _SPEAKER.match(line.strip())
+    first = next((c for c in line if c.isalpha()), "")
+    return (MIN_LINE_WORDS <= len(words) <= MAX_LINE_WORDS and len(line) <= MAX_LINE_CHARS and first.isupper()
+            and not _SPEAKER.match(line.strip())
             and not _DIRECTION.match(line) and not _SHOUTED.search(line) and "  " not in line)
 
 

@@ -378,7 +378,11 @@ def _continuation(cfg, seed: int, data: dict) -> None:
     rng = random.Random(f"{seed}:prepare:continuation")
     lessons = cfg.continuation_train + cfg.continuation_rl
     trained = continuation.draw(windows["train"], lessons, rng)
-    test = continuation.draw(windows["test"], cfg.continuation_test, rng)
+    # a few lines stand in more than one work (Love's Labour's Lost and The Passionate Pilgrim):
+    # no held-out passage or continuation holds a line of a pretraining work's window
+    seen = {line for _, p, a in windows["train"] for line in (p + "\n" + a).split("\n")}
+    test = continuation.draw([w for w in windows["test"] if not set((w[1] + "\n" + w[2]).split("\n")) & seen],
+                             cfg.continuation_test, rng)
     if len(trained) < lessons or len(test) < cfg.continuation_test:
         raise DataError(f"prepare: {len(windows['train'])} passages in the pretraining works and"
                         f" {len(windows['test'])} in the held-out ones; continuation_train + continuation_rl ="
@@ -510,7 +514,7 @@ EVALUATION_ONLY = {"tasks": ("test",), "arithmetic": ("test",), "multiturn": ("t
 # The continuation preference's prompts (RL and evaluation), empty at their default counts (0).
 CONTINUATION = {"continue": ("train", "test")}
 WRITTEN = {**REQUIRED, **EVALUATION_ONLY, **CONTINUATION}
-CONTINUATION_SOURCE = "generated/continuation"  # the source of SFT's continuation lessons
+CONTINUATION_SOURCE = continuation.SOURCE
 
 
 def check_required(data: dict[str, dict[str, list[dict]]]) -> None:
@@ -529,6 +533,8 @@ def summarize(data: dict[str, dict[str, list[dict]]], stats: dict) -> dict:
     for kind, splits in WRITTEN.items():
         for split in splits:
             recs = data[kind][split]
+            if kind in CONTINUATION and not recs:
+                continue  # off (the default): the metrics stay what they were before the preference existed
             metrics["records"][f"{kind}/{split}"] = len(recs)
             metrics["chars"][f"{kind}/{split}"] = sum(map(_chars, recs))
             by_src: dict[str, int] = defaultdict(int)

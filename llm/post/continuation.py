@@ -3,9 +3,9 @@ gold judge (llm/sample/gold.py), and how well a reward model stands in for that 
 
     cands = draw_continuations(model, tok, items, n=16, temperature=1.0, max_new_tokens=40,
                                batch_size=64, seed=s)                 # items: continue/test.jsonl records
-    gold_of(cands)                                                     # the judge's score of every sample
-    rm = rm_scores(rm_model, tok, cands, batch_size=64, device="cpu")  # the reward model's
-    proxy_table(cands, rm, margin=0.1)        # how the RM ranks what the judge ranks, best-of-n
+    gold = gold_of(cands)                                              # the judge's score of every sample
+    rm = reward_scores(rm_model, tok, cands, batch_size=64, device="cpu")   # the reward model's
+    proxy_table(cands, gold, rm, margin=0.1)  # how the RM ranks what the judge ranks, best-of-n
 
 `proxy_table` measures a reward model as a stand-in for the gold judge on samples of one model:
 - pair accuracy: over every two continuations of one passage whose gold scores differ by more
@@ -16,11 +16,13 @@ gold judge (llm/sample/gold.py), and how well a reward model stands in for that 
 - best-of-n: for n = 1..N, the judge's mean score of the continuation the RM ranks highest among
   n drawn at random from a passage's N, exactly over the n-subsets (llm/post/rankers.py
   `best_of_n`), beside the judge picking its own best (the ceiling) and n = 1 (the mean).
-`continuation_stats` is what the evaluation reports of one model's continuations: the judge's
-mean, the share not a continuation (the judge's floor), the repetition rate, the mean length.
+`continuation_stats` is what to report of one model's continuations: the judge's mean, the
+share not a continuation (the judge's floor), the repetition rate, the mean length.
+`agreement_on_samples` is the reward stage's check of its model against the judge.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -45,17 +47,20 @@ def draw_continuations(model, tok, items: Sequence[dict], *, n: int, temperature
 
 
 def gold_of(cands: Sequence[dict]) -> list[list[float]]:
+    """The gold judge's score of every sample of every candidate set."""
     return [[gold_score(t, c["passage"]) for t in c["samples"]] for c in cands]
 
 
-def rm_scores(rm, tok, cands: Sequence[dict], *, batch_size: int, device, rt=None) -> list[list[float]]:
+def reward_scores(rm, tok, cands: Sequence[dict], *, batch_size: int, device, autocast=None,
+                  rt=None) -> list[list[float]]:
     """The reward model's score of every sample, read as PPO reads it (prompt + answer + <|end|>)."""
     from llm.data.preference import encode_response
     from llm.nn.reward_model import score_sequences
 
     seq_len = rm.config.seq_len
     seqs = [encode_response(c["prompt_ids"], t, tok)[-seq_len:] for c in cands for t in c["samples"]]
-    flat = score_sequences(rm, seqs, pad_id=tok.pad_id, batch_size=batch_size, device=device, rt=rt).tolist()
+    flat = score_sequences(rm, seqs, pad_id=tok.pad_id, batch_size=batch_size, device=device, autocast=autocast,
+                           rt=rt).tolist()
     out, at = [], 0
     for c in cands:
         out.append(flat[at:at + len(c["samples"])])
@@ -91,3 +96,24 @@ def continuation_stats(cands: Sequence[dict], gold: Sequence[Sequence[float]]) -
             "not_continuation": float(np.mean([x == FLOOR for x in flat])) if flat else None,
             "repetition_rate": float(np.mean([repetition_rate(t, p) for t, p in texts])) if texts else None,
             "words": float(np.mean([len(words(t)) for t, _ in texts])) if texts else None}
+
+
+def agreement_on_samples(rm, samples_file: Path, tok, *, batch_size: int, device, autocast=None) -> dict:
+    """What the reward stage reports of a reward model against the gold judge: Spearman's rank
+    correlation of its score of each single continuation with the judge's, over the samples
+    stage's continuations of its val-split passages (each with the judge's score, "verifier"):
+    {"continuation_spearman", "continuation_samples"}; {} where the samples hold none."""
+    from llm.data.template import render_prompt
+    from llm.fileio import read_jsonl
+
+    if not samples_file.is_file():
+        return {}
+    held = [p for p in read_jsonl(samples_file) if p.get("check") == "gold" and p.get("split") == "val"]
+    if not held:
+        return {}
+    cands = [{"prompt_ids": render_prompt(p["prompt"], tok), "samples": [x["text"] for x in p["samples"]]}
+             for p in held]
+    scores = reward_scores(rm, tok, cands, batch_size=batch_size, device=device, autocast=autocast)
+    gold = [x["verifier"] for p in held for x in p["samples"]]
+    return {"continuation_spearman": spearman(gold, [s for row in scores for s in row]),
+            "continuation_samples": len(gold)}

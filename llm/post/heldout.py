@@ -8,6 +8,8 @@ at the end: greedy exact match (llm.eval.evaluate.math_eval), the exact per-toke
 reference at the states of the policy's own samples (llm.sample.rollout.sampled_kl), and the reward
 of those samples. `heldout_rewards` gives those samples' rewards problem by problem, and
 `heldout_reward_change` the paired interval of the mean change between two model states.
+`continuation_heldout` is the same for passages to continue: the gold judge's and the reward
+model's mean score of one sampled continuation per held-out passage, and the KL there.
 
 Definition used everywhere here: `kl` is the mean over response tokens of KL(pi || ref)
 per token (TRL GRPO's `kl`); `kl_seq` is its sum over a response, averaged over responses
@@ -132,7 +134,3 @@ def continuation_heldout(policy: nn.Module, ref: nn.Module, rm: nn.Module, token
              "continuation_gold": float(np.mean(gold)),
              "continuation_repetition": float(np.mean([x for _, _, _, x in rows]))}, gold)
 
-
-def win_rate(scores: Sequence[float], baseline: Sequence[float]) -> float:
-    """The share of items whose score beats the baseline's for the same item, ties counting half."""
-    return float(np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(scores, baseline)]))

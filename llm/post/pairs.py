@@ -14,7 +14,9 @@
    held out, so no prompt is on both sides.
 2. Samples: for each temperature, samples_per_temperature responses per prompt from the SFT
    model (batched `llm.sample.generate.generate` with the KV cache, prompts batched by length).
-3. Scores: math with the verifier (`llm.sample.rewards.math_reward`: 1.0 correct + 0.2 formatted).
+3. Scores: math with the verifier (`llm.sample.rewards.math_reward`: 1.0 correct + 0.2 formatted);
+   continuations of passages (`continuation_prompts`, check "gold") with the gold judge
+   (llm/sample/gold.py), a comparison only where two scores differ by more than `gold_margin`.
    With `verify_tasks`, the generated instruction tasks and bare calculations are checked
    against the reference answers of their SFT conversations (a task: 1.2 for exactly the
    reference, else 0, as the evaluation scores it; a calculation: the math verifier on the
@@ -43,10 +45,10 @@ from llm.config import PairsConfig
 from llm.data.batching import derive_seed
 from llm.fileio import DataError, read_jsonl
 from llm.runtime import sharded_map
+from llm.data.continuation import SOURCE as CONTINUATION_SOURCE
 from llm.sample.gold import gold_score
+from llm.sample.prompts import read_passages
 from llm.sample.rewards import math_reward, parse_answer, task_correct, to_number
-
-CONTINUATION_SOURCE = "generated/continuation"  # SFT's lessons in continuing a passage (llm/data/splits.py)
 
 CORRECT, FORMAT = 1.0, 0.2  # the verifier's rewards (llm.sample.rewards.math_reward defaults)
 
@@ -76,7 +78,8 @@ def sample_prompts(cfg: PairsConfig, seed: int, math_path: Path, sft_path: Path,
     "gold" | None, "source", "kind"}; a prompt with a check is scored by the verifier (or, for a
     passage to continue, by the gold judge, its "answer" the passage), else by the RM. The
     continuation prompts (`cfg.continuation_prompts` of `continuation_path`) come last, from a
-    generator of their own, so the others are what they are without them."""
+    generator of their own: the other prompts are those drawn without them (their split and
+    samples are not: `assign_splits` and the length-sorted batches run over all prompts)."""
     rng = random.Random(derive_seed(seed, "prompts"))
     n_math = round(cfg.n_prompts * cfg.math_fraction)
     math = [r for r in read_jsonl(math_path) if r.get("question") and r.get("answer") is not None]
@@ -115,7 +118,10 @@ def continuation_prompts(cfg: PairsConfig, seed: int, path: Path | None) -> list
     the gold judge (llm/sample/gold.py)."""
     if not cfg.continuation_prompts:
         return []
-    recs = [r for r in read_jsonl(path) if r.get("prompt") and r.get("passage")] if path is not None else []
+    if path is None:
+        raise DataError(f"pairs.continuation_prompts = {cfg.continuation_prompts} needs the passages to continue"
+                        f" (the samples stage's --continuation, prepare's continue/train.jsonl)")
+    recs = read_passages(path)
     if len(recs) < cfg.continuation_prompts:
         raise DataError(f"{path}: {len(recs)} passages to continue, pairs.continuation_prompts ="
                         f" {cfg.continuation_prompts} needed; lower it or raise prepare.continuation_rl")
@@ -179,11 +185,11 @@ def verify(text: str, prompt: dict) -> float | None:
 def margin_of(prompt: dict, tie_epsilon: float, gold_margin: float) -> float:
     """How far apart two scores of `prompt`'s answers must be to make a comparison: the gold
     judge's scores are continuous, and closer than `gold_margin` they are a near-tie, dropped."""
-    return gold_margin if prompt["check"] == "gold" else tie_epsilon
+    return gold_margin if prompt.get("check") == "gold" else tie_epsilon
 
 
 def scorer_of(prompt: dict) -> str:
-    return "gold" if prompt["check"] == "gold" else "verifier" if prompt["answer"] is not None else "rm"
+    return "gold" if prompt.get("check") == "gold" else "verifier" if prompt["answer"] is not None else "rm"
 
 
 @torch.no_grad()
@@ -500,8 +506,8 @@ def quality_by_temperature(prompts: list[dict], samples: list[list[dict]], tempe
         at = [(p, x) for p, ss in zip(prompts, samples) for x in ss if x["temperature"] == temp]
         smp = [x for _, x in at]
         m_smp = [x for p, x in at if p["kind"] == "math" and x["verifier"] is not None]
-        v_smp = [x for p, x in at if p["kind"] != "math" and p["check"] != "gold" and x["verifier"] is not None]
-        g_smp = [x for p, x in at if p["check"] == "gold"]
+        v_smp = [x for p, x in at if p["kind"] != "math" and p.get("check") != "gold" and x["verifier"] is not None]
+        g_smp = [x for p, x in at if p.get("check") == "gold"]
         t_smp = [x for x in smp if x["verifier"] is None and x.get("rm") is not None]
         by_temp[str(temp)] = {
             "math_correct": mean(x["verifier"] >= CORRECT for x in m_smp),

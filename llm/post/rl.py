@@ -29,7 +29,8 @@ from llm.data.batching import derive_seed
 from llm.eval.paired import linear_trend
 from llm.fileio import sha256_file
 from llm.nn.artifacts import load_model_dir
-from llm.post.heldout import continuation_heldout, heldout_eval, heldout_reward_change, heldout_rewards, win_rate
+from llm.eval.evaluate import win_rate
+from llm.post.heldout import continuation_heldout, heldout_eval, heldout_reward_change, heldout_rewards
 from llm.runtime import Runtime
 from llm.sample.prompts import MathPrompts, PassagePrompts, read_passages, read_problems
 from llm.sample.rewards import RewardFn, rm_reward, rm_verifier_reward, verifier_reward, with_continuations
@@ -206,8 +207,9 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
     rm_model = None
     if reward_source != "verifier" or uses_passages:
         if rm is None:
-            why = f"reward_source {reward_source!r}" if reward_source != "verifier" else "passages to continue"
-            raise ValueError(f"{stage}: {why} needs a reward model directory")
+            why = (f"reward_source {reward_source!r}" if reward_source != "verifier" else
+                   f"passages to continue ({section or stage}.continuation_share / continuation_eval)")
+            raise ValueError(f"{stage}: {why} needs a reward model directory (--rm)")
         rm_model, rm_tok, rm_meta = load_model_dir(rm, device=device, heads=("reward",))
         if rm_tok.sha256() != tok.sha256():
             raise ValueError(f"{rm}: its tokenizer differs from {sft}'s; the reward model must share the policy's"
@@ -223,8 +225,8 @@ def setup_rl_stage(stage: str, common: CommonConfig, cfg: RLConfig, device: torc
     passages, passages_test = None, []
     if uses_passages:
         if continuation is None:
-            raise ValueError(f"{stage}: continuation_share / continuation_eval need the passages' directory"
-                             f" (prepare's continue/)")
+            raise ValueError(f"{stage}: {section or stage}.continuation_share / continuation_eval need the"
+                             f" passages' directory (--continuation: prepare's continue/)")
         if continuation_share > 0:
             path = continuation / "train.jsonl"
             passages = PassagePrompts(read_passages(path), tok, seq_len=policy.config.seq_len,
@@ -285,7 +287,7 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
             if not reference_gold:
                 reference_gold[:] = continuations(setup.ref)[1]
             numbers, gold = continuations(model)
-            row.update(numbers, continuation_win=win_rate(gold, reference_gold))
+            row.update(numbers, continuation_win=win_rate(gold, reference_gold)["win_rate"])
         return row
 
     def evaluate(step: int) -> dict:

@@ -24,7 +24,7 @@ English, so Shakespeare's "thee" or "'tis" count as neutral: the judge's scale i
 is what a gold judge may be, as long as everything is measured against it.
 
 `repetition_rate` (the share of repeated word trigrams) is reported beside the gold score as a
-guard against a degenerate win; the evaluation adds the base model's bits per byte.
+guard against a degenerate win (PPO's held-out evaluation logs it as `continuation_repetition`).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def _analyzer():
 
 
 def words(text: str) -> list[str]:
+    """The words of `text`, lower-cased (letters, with inner apostrophes: "thou'rt")."""
     return [w.lower() for w in _WORD.findall(text)]
 
 
@@ -70,6 +71,7 @@ def repetition_rate(text: str, passage: str = "") -> float:
 
 
 def english(text: str) -> bool:
+    """At least MIN_ASCII_LETTERS of the text's letters are ASCII (the passages' language)."""
     letters = [c for c in text if c.isalpha()]
     return bool(letters) and sum(c.isascii() for c in letters) >= MIN_ASCII_LETTERS * len(letters)
 
@@ -86,9 +88,3 @@ def gold_score(continuation: str, passage: str) -> float:
         return FLOOR
     return sentiment(continuation)
 
-
-def prefers(a: str, b: str, passage: str, margin: float) -> int:
-    """1 if the judge prefers continuation a to b by more than `margin`, -1 for b over a, 0 for a
-    near-tie (a comparison too close to label)."""
-    d = gold_score(a, passage) - gold_score(b, passage)
-    return 0 if abs(d) <= margin else (1 if d > 0 else -1)

@@ -1,11 +1,12 @@
-"""The RL and evaluation prompts: math problems read from JSONL, rendered as chat prompts, pooled by level.
+"""The RL and evaluation prompts: math problems (and passages to continue) read from JSONL, rendered as chat prompts, pooled by level.
 
     problems = read_problems("data/prepared/rl/train.jsonl")     # [{"question", "answer", "level", ...}]
     pool = MathPrompts(problems, tokenizer, seq_len=256, max_new_tokens=64)
     ids, problems = pool.sample(16, levels=[1, 2], generator=g)  # with replacement, seeded
 
 PPO and GRPO draw each step's prompts from a `MathPrompts` pool (llm/post/rl.py), and the bench
-scripts read the same files through `read_problems`. A problem's answer must be one number of
+scripts read the same files through `read_problems`. PPO may mix in passages to continue
+(`read_passages`, `PassagePrompts`: prepare's continue/*.jsonl). A problem's answer must be one number of
 the grammar llm/sample/rewards.py checks answers against, so a reference the verifier cannot read is an
 error at load time, not a zero reward in the middle of a run.
 """
@@ -68,7 +69,9 @@ class PassagePrompts:
             self.items.append((ids, {"id": it.get("id"), "question": it["prompt"], "passage": it["passage"],
                                      "kind": "continuation"}))
         if not self.items:
-            raise ValueError(f"{where or 'passages'}: no usable passage to continue ({self.dropped} too long)")
+            raise ValueError(f"{where or 'passages'}: no usable passage to continue ({len(items)} read,"
+                             f" {self.dropped} too long for seq_len with max_new_tokens); raise"
+                             f" prepare.continuation_rl, or set the stage's continuation_share: 0")
 
     def sample(self, n: int, generator: torch.Generator) -> tuple[list[list[int]], list[dict]]:
         idx = torch.randint(len(self.items), (n,), generator=generator).tolist()
