@@ -280,3 +280,32 @@ def test_passages_without_a_reward_model_are_refused(tmp_path):
                                          r" reward model directory \(--rm\)"):
         setup_rl_stage("ppo", common, cfg, "cpu", sft=tmp_path / "models/sft", data=tmp_path / "data/prepared/rl",
                        levels=([1, 2],), continuation=tmp_path / "data/prepared/continue", continuation_share=0.5)
+
+
+def test_continuation_heldout_returns_each_passage_gold_in_item_order(tmp_path):
+    """sampled_kl batches the passages by prompt length; the gold scores come back in item order
+    (each matches its own passage's continuation, whatever its batch)."""
+    from llm.data.tokenizer import Tokenizer
+    from llm.nn.model import GPT, ModelConfig
+    from llm.post.heldout import continuation_heldout
+    from llm.sample import gold
+    tok = Tokenizer.train(["joy and love and hope", "grief and hate", "the ship sails"] * 4, vocab_size=300,
+                          min_frequency=1, jieba=False)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, seq_len=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32)
+    policy, rm = GPT(cfg, seed=0), GPT(cfg, heads=("lm", "reward"), seed=1)
+    items = [{"prompt": "Continue this passage:\n" + "joy " * n, "passage": "joy " * n} for n in (7, 1, 4, 2, 9)]
+    texts = {}
+    orig = gold.gold_score
+
+    def spy(text, passage):
+        texts[passage] = text
+        return orig(text, passage)
+    gold.gold_score = spy
+    try:
+        numbers, g = continuation_heldout(policy, policy, rm, tok, items, max_new_tokens=6, temperature=1.0, seed=3,
+                                          batch_size=2)
+    finally:
+        gold.gold_score = orig
+    assert len(g) == len(items) and numbers["continuation_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert g == [orig(texts[it["passage"]], it["passage"]) for it in items]
+    assert numbers["continuation_gold"] == pytest.approx(sum(g) / len(g))
