@@ -75,7 +75,8 @@ def params(**sections) -> dict:
                    **tcfg()},
         "pairs": {"n_prompts": 12, "math_fraction": 0.5, "temperatures": [0.7, 1.1], "samples_per_temperature": 2,
                   "max_new_tokens": 12, "batch_size": 8, "adversarial_fraction": 0.05, "tie_epsilon": 1.0e-3,
-                  "tie_break": "first", "val_fraction": 0.25, "verify_tasks": False},
+                  "tie_break": "first", "val_fraction": 0.25, "verify_tasks": False, "continuation_prompts": 0,
+                  "gold_margin": 0.1},
         "dpo": {"bucket_width": 16, "beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "max_kl": 10.0,
                 "kl_prompts": 4, "max_new_tokens": 8, "trainable": ["*"], **tcfg()},
     }
