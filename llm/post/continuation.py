@@ -19,6 +19,11 @@ gold judge (llm/sample/gold.py), and how well a reward model stands in for that 
 `continuation_stats` is what to report of one model's continuations: the judge's mean, the
 share not a continuation (the judge's floor), the repetition rate, the mean length.
 `agreement_on_samples` is the reward stage's check of its model against the judge.
+
+Of these, only `agreement_on_samples` (and `reward_scores` under it) runs in a stage so far; the
+best-of-n and pair-accuracy figures of docs/log.md (2026-12-07) came from calling
+`draw_continuations`, `gold_of`, `reward_scores` and `proxy_table` by hand on a scratch run. The
+evaluation stage does not call them yet: that is the preference's next step.
 """
 from __future__ import annotations
 
