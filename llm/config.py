@@ -566,6 +566,9 @@ class PPOConfig(RLConfig):
                                 " continued at every evaluation: the gold judge's and the reward model's mean, the"
                                 " win rate against the reference and the KL on them (the over-optimisation curve);"
                                 " 0: none")
+    overopt_steps: int = _f(0, lo=0, hi=MAX_STEPS, added=True, doc="steps of the ppo_rm variant (PPO on the"
+                            " reward model alone, run past ppo's steps: the report's over-optimisation curve); 0:"
+                            " max_steps, as ppo")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         out = _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,
@@ -653,6 +656,10 @@ class EvalConfig:
                           " (k = 1..tier_pass_k, the unbiased estimator) and majority vote")
     tier_pass_k_problems: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many of each tier's"
                                    " greedy problems also sampled tier_pass_k times at eval.temperature; 0: none")
+    continuation_items: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many held-out passages"
+                                 " (continue/test.jsonl) continued once each at eval.temperature by the model and by"
+                                 " SFT: the gold judge's mean and win rate against SFT, the reward model's mean, KL,"
+                                 " repetition and the base model's bits per byte on them; 0: none")
 
 
 @dataclass(kw_only=True)
@@ -664,6 +671,12 @@ class RankersConfig:
     max_new_tokens: int = _f(lo=1, hi=MAX_SEQ_LEN)
     batch_size: int = _f(lo=1, hi=MAX_BATCH)
     confidence: float = _f(lo=0.5, hi=0.999)
+    continuation_passages: int = _f(0, lo=0, hi=MAX_COUNT, added=True, doc="the first this many held-out passages"
+                                    " (continue/test.jsonl), each continued continuation_samples times by SFT at"
+                                    " rankers.temperature: the reward model's best-of-n against the gold judge and"
+                                    " how it ranks the judge's comparisons; 0: none")
+    continuation_samples: int = _f(32, lo=2, hi=1024, added=True, doc="continuations per passage (best-of-n runs"
+                                   " n = 1..continuation_samples)")
 
 
 @dataclass(kw_only=True)
@@ -1125,6 +1138,11 @@ def _across_sections(p: Params, where: str) -> list[str]:
     if p.ppo.continuation_share > 0 and c.continuation_rl == 0:
         out.append(f"{where}: ppo.continuation_share={p.ppo.continuation_share} rolls out passages to continue, and"
                    f" prepare.continuation_rl is 0; raise it, or set ppo.continuation_share: 0")
+    for key, n in (("eval.continuation_items", p.eval.continuation_items),
+                   ("rankers.continuation_passages", p.rankers.continuation_passages)):
+        if n > c.continuation_test:
+            out.append(f"{where}: {key}={n} asks for more held-out passages than prepare.continuation_test="
+                       f"{c.continuation_test} writes; lower the one or raise the other")
     if p.ppo.continuation_eval > c.continuation_test:
         out.append(f"{where}: ppo.continuation_eval={p.ppo.continuation_eval} asks for more held-out passages than"
                    f" prepare.continuation_test={c.continuation_test} writes; lower the one or raise the other")

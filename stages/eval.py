@@ -14,6 +14,8 @@ and `eval` sections of params.yaml and
     --multiturn  conversations of two exchanges, the second turn to answer (may be empty)
     --scope      requests outside the model's skills, "Write a poem about the sea." (may be empty)
     --tiers      word problems by difficulty tier: in distribution, the edge, harder (may be empty)
+    --continuation  held-out passages of verse to continue (continue/test.jsonl; may be empty)
+    --base       the base model: its bits per byte on each continuation
     --tokens     val.bin, meta.json: held-out pretraining text, for perplexity and bits per byte
 
 and computes (llm/eval/evaluate.py evaluate_model): perplexity and bits per byte on
@@ -44,7 +46,14 @@ scores higher (0.5 = the score says nothing about being right), with its interva
 score of each group (llm/eval/paired.py rm_separation). With `eval.tier_problems`, math per
 difficulty tier (llm/eval/tiers.py): greedy exact match, and on `eval.tier_pass_k_problems` of
 them the pass@k curve for k = 1..`eval.tier_pass_k`, majority vote and the share of problems
-greedy gets wrong while a sample is right (`tier_<tier>_*`).
+greedy gets wrong while a sample is right (`tier_<tier>_*`). With `eval.continuation_items`, the
+continuation preference on that many held-out passages (llm/post/continuation.py
+`evaluate_continuations`): one continuation of each sampled at `eval.temperature` by the model and
+by SFT with the same seed; the gold judge's mean (`continuation_gold`), the win rate against SFT's
+continuation of the same passage with its Wilson interval (`continuation_win_rate*`), the reward
+model's mean, KL to SFT per token and per continuation, repetition, the share the judge floors,
+and the base model's bits per byte on the model's continuations and on SFT's
+(`continuation_base_bpb`, `continuation_base_bpb_sft`): a win in words no verse holds shows there.
 Sampling is seeded from (common.seed, part, batch): two runs give the same file. With
 `common.nproc` > 1 it runs under torchrun, each rank generating and scoring a share of every
 batch loop; rank 0 writes files byte for byte equal to a one-process run's (timings aside).
@@ -77,6 +86,8 @@ INPUTS = {"model": "the model directory evaluated", "sft": "the SFT model direct
           "multiturn": "evaluation-only two-exchange conversations (JSONL, may be empty)",
           "scope": "evaluation-only requests outside the model's skills (JSONL, may be empty)",
           "tiers": "evaluation-only word problems by difficulty tier (JSONL, may be empty)",
+          "continuation": "held-out passages to continue (JSONL, may be empty)",
+          "base": "the base model directory (its bits per byte on the continuations)",
           "tokens": "token shards (val.bin, meta.json): held-out text for bits per byte"}
 OUTPUTS = {"metrics": "the metrics JSON", "samples": "the samples JSON (not a metric)",
            "items": "the per-item outcomes (JSONL): what the report's paired tests read"}
@@ -105,10 +116,12 @@ def _optional_jsonl(path: Path) -> list[dict]:
 def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: Path, rm: Path, test: Path,
         tasks: Path, arithmetic: Path, tokens: Path, metrics: Path, samples: Path, items: Path,
         multiturn: Path | None = None, scope: Path | None = None, tiers: Path | None = None,
+        continuation: Path | None = None, base: Path | None = None,
         device: str | None = None, rt=None) -> tuple[dict, dict]:
     """Evaluate the model `name` in directory `model`; write (rank 0) and return (metrics, samples).
-    rt: a distributed llm.runtime.Runtime shares the work out over its ranks. multiturn, scope:
-    tiers: None scores neither (the command line always passes them)."""
+    rt: a distributed llm.runtime.Runtime shares the work out over its ranks. multiturn, scope,
+    tiers, continuation: None scores none of them (the command line always passes them); base is
+    read only when continuations are scored."""
     from llm.eval.evaluate import evaluate_model
     from llm.nn.artifacts import load_model_dir
     from llm.runtime import resolve_device
@@ -167,6 +180,27 @@ def run(name: str, common: CommonConfig, cfg: EvalConfig, *, model: Path, sft: P
         extras["tier_pass_curves"] = textras["pass_curves"]
         extras["timing_s"] = {**extras["timing_s"], **{f"tier_{t}": v for t, v in textras["timing_s"].items()}}
         extras["timing_s"]["total"] = round(extras["timing_s"]["total"] + sum(textras["timing_s"].values()), 3)
+    passages = _optional_jsonl(continuation)[:cfg.continuation_items] if continuation and cfg.continuation_items \
+        else []
+    if passages:
+        import time
+
+        from llm.post.continuation import evaluate_continuations
+        if base is None:
+            raise DataError("eval: scoring continuations needs the base model (--base)")
+        t0 = time.perf_counter()
+        base_model, base_tok, _ = load_model_dir(base, device=dev, heads=("lm",))
+        if base_tok.sha256() != tok.sha256():
+            raise DataError(f"{base} uses another tokenizer than {model}")
+        cm, citems, shown = evaluate_continuations(
+            policy, ref, rm_model, base_model, tok, passages, max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, seed=derive_seed(common.seed, STAGE), batch_size=cfg.batch_size,
+            confidence=cfg.confidence, rt=rt)
+        m.update(cm)
+        outcomes += citems
+        extras["continuation_samples"] = shown
+        extras["timing_s"]["continuation"] = round(time.perf_counter() - t0, 3)
+        extras["timing_s"]["total"] = round(extras["timing_s"]["total"] + extras["timing_s"]["continuation"], 3)
     sep = rm_separation(outcomes, confidence=cfg.confidence, seed=derive_seed(common.seed, STAGE, "rm_auc"))
     if sep is not None:  # None without an RM, or without both right and wrong answers among those it scored
         m.update({"rm_auc": sep["auc"], "rm_auc_lo": sep["lo"], "rm_auc_hi": sep["hi"],
@@ -221,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"win rate vs SFT {m['win_rate_vs_sft']:.1%}")
         if "kl" in m:
             parts.append(f"KL to SFT {m['kl']:.3g} nats/token")
+        if "continuation_gold" in m:
+            parts.append(f"continuations: gold judge {m['continuation_gold']:+.3f}, win rate vs SFT"
+                         f" {m['continuation_win_rate']:.1%} [{m['continuation_win_rate_lo']:.1%},"
+                         f" {m['continuation_win_rate_hi']:.1%}], KL {m['continuation_kl']:.3g} nats/token")
         return f"{STAGE} {args.name}: " + ", ".join(parts) + f"; {s['timing_s']['total']:.1f} s; wrote {args.metrics}"
 
     return stage_main(STAGE, __doc__, argv, inputs=INPUTS, outputs=OUTPUTS, work=work, setup=setup_runtime,

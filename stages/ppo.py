@@ -29,9 +29,10 @@ continuations, the reward model's, the win rate against the reference's continua
 passage (by the gold judge) and the KL there: along the run, the over-optimisation curve.
 
 `--variant ppo_rm` (dvc.yaml's stage ppo_rm) runs it as `ppo_rm` with ppo.reward_source forced
-to rm and everything else from the `ppo` section (the same seed, so the same prompts): the
-reward model alone, the proxy that the over-optimisation curve of the report sets against the
-verifier's accuracy of the same rollouts (the gold). Its metrics and meta.json record the
+to rm and everything else from the `ppo` section (the same seed, so the same prompts), for
+ppo.overopt_steps steps where that is set (0: ppo.max_steps): the reward model alone, the proxy
+that the over-optimisation curve of the report sets against the gold (the verifier's accuracy of
+the same rollouts; on held-out passages, the gold judge). Its metrics and meta.json record the
 variant and what it forces; the forced value is in its fingerprint.
 
 Quality gate (the stage exits 1 with a message and writes no model): final held-out KL above
@@ -65,9 +66,14 @@ VARIANTS = {"ppo_rm": {"reward_source": "rm"}}   # name: the keys of the ppo sec
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,
         model: Path, metrics: Path, plots: Path, continuation: Path | None = None, progress: bool = True,
         name: str = STAGE) -> dict:
+    import dataclasses
+
     from llm.post.ppo import PPO
     from llm.post.rl import finish_rl_stage, setup_rl_stage
     from llm.post.shares import step_generator
+
+    if name == "ppo_rm" and cfg.overopt_steps:   # the over-optimisation run goes on past ppo's steps
+        cfg = dataclasses.replace(cfg, max_steps=cfg.overopt_steps)
 
     setup = setup_rl_stage(name, common, cfg, rt.device, sft=sft, data=data, levels=(cfg.levels,),
                            reward_source=cfg.reward_source, rm=rm, section=STAGE, overrides=VARIANTS.get(name),

@@ -50,8 +50,9 @@ INPUTS = {"metrics": "the metrics directory: every stage's metrics, eval/ and pl
 def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
         params: Path = Path("params.yaml")) -> tuple[dict, dict]:
     """Write the report files under metrics_dir; returns (what was collected, the paired changes)."""
-    from llm.eval.report import collect, overopt_curve, paired_deltas, paired_metrics, provenance
-    from llm.eval.report_plots import curves_png, eval_png, overopt_png, placeholder_png, rankers_png, tiers_png
+    from llm.eval.report import collect, overopt_curve, paired_deltas, paired_metrics, preference_curves, provenance
+    from llm.eval.report_plots import (curves_png, eval_png, overopt_png, placeholder_png, preference_png, rankers_png,
+                                       tiers_png)
     from llm.eval.report_render import find_urls, render_html, render_markdown
 
     data = collect(metrics_dir, max_samples=cfg.max_samples)
@@ -62,11 +63,14 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     overopt = overopt_png(overopt_curve(data["curves"]))
     tiers = tiers_png(data["samples"])
     rankers = rankers_png(data["curves"].get("rankers.tsv"))
+    preference = preference_png(preference_curves(data["curves"]))
     images = {"curves": curves or placeholder_png("no training curves yet (metrics/plots/*.tsv)"),
               "eval": evals or placeholder_png("no eval metrics yet (metrics/eval/<model>.json)"),
               "overopt": overopt or placeholder_png("no per-step history of ppo_rm yet (metrics/plots/ppo_rm.tsv)"),
               "tiers": tiers or placeholder_png("no difficulty tiers evaluated (eval.tier_pass_k_problems: 0)"),
-              "rankers": rankers or placeholder_png("no math rankers measured yet (metrics/plots/rankers.tsv)")}
+              "rankers": rankers or placeholder_png("no math rankers measured yet (metrics/plots/rankers.tsv)"),
+              "preference": preference or placeholder_png("no continuations measured (eval.continuation_items,"
+                                                          " ppo.continuation_eval, rankers.continuation_passages: 0)")}
     page = render_html(data, paired, head, images)
     urls = find_urls(page)
     if urls:  # an internal error: render_html defangs every text it writes
@@ -77,11 +81,14 @@ def run(cfg: ReportConfig, common: CommonConfig, metrics_dir: Path,
     atomic_write_bytes(metrics_dir / "report_overopt.png", images["overopt"])
     atomic_write_bytes(metrics_dir / "report_tiers.png", images["tiers"])
     atomic_write_bytes(metrics_dir / "report_rankers.png", images["rankers"])
+    atomic_write_bytes(metrics_dir / "report_preference.png", images["preference"])
     atomic_write_text(metrics_dir / "report.md",
                       render_markdown(data, paired, head, {"curves": "report_curves.png", "eval": "report_eval.png",
                                                            "overopt": "report_overopt.png",
                                                            "tiers": "report_tiers.png" if tiers else None,
-                                                           "rankers": "report_rankers.png" if rankers else None}))
+                                                           "rankers": "report_rankers.png" if rankers else None,
+                                                           "preference": "report_preference.png" if preference
+                                                           else None}))
     atomic_write_text(metrics_dir / "report.html", page)
     atomic_write_json(metrics_dir / "summary.json", headline(metrics_dir))
     return data, paired

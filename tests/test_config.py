@@ -44,7 +44,8 @@ def test_every_dataclass_field_is_in_params_yaml_and_back():
 
 
 def test_unknown_key_gets_a_suggestion_with_line_number():
-    text = (ROOT / "params.yaml").read_text().replace("  clip_epsilon: 0.1", "  clip_epsilon: 0.1\n  clip_epsilom: 0.2")
+    text = (ROOT / "params.yaml").read_text().replace("  clip_epsilon: 0.2\n  max_new_tokens: 64",
+                                                    "  clip_epsilon: 0.2\n  clip_epsilom: 0.2\n  max_new_tokens: 64", 1)
     with pytest.raises(ConfigError) as e:
         load_params_text(text, "params.yaml")
     msg = str(e.value)

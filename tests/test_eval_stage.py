@@ -34,7 +34,12 @@ from tests.conftest import ROOT, common_params, dvc_command
 EVAL_PARAMS = dict(math_problems=8, pass_k=2, pass_k_problems=3, temperature=1.0, max_new_tokens=20, ppl_batches=2,
                    rm_prompts=6, kl_prompts=4, sample_prompts=["What is 7 + 5?", "Who is Hamlet?"], batch_size=4,
                    confidence=0.95, num_threads=1, detoxify_checkpoint="", toxicity_threshold=0.5, context_items=0,
-                   tier_problems=4, tier_pass_k=4, tier_pass_k_problems=3)
+                   tier_problems=4, tier_pass_k=4, tier_pass_k_problems=3, continuation_items=3)
+PASSAGES = [{"id": f"continue-test-{i}", "prompt": "Continue this passage:\n" + p, "passage": p, "reference": r}
+            for i, (p, r) in enumerate([("What is 7 + 5?\nAnd what is 8 + 1?", "The sum is 12."),
+                                        ("Tom has 3 apples.\nHe buys 4 more.", "Now he has 7."),
+                                        ("A shop sells pens.\nEach pen costs 2.", "Four cost 8."),
+                                        ("Sam reads 5 pages.", "Then 6 more.")])]
 
 
 def _train(model: GPT, examples, tok, steps: int, seed: int) -> GPT:
@@ -101,7 +106,7 @@ def world(tmp_path_factory, one_thread):
               "tier": t} for t, level in (("in_distribution", 1), ("edge", 2), ("harder", 3))
              for i, p in enumerate(math_problem(trng, level, "en") for _ in range(5))]
     for kind, recs in (("tasks", tasks), ("arithmetic", arithmetic), ("multiturn", multiturn), ("scope", scope),
-                       ("tiers", tiers)):
+                       ("tiers", tiers), ("continue", PASSAGES)):
         (root / "data/prepared" / kind).mkdir(parents=True)
         (root / "data/prepared" / kind / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = "".join(p.question + " " + p.solution + "<|endoftext|>" for p in probs[80:100])
@@ -217,8 +222,9 @@ def _paths(root, name: str, out) -> dict:
             "test": root / "data/prepared/rl/test.jsonl", "tasks": root / "data/prepared/tasks/test.jsonl",
             "arithmetic": root / "data/prepared/arithmetic/test.jsonl", "tokens": root / "data/tokens",
             "multiturn": root / "data/prepared/multiturn/test.jsonl", "scope": root / "data/prepared/scope/test.jsonl",
-            "tiers": root / "data/prepared/tiers/test.jsonl", "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json",
-            "items": out / f"{name}_items.jsonl"}
+            "tiers": root / "data/prepared/tiers/test.jsonl",
+            "continuation": root / "data/prepared/continue/test.jsonl", "base": root / "models/base",
+            "metrics": out / f"{name}.json", "samples": out / f"{name}_samples.json", "items": out / f"{name}_items.jsonl"}
 
 
 def test_eval_stage_run_writes_flat_metrics_and_samples(world):
@@ -229,6 +235,57 @@ def test_eval_stage_run_writes_flat_metrics_and_samples(world):
     assert _check_outputs(root / "run", "ppo") == m
     m, _ = run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "run"))
     assert _check_outputs(root / "run", "sft")["kl"] == 0.0 and m["win_rate_vs_sft"] == 0.5
+
+
+def test_continuations_scored_against_sfts_and_read_by_the_base_model(world):
+    """The eval stage's continuation numbers: the first eval.continuation_items passages, each
+    continued once; SFT against itself wins exactly half with KL 0; the gold mean is the mean of
+    the items the report pairs; the texts shown are the model's beside SFT's."""
+    from llm.eval.paired import compare, read_items
+    from llm.sample.gold import gold_score
+    from stages.eval import run
+    root = world["root"]
+    n = EVAL_PARAMS["continuation_items"]
+    sections = load_sections(["common", "eval"], root / "params.yaml")
+    m, s = run("ppo", sections["common"], sections["eval"], **_paths(root, "ppo", root / "cont"))
+    ms, ss = run("sft", sections["common"], sections["eval"], **_paths(root, "sft", root / "cont"))
+    assert ms["continuation_win_rate"] == 0.5 and ms["continuation_kl"] == 0.0 and m["continuation_kl"] > 0
+    assert m["continuation_items"] == n and m["continuation_win_rate_lo"] <= m["continuation_win_rate"] \
+        <= m["continuation_win_rate_hi"]
+    items = [r for r in read_items(root / "cont/ppo_items.jsonl") if r["set"] == "continuation"]
+    assert [r["id"] for r in items] == [p["id"] for p in PASSAGES[:n]]
+    assert m["continuation_gold"] == pytest.approx(sum(r["score"] for r in items) / n)
+    shown = s["continuation_samples"]
+    assert [x["passage"] for x in shown] == [p["passage"] for p in PASSAGES[:n]]
+    assert [x["sft_response"] for x in shown] == [x["response"] for x in ss["continuation_samples"]]
+    assert all(x["gold"] == gold_score(x["response"], x["passage"]) for x in shown)
+    if "continuation_base_bpb_sft" in m:   # SFT's continuations read by the base model: the same in both runs
+        assert m["continuation_base_bpb_sft"] == ms["continuation_base_bpb"]
+    paired = compare(read_items(root / "cont/ppo_items.jsonl"), read_items(root / "cont/sft_items.jsonl"))
+    assert paired["continuation"]["n"] == n and paired["continuation"]["type"] == "score"
+
+
+def test_base_bits_per_byte_scores_the_continuation_given_its_passage(world):
+    """Bits per byte = the base model's summed loss on the continuation's tokens, the passage and a
+    newline before them given, over the continuation's bytes; empty continuations are left out."""
+    from llm.post.continuation import base_bits_per_byte
+    w = world
+    base, tok = w["base"], w["tok"]
+    passages, texts = ["Tom has 3 apples.", "Sam reads.", "A pen."], ["He buys 4 more.", "", "It costs 2 each."]
+    got = base_bits_per_byte(base, tok, passages, texts, batch_size=2)
+    nats, n_bytes = 0.0, 0
+    for p, t in zip(passages, texts):
+        if not t:
+            continue
+        ctx, cont = tok.encode(p + "\n"), tok.encode(t)
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logp = torch.log_softmax(base(ids[:, :-1]), -1)[0]
+        nats -= sum(logp[len(ctx) - 1 + j, c].item() for j, c in enumerate(cont))
+        n_bytes += len(t.encode())
+    assert got["continuations"] == 2
+    assert got["bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+    assert base_bits_per_byte(base, tok, ["x"], [""], batch_size=2) == {"bpb": None, "continuations": 0}
 
 
 def test_every_rate_is_the_mean_of_its_item_outcomes(world):
@@ -328,6 +385,33 @@ def test_the_rankers_stage_scores_sft_answers_on_a_tier(world, monkeypatch):
         run(load_sections(["common"], root / "params.yaml")["common"], RankersConfig(**{**cfg.__dict__, "tier": "harder",
             "problems": 1}), "cpu", sft=root / "models/sft", rm=root / "models/reward", dpo=root / "models/ppo",
             tiers=root / "data/prepared/rl/test.jsonl", metrics=root / "r2/rankers.json", plots=root / "r2")
+
+
+def test_the_rankers_stage_measures_the_reward_model_against_the_gold_judge(world):
+    """With passages, the rankers stage writes the reward model's best-of-n of SFT's continuations:
+    n = 1 is the judge's mean, the judge's own pick bounds every pick, the KL bound starts at 0;
+    without passages the table is its header alone."""
+    from llm.config import RankersConfig
+    from stages.rankers import CONTINUATION_COLUMNS, run
+    root = world["root"]
+    cfg = RankersConfig(problems=2, tier="edge", samples=2, temperature=1.0, max_new_tokens=12, batch_size=4,
+                        confidence=0.95, continuation_passages=3, continuation_samples=4)
+    common = load_sections(["common"], root / "params.yaml")["common"]
+    paths = dict(sft=root / "models/sft", rm=root / "models/reward", dpo=root / "models/ppo",
+                 tiers=root / "data/prepared/tiers/test.jsonl", continuation=root / "data/prepared/continue/test.jsonl")
+    m = run(common, cfg, "cpu", **paths, metrics=root / "rc/rankers.json", plots=root / "rc")
+    assert m["continuation_passages"] == 3 and m["continuation_samples"] == 4
+    rows = [r.split("\t") for r in (root / "rc/rankers_continuation.tsv").read_text().splitlines()]
+    assert "\t".join(rows[0]) == CONTINUATION_COLUMNS and len(rows) == 1 + 4
+    table = [[float(x) for x in r] for r in rows[1:]]
+    assert table[0][1] == 0.0 and all(a[1] < b[1] for a, b in zip(table, table[1:]))  # the KL bound rises with n
+    assert table[0][3] == pytest.approx(m["continuation_gold_mean"], abs=1e-6)      # best of 1 = a random draw
+    assert all(r[5] >= r[3] - 1e-9 for r in table)                                   # the judge's pick bounds it
+    assert table[-1][3] == pytest.approx(m["continuation_best_of_n_gold"], abs=1e-6)
+    assert m["continuation_spearman"] is None or -1 <= m["continuation_spearman"] <= 1
+    run(common, RankersConfig(**{**cfg.__dict__, "continuation_passages": 0}), "cpu", **paths,
+        metrics=root / "rc0/rankers.json", plots=root / "rc0")
+    assert (root / "rc0/rankers_continuation.tsv").read_text() == CONTINUATION_COLUMNS + "\n"
 
 
 def test_eval_says_whether_the_rm_score_follows_correctness(world, monkeypatch):

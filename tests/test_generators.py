@@ -221,3 +221,18 @@ def test_the_evaluation_asks_under_the_common_system_messages_and_one_no_trainin
     for key in ("system_short", "system_helpful"):
         assert set(CONTEXT_SYSTEM[key].values()) <= trained
     assert not set(CONTEXT_SYSTEM["system_unseen"].values()) & trained
+
+
+def test_where_sft_learns_verse_the_scope_statement_says_so_and_draws_the_same_requests():
+    """`verse` changes the taught statement only: the same generator state gives the same requests."""
+    from llm.data.generators import SCOPE_ANSWER_VERSE, context_conversation
+    for lang in ("en", "zh"):
+        plain = [scope_request(random.Random(7), lang) for _ in range(1)][0]
+        verse = scope_request(random.Random(7), lang, verse=True)
+        assert verse.prompt == plain.prompt and verse.answer == SCOPE_ANSWER_VERSE[lang] != plain.answer
+    assert "verse" in SCOPE_ANSWER_VERSE["en"] and "诗" in SCOPE_ANSWER_VERSE["zh"]
+    a = context_conversation(random.Random(3), "en", opening="scope")
+    b = context_conversation(random.Random(3), "en", opening="scope", verse=True)
+    assert [m["content"] for m in a.messages if m["role"] == "user"] == \
+        [m["content"] for m in b.messages if m["role"] == "user"]
+    assert b.messages[-3]["content"] == SCOPE_ANSWER_VERSE["en"]

@@ -514,7 +514,9 @@ def make_workspace(root: Path, stage: str, overrides: dict | None = None, rm: bo
         sec.update(prompts_per_step=2, group_size=4, minibatch_size=8, curriculum_steps=2, curriculum_levels=[1],
                    max_zero_std_steps=100)
     else:
-        sec.update(rollout_prompts=4, minibatch_size=2, reward_source="rm" if rm else "verifier")
+        # math rollouts (the cpu profile's PPO continues passages; tests/test_ppo.py covers those)
+        sec.update(rollout_prompts=4, minibatch_size=2, reward_source="rm" if rm else "verifier",
+                   continuation_share=0.0, continuation_eval=0, overopt_steps=0)
     sec.update(overrides or {})
     common = dict(params["common"], num_threads=1)
     (root / "params.yaml").write_text(yaml.safe_dump({"common": common, stage: sec}, sort_keys=False))

@@ -227,6 +227,17 @@ def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
     assert not (tmp_path / "models/ppo").exists() and (tmp_path / "runs/ppo_rm").is_dir()
 
 
+@pytest.mark.slow
+def test_ppo_rm_goes_on_for_overopt_steps_and_ppo_does_not(tmp_path):
+    """ppo.overopt_steps is the over-optimisation run's length: ppo_rm takes that many steps, ppo
+    its max_steps."""
+    make_workspace(tmp_path, "ppo", {"reward_source": "verifier", "max_steps": 2, "overopt_steps": 4}, rm=True)
+    for stage, steps in (("ppo_rm", 4), ("ppo", 2)):
+        p = run_stage(tmp_path, stage)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert read_metrics(tmp_path / f"metrics/{stage}.json")["steps"] == steps
+
+
 def _passages(root, n_train=6, n_test=4):
     import json
     d = root / "data/prepared/continue"
@@ -302,8 +313,9 @@ def test_continuation_heldout_returns_each_passage_gold_in_item_order(tmp_path):
         return orig(text, passage)
     gold.gold_score = spy
     try:
-        numbers, g = continuation_heldout(policy, policy, rm, tok, items, max_new_tokens=6, temperature=1.0, seed=3,
-                                          batch_size=2)
+        numbers, rows = continuation_heldout(policy, policy, rm, tok, items, max_new_tokens=6, temperature=1.0,
+                                             seed=3, batch_size=2)
+        g = [r["gold"] for r in rows]
     finally:
         gold.gold_score = orig
     assert len(g) == len(items) and numbers["continuation_kl"] == pytest.approx(0.0, abs=1e-6)

@@ -7,6 +7,7 @@ import datetime
 import html
 import html.parser
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -746,3 +747,70 @@ def test_a_rate_is_drawn_on_its_whole_range_and_kl_names_its_estimator():
     _plt().close(fig)
     assert acc.get_ylim() == (0.0, 1.0)
     assert labels == ["PPO (ppo.kl_estimator)", "GRPO (k3)"] and "estimated" in kl.get_ylabel()
+
+
+def _with_preference(metrics) -> None:
+    """Adds the continuation preference: 100 held-out passages; SFT's continuations score 0.0 by the
+    judge, PPO's 0.3 on the first 70 and -0.1 on the rest; PPO on the RM alone evaluated three
+    times, its judge's mean peaking in the middle; the reward model's best of 1..64."""
+    for name, kl_seq in (("sft", 0.0), ("ppo", 2.5)):
+        path = metrics / f"eval/{name}.json"
+        ev = json.loads(path.read_text()) if path.is_file() else _eval(0.40, win_rate_vs_sft=0.5, kl=0.01)
+        gold = 0.0 if name == "sft" else 0.3 * 0.7 - 0.1 * 0.3
+        ev.update({"continuation_gold": gold, "continuation_rm": 0.5 if name == "ppo" else -0.2,
+                   "continuation_kl_seq": kl_seq, "continuation_kl": kl_seq / 20, "continuation_repetition": 0.01,
+                   "continuation_not_continuation": 0.02, "continuation_win_rate": 0.5 if name == "sft" else 0.7,
+                   "continuation_win_rate_lo": 0.5 if name == "sft" else 0.6,
+                   "continuation_win_rate_hi": 0.5 if name == "sft" else 0.78,
+                   "continuation_base_bpb": 2.0 if name == "sft" else 2.2, "continuation_base_bpb_sft": 2.0})
+        _write(path, ev)
+        items_path = metrics / f"eval/{name}_items.jsonl"
+        items = [json.loads(x) for x in items_path.read_text().splitlines()] if items_path.is_file() else _items(50, 30)
+        items += [{"set": "continuation", "id": f"c{i}",
+                   "score": 0.0 if name == "sft" else 0.3 if i < 70 else -0.1} for i in range(100)]
+        _write(items_path, items)
+        spath = metrics / f"eval/{name}_samples.json"
+        samples = json.loads(spath.read_text()) if spath.is_file() else {"model": name}
+        samples["continuation_samples"] = [{"passage": "The ship sails on\nInto the night,", "reference": "",
+                                            "response": "and joy is <b>here</b>" if name == "ppo" else "and dark",
+                                            "gold": 0.6 if name == "ppo" else -0.2, "sft_response": "and dark",
+                                            "sft_gold": -0.2}]
+        _write(spath, samples)
+    _write(metrics / "plots/ppo_rm_val.tsv", "step\tmath_exact_match\tcontinuation_gold\tcontinuation_rm"
+           "\tcontinuation_kl_seq\n0\t0.8\t0.05\t-0.2\t0.0\n20\t0.8\t0.40\t0.6\t4.0\n40\t0.7\t0.30\t1.4\t9.0\n")
+    _write(metrics / "plots/rankers_continuation.tsv", "n\tkl_bound\tsqrt_kl\trm_pick_gold\trm_pick_rm\tgold_pick_gold\n"
+           + "".join(f"{n}\t{math.log(n) - (n - 1) / n:.6f}\t{math.sqrt(math.log(n) - (n - 1) / n):.6f}"
+                     f"\t{0.05 + 0.01 * n:.6f}\t{0.02 * n:.6f}\t{0.05 + 0.015 * n:.6f}\n" for n in range(1, 65)))
+
+
+def test_the_report_shows_the_continuation_preference(metrics):
+    """A table of every model continuing held-out passages (the judge's mean and its paired change,
+    the win rate, RM score, KL, base bits/byte), the reward model's best-of-n rows, where the gold
+    peaks along PPO on the RM alone, the figure and SFT's and PPO's continuations side by side."""
+    _with_preference(metrics)
+    _run(metrics)
+    md = (metrics / "report.md").read_text()
+    assert "## The continuation preference" in md
+    assert "| SFT | +0.000 | – | 50% (itself) | -0.200 | 0.000 | 2.000 | 1.0% | 2.0% |" in md
+    row = next(r for r in md.splitlines() if r.startswith("| PPO |"))
+    assert "| +0.180 | +0.18 [0.144, 0.216] | 70.0% [60.0, 78.0] | 0.500 | 2.500 | 2.200 (2.000) |" in row
+    assert "| SFT, best of 16 by the RM | +0.210 | – | – | 0.320 | ≤ 1.835 |" in md
+    assert "PPO moves the judge's mean 0.000 → 0.180, +0.18 [0.144, 0.216] (significant)" in md
+    assert "the reward model's best of 32 of SFT's samples, at KL at most 2.497, scores +0.370" in md  # nearest KL
+    assert ("along PPO on the RM alone the judge's mean peaks at KL 4.000 (+0.400) and ends at +0.300 at KL 9.000,"
+            " while the reward model's own score goes +0.600 -> +1.400") in md
+    assert "along best of n by the RM the judge's mean is still rising" in md
+    assert "![the gold judge and the reward model against sqrt(KL to SFT) on held-out continuations]" \
+           "(report_preference.png)" in md
+    assert "| The ship sails on<br>Into the night, | and dark (-0.20) | and joy is &lt;b>here&lt;/b> (+0.60) |" in md
+    page = (metrics / "report.html").read_text()
+    assert 'id="preference"' in page and "&lt;b&gt;here" in page
+    assert (metrics / "report_preference.png").read_bytes()[:4] == b"\x89PNG"
+    paired = json.loads((metrics / "paired.json").read_text())
+    assert paired["ppo_vs_sft"]["continuation"]["delta"] == pytest.approx(0.18)
+
+
+def test_without_continuations_the_preference_section_is_left_out(metrics):
+    _run(metrics)
+    assert "## The continuation preference" not in (metrics / "report.md").read_text()
+    assert (metrics / "report_preference.png").read_bytes()[:4] == b"\x89PNG"   # the placeholder (a DVC out)

@@ -24,9 +24,10 @@ records byte for byte:
 - `multiturn_conversation(rng, lang, kind)`: two exchanges whose second question reads the
   first (`MULTITURN_KINDS`): an operation on the previous result ("And times 2?" answered
   `12 * 2 = 24`, `#### 24`), a new word problem after an old one, an instruction task after a sum.
-- `scope_request(rng, lang)`: a request outside these skills ("Write a poem about the sea."),
-  answered by `SCOPE_ANSWER`, a statement of what the model can do; `opening_exchange(rng,
-  lang)` is a first exchange (a sum or a word problem, answered) to ask such a request after.
+- `scope_request(rng, lang, verse)`: a request outside these skills ("Write a poem about the sea."),
+  answered by `SCOPE_ANSWER` (`SCOPE_ANSWER_VERSE` where SFT also learns to continue verse), a
+  statement of what the model can do; `opening_exchange(rng, lang)` is a first exchange (a sum or
+  a word problem, answered) to ask such a request after.
 - `context_conversation(rng, lang)`: a word problem or bare calculation asked the way chats
   ask it: after an out-of-scope request answered with `SCOPE_ANSWER`, after an instruction
   task, or under a system message (`SYSTEM_MESSAGES`: "You are terse.", "You are a helpful
@@ -423,6 +424,15 @@ SCOPE_ANSWER = {
            " word of a list. I cannot help with this request."),
     "zh": "我会解算术应用题，也会做一些简单的文字任务，比如倒写、重复单词、排序数字、找出最大的数或数单词。这个请求我帮不上忙。",
 }
+# The same statement where SFT also learns to continue a passage of verse (prepare.continuation_train
+# above 0): the list of skills says so, and nothing else changes.
+SCOPE_ANSWER_VERSE = {
+    "en": ("I can solve arithmetic word problems, continue a passage of verse you give me, and do simple text tasks"
+           " such as reversing, repeating or capitalizing words, sorting numbers, finding the largest number,"
+           " counting words or giving the last word of a list. I cannot help with this request."),
+    "zh": "我会解算术应用题，会续写你给的一段诗句，也会做一些简单的文字任务，比如倒写、重复单词、排序数字、找出最大的数或数单词。"
+          "这个请求我帮不上忙。",
+}
 _TOPICS = ["the sea", "the moon", "autumn", "a lost dog", "friendship", "the city at night", "mountains", "rain",
            "an old clock", "the stars", "a small village", "winter mornings", "the desert", "a train journey",
            "birds", "the forest", "summer holidays", "a lighthouse", "coffee", "the river", "robots", "music",
@@ -499,17 +509,19 @@ def scope_prompt_count(lang: str) -> int:
     return sum(len(fills) for _, fills in _SCOPE_ZH)
 
 
-def scope_request(rng: random.Random, lang: str = "en") -> ScopeRequest:
+def scope_request(rng: random.Random, lang: str = "en", verse: bool = False) -> ScopeRequest:
     """A general request that no generator here answers (a poem, a question about a person, an
     opinion, a translation, a capital...), with the answer taught for all of them: what the
-    model can do, in the request's language."""
+    model can do, in the request's language (`SCOPE_ANSWER`, or `SCOPE_ANSWER_VERSE` with
+    `verse`: where it also learns to continue verse). `verse` draws nothing: the same rng gives
+    the same requests either way."""
     if lang == "en":
         template, slots = rng.choice(_SCOPE_EN)
         prompt = template.format(**{s: rng.choice(_FILL[s]) for s in slots})
     else:
         template, fills = rng.choice(_SCOPE_ZH)
         prompt = template.format(t=rng.choice(fills))
-    return ScopeRequest(prompt, SCOPE_ANSWER[lang], lang)
+    return ScopeRequest(prompt, (SCOPE_ANSWER_VERSE if verse else SCOPE_ANSWER)[lang], lang)
 
 
 # ---------------------------------------------------------------------------
@@ -541,13 +553,15 @@ class ContextConversation:
 
 
 def context_conversation(rng: random.Random, lang: str = "en", opening: str | None = None,
-                         system_share: float = 0.5, levels: tuple[int, ...] = (1, 2, 3, 4)) -> ContextConversation:
+                         system_share: float = 0.5, levels: tuple[int, ...] = (1, 2, 3, 4),
+                         verse: bool = False) -> ContextConversation:
     """A math question (a bare calculation half the time, else a word problem at one of
     `levels`) answered as it is alone, asked after an opening exchange (a random one of
     `CONTEXT_OPENINGS` unless given):
 
     - scope: an out-of-scope request in the question's language, answered with `SCOPE_ANSWER`
-      (the model must not keep answering with the statement once a question is in its skills);
+      (`SCOPE_ANSWER_VERSE` with `verse`; the model must not keep answering with the statement once
+      a question is in its skills);
     - task: an instruction task (English: the tasks are), answered;
     - none: no exchange before the question.
 
@@ -563,7 +577,7 @@ def context_conversation(rng: random.Random, lang: str = "en", opening: str | No
         system = rng.choice(SYSTEM_MESSAGES["zh" if lang == "zh" and rng.random() < 0.5 else "en"])
     before: tuple[dict, ...] = ()
     if opening == "scope":
-        r = scope_request(rng, lang)
+        r = scope_request(rng, lang, verse=verse)
         before = ({"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer})
     elif opening == "task":
         t = task(rng)

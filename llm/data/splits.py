@@ -252,7 +252,8 @@ def _context(cfg, seed: int, held_out: set[str], eval_requests: set[str]) -> lis
     n = cfg.context_train
     convs = _distinct(n, lambda: context_conversation(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
                                                       system_share=cfg.context_system_share,
-                                                      levels=tuple(cfg.math_levels)),
+                                                      levels=tuple(cfg.math_levels),
+                                                      verse=cfg.continuation_train > 0),
                       lambda c: tuple(m["content"] for m in c.messages if m["role"] != "assistant"),
                       lambda c: c.question in held_out or c.expression in held_out or c.opening_prompt in eval_requests,
                       f"prepare: could not draw {n} distinct conversations for prepare.context_train; lower it")
@@ -296,14 +297,16 @@ def _conversations(cfg, seed: int, key: str, skip) -> list:
     rng = random.Random(f"{seed}:prepare:{key}")
     n = getattr(cfg, key)
     return _distinct(n, lambda: multiturn_conversation(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
-                                                       levels=tuple(cfg.math_levels)),
+                                                       levels=tuple(cfg.math_levels),
+                                                      verse=cfg.continuation_train > 0),
                      lambda c: (c.messages[0]["content"], c.messages[2]["content"]), skip,
                      f"prepare: could not draw {n} distinct conversations for prepare.{key}; lower it")
 
 
 def _scope(cfg, seed: int, trained: set[str], held_out: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
     """cfg.scope_test requests outside the model's skills, none a training prompt, then
-    cfg.scope_train others as SFT conversations answered with what the model can do. A
+    cfg.scope_train others as SFT conversations answered with what the model can do (the list
+    names continuing verse where SFT learns it: prepare.continuation_train above 0). A
     cfg.scope_second_turn share of each is asked after a first exchange (`opening_exchange`: a
     sum or word problem, answered), whose question and calculation are none in `held_out` (the
     evaluation's questions and calculations, and the user turns of its conversations); the
@@ -315,7 +318,8 @@ def _scope(cfg, seed: int, trained: set[str], held_out: set[str] = frozenset()) 
     taken = set(trained)
     for key in ("scope_test", "scope_train"):
         n = getattr(cfg, key)
-        drawn[key] = _distinct(n, lambda: scope_request(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en"),
+        drawn[key] = _distinct(n, lambda: scope_request(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
+                                                        verse=cfg.continuation_train > 0),
                                lambda r: r.prompt, lambda r: r.prompt in taken,
                                f"prepare: could not draw {n} distinct requests for prepare.{key} (there are"
                                f" {scope_prompt_count('en')} English and {scope_prompt_count('zh')} Chinese ones"

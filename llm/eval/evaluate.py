@@ -477,7 +477,9 @@ def _mean(xs: Sequence[float]) -> float:
 #                 (`CONTEXTS`): correct, of ("math" | "arithmetic"), context, lang; id "<of>:<context>:<id>"
 #   math_sampled  the share of cfg.pass_k samples at cfg.temperature that are right: score
 #   rm            the reward model's score of the greedy answer: score
-ITEM_SETS = ("math", "task", "arithmetic", "multiturn", "scope", "context", "math_sampled", "rm")
+#   continuation  the gold judge's score of one sampled continuation of a held-out passage: score
+#                 (written by the eval stage: llm/post/continuation.py evaluate_continuations)
+ITEM_SETS = ("math", "task", "arithmetic", "multiturn", "scope", "context", "math_sampled", "rm", "continuation")
 
 
 def _first_of_each_group(shown: Sequence[tuple], n: int) -> list[dict]:

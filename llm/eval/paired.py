@@ -61,7 +61,8 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 # Skills that hold right/wrong outcomes; the others hold scores.
-_SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score", "reward model score")}
+_SCORE_SETS = {"math_sampled": ("score", "sampled math accuracy"), "rm": ("score", "reward model score"),
+               "continuation": ("score", "gold judge of a continuation")}
 # The items asked again in contexts (set "context": "of" names the items, "context" where they were
 # asked; llm/eval/evaluate.py context_items), as the report words them.
 CONTEXT_OF = {"math": "math", "arithmetic": "bare arithmetic"}

@@ -34,6 +34,13 @@ The page, top to bottom:
 - over-optimisation: PPO on the reward model alone (ppo_rm), its RM score (proxy) and the
   verifier's accuracy (gold) of each step's rollouts against sqrt(KL to SFT), and the KL at
   which the gold stops rising (`overoptimisation`, `overopt_line`);
+- the continuation preference (when evaluated: llm/post/continuation.py): per model, the gold
+  judge's mean on held-out passages with its paired change against SFT, the win rate against SFT's
+  continuation of the same passage, the reward model's score, KL per continuation, the base
+  model's bits per byte and repetition, beside the reward model's best-of-n of SFT's samples
+  (stage rankers); the gold and the proxy against sqrt(KL) along PPO's evaluations and along n;
+  SFT's and PPO's continuations of the same passages (`preference_rows`, `preference_line`,
+  `preference_curves`, `preference_samples`);
 - plots (llm/eval/report_plots.py), samples of each skill marked right or wrong, the fixed prompts,
   every eval metric per model, and a few headline numbers per training stage. Hashes and
   the full key=value contents stay in the metrics files.
@@ -247,9 +254,10 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
             cols = read_tsv(f)
             if cols.get("step"):
                 curves[f.name] = cols
-    f = root / "plots" / "rankers.tsv"   # best-of-n against n (stage rankers)
-    if f.is_file() and (cols := read_tsv(f)).get("n"):
-        curves[f.name] = cols
+    for name in ("rankers", "rankers_continuation"):  # best-of-n against n (stage rankers)
+        f = root / "plots" / f"{name}.tsv"
+        if f.is_file() and (cols := read_tsv(f)).get("n"):
+            curves[f.name] = cols
     return {"evals": evals, "samples": samples, "items": items, "stages": stages, "curves": curves, "notes": notes,
             "max_samples": max_samples}
 
@@ -810,3 +818,133 @@ def ranker_line(stages: dict[str, dict]) -> str | None:
             f" {fmt_value(r['best_of_n'], 'pct')} {fmt_interval(r['best_of_n_lo'], r['best_of_n_hi'], 'pct')}: "
             + ("above greedy decoding." if beats else "no better than greedy decoding, so none of these scores"
                " would make a better math reward than the likelihood the policy already has."))
+
+
+# ---------------------------------------------------------------------------
+# The continuation preference: the gold judge against the reward model, per model and along KL
+
+PREFERENCE_NOTE = ("Held-out passages of verse from works no stage trained on, each continued once at temperature 1"
+                   " by every model and by SFT with the same seed. The gold judge (VADER's sentiment of the"
+                   " continuation, -1 for no continuation: too short, not English or repeating; llm/sample/gold.py)"
+                   " stands in for a human rater and never trains anything; the reward model learned its"
+                   " comparisons of SFT's samples and is what PPO optimises. Win rate: the judge prefers the model's"
+                   " continuation to SFT's of the same passage (ties half). KL in nats per continuation. Base"
+                   " bits/byte: how well the base model, pretrained on the works, reads the continuation after its"
+                   " passage (in brackets SFT's, on SFT's continuations): a win in words no verse holds shows there."
+                   " Best of n: SFT's n samples, the reward model's top pick (stage rankers), whose KL to SFT is at"
+                   " most log n - (n-1)/n.")
+PREFERENCE_BEST_OF = (4, 16, 64)
+
+
+def _at(cols: dict[str, list[float]], key: str, n: int) -> float | None:
+    ns = cols.get("n") or []
+    return cols[key][ns.index(n)] if n in ns and key in cols else None
+
+
+def preference_rows(evals: dict[str, dict], paired: dict[str, dict],
+                    curves: dict[str, dict[str, list[float]]]) -> list[list[str]]:
+    """[model, judge mean, change vs SFT [interval], win rate vs SFT [interval], RM score, KL per
+    continuation, base bits/byte (SFT's), repetition, not a continuation] per evaluated model with
+    continuations, then the reward model's best-of-n rows; [] when no model was evaluated on them."""
+    rows = []
+    for m in MODELS:
+        e = evals.get(m) or {}
+        if not _isnum(e.get("continuation_gold")):
+            continue
+        res = (paired.get(m) or {}).get("skills", {}).get("continuation") if PARENT.get(m) == "sft" else None
+        change = f"{fmt_delta(res['delta'], 'num')} {fmt_interval(res['lo'], res['hi'], 'num')}" if res else "–"
+        win = (f"{fmt_value(e.get('continuation_win_rate'), 'pct')} "
+               f"{fmt_interval(e.get('continuation_win_rate_lo'), e.get('continuation_win_rate_hi'), 'pct')}"
+               if m != "sft" else "50% (itself)")
+        bpb = fmt_value(e.get("continuation_base_bpb"), "num")
+        if m != "sft" and _isnum(e.get("continuation_base_bpb_sft")):
+            bpb += f" ({fmt_value(e['continuation_base_bpb_sft'], 'num')})"
+        rows.append([NAME.get(m, m), f"{e['continuation_gold']:+.3f}", change.strip(), win.strip(),
+                     fmt_value(e.get("continuation_rm"), "num"), fmt_value(e.get("continuation_kl_seq"), "num"),
+                     bpb, fmt_value(e.get("continuation_repetition"), "pct"),
+                     fmt_value(e.get("continuation_not_continuation"), "pct")])
+    bon = curves.get("rankers_continuation.tsv") or {}
+    for n in PREFERENCE_BEST_OF:
+        gold = _at(bon, "rm_pick_gold", n)
+        if gold is None:
+            continue
+        rows.append([f"SFT, best of {n} by the RM", f"{gold:+.3f}", "–", "–",
+                     fmt_value(_at(bon, "rm_pick_rm", n), "num"), f"≤ {_num(_at(bon, 'kl_bound', n))}", "–", "–",
+                     "–"])
+    return rows
+
+
+def preference_line(evals: dict[str, dict], paired: dict[str, dict],
+                    curves: dict[str, dict[str, list[float]]]) -> str | None:
+    """One sentence per method: how far PPO and DPO moved the judge's mean against SFT (paired),
+    their win rate and KL, and what the reward model's best-of-n reaches at about PPO's KL."""
+    parts = []
+    for m in ("ppo", "ppo_rm", "dpo"):
+        e = evals.get(m) or {}
+        res = (paired.get(m) or {}).get("skills", {}).get("continuation")
+        if not (_isnum(e.get("continuation_gold")) and res):
+            continue
+        sure = "significant" if res["significant"] else "not significant"
+        parts.append(f"{NAME[m]} moves the judge's mean {_change('continuation', res)} ({sure}), winning"
+                     f" {fmt_value(e.get('continuation_win_rate'), 'pct')}"
+                     f" {fmt_interval(e.get('continuation_win_rate_lo'), e.get('continuation_win_rate_hi'), 'pct')}"
+                     f" of passages against SFT at KL {_num(e.get('continuation_kl_seq'))} nats per continuation")
+    if not parts:
+        return None
+    bon = curves.get("rankers_continuation.tsv") or {}
+    kl_ppo = (evals.get("ppo") or {}).get("continuation_kl_seq")
+    if bon.get("n") and _isnum(kl_ppo):
+        i = min(range(len(bon["n"])), key=lambda j: abs(bon["kl_bound"][j] - kl_ppo))
+        parts.append(f"the reward model's best of {int(bon['n'][i])} of SFT's samples, at KL at most"
+                     f" {_num(bon['kl_bound'][i])}, scores {bon['rm_pick_gold'][i]:+.3f} by the judge (SFT's mean"
+                     f" {bon['rm_pick_gold'][0]:+.3f}, the judge's own pick of {int(bon['n'][i])}"
+                     f" {bon['gold_pick_gold'][i]:+.3f})")
+    return "; ".join(parts) + "."
+
+
+def preference_curves(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+    """The gold (judge's mean) and the proxy (reward model's mean) against sqrt(KL per continuation):
+    {"PPO": ..., "PPO on the RM alone": ... (each run's held-out evaluations, its start included),
+    "best of n by the RM": ... (n = 1..N, KL its bound)}, each {"sqrt_kl", "gold", "proxy"}; runs
+    without those columns are left out."""
+    out = {}
+    for tsv, label in (("ppo_val.tsv", "PPO"), ("ppo_rm_val.tsv", "PPO on the RM alone")):
+        cols = curves.get(tsv) or {}
+        kl, gold, proxy = cols.get("continuation_kl_seq"), cols.get("continuation_gold"), cols.get("continuation_rm")
+        if kl and gold and proxy:
+            pts = [(math.sqrt(max(k, 0.0)), g, p) for k, g, p in zip(kl, gold, proxy) if _isnum(k) and _isnum(g)]
+            if pts:
+                out[label] = {"sqrt_kl": [x for x, _, _ in pts], "gold": [g for _, g, _ in pts],
+                              "proxy": [p for _, _, p in pts]}
+    bon = curves.get("rankers_continuation.tsv") or {}
+    if bon.get("n"):
+        out["best of n by the RM"] = {"sqrt_kl": bon["sqrt_kl"], "gold": bon["rm_pick_gold"],
+                                      "proxy": bon["rm_pick_rm"], "n": bon["n"], "ceiling": bon["gold_pick_gold"]}
+    return out
+
+
+def preference_overopt_line(curves: dict[str, dict[str, list[float]]]) -> str | None:
+    """Where the gold stops rising along PPO on the reward model alone (ppo_rm's held-out
+    evaluations) and along best-of-n, or that it had not stopped by the largest KL reached."""
+    parts = []
+    for label, c in preference_curves(curves).items():
+        if label == "PPO" or len(c["gold"]) < 2:
+            continue
+        order = sorted(range(len(c["gold"])), key=lambda i: c["sqrt_kl"][i])
+        peak = max(order, key=lambda i: (c["gold"][i], -c["sqrt_kl"][i]))
+        top = c["sqrt_kl"][order[-1]] ** 2
+        what = "n = " + str(int(c["n"][peak])) + ", " if "n" in c else ""
+        if peak == order[-1]:
+            parts.append(f"along {label} the judge's mean is still rising at the largest KL reached ({_num(top)} nats"
+                         f" per continuation: {c['gold'][order[0]]:+.3f} -> {c['gold'][peak]:+.3f})")
+        else:
+            parts.append(f"along {label} the judge's mean peaks at KL {_num(c['sqrt_kl'][peak] ** 2)} ({what}"
+                         f"{c['gold'][peak]:+.3f}) and ends at {c['gold'][order[-1]]:+.3f} at KL {_num(top)}, while"
+                         f" the reward model's own score goes {c['proxy'][peak]:+.3f} -> {c['proxy'][order[-1]]:+.3f}")
+    return ("Over-optimisation on the preference: " + "; ".join(parts) + ".") if parts else None
+
+
+def preference_samples(samples: dict[str, dict], model: str = "ppo", n: int = 5) -> list[dict]:
+    """The first n held-out passages with SFT's continuation and `model`'s beside it, each with the
+    judge's score (from eval@<model>'s samples file); [] without them."""
+    return list((samples.get(model) or {}).get("continuation_samples") or [])[:n]

@@ -3,6 +3,7 @@
     png, titles = curves_png(curves)    # curves: {tsv name: {column: [floats]}} (llm/eval/report.py read_tsv)
     png = eval_png(evals)               # evals: {model: metrics/eval/<model>.json}
     png = overopt_png(curve)            # curve: llm.eval.report.overoptimisation of ppo_rm's steps
+    png = preference_png(pcurves)       # pcurves: llm.eval.report.preference_curves
 
 Training curves: one panel per quantity, so that no panel mixes units (reward and accuracy
 are different panels; the held-out math accuracy of PPO and GRPO share one). A per-step
@@ -20,6 +21,11 @@ Over-optimisation (Gao, Schulman and Hilton 2022): PPO against the reward model 
 (ppo_rm), each step a point at sqrt(KL to SFT) of its rollouts, the RM score (the proxy it is
 trained on) and the verifier's accuracy (the gold) in two panels with their moving averages
 along the KL axis, and the gold's peak marked.
+
+The continuation preference: the gold judge's mean (left) and the reward model's mean (right,
+the proxy) against sqrt(KL to SFT per continuation), along PPO's held-out evaluations, along PPO
+on the reward model alone, and along the reward model's best-of-n of SFT's samples (its KL bound,
+with the judge's own pick of n dashed: the most any ranker could reach).
 
 Evaluation: accuracy per skill as grouped bars with 95% intervals, on a row of its own; under
 it the win rate against SFT and KL to SFT (nats/token, as everywhere) on a log axis, because
@@ -308,25 +314,25 @@ def overopt_figure(curve: dict | None):
                        label="still rising at the end" if curve["still_rising"] else
                        "highest at the start: never rose" if curve.get("never_rose") else
                        f"peak at sqrt(KL) {curve['peak_sqrt_kl']:.3g}")
-        ax.set_title(f"ppo_rm: {label}", fontsize=10)
-        ax.set_xlabel("sqrt(KL to SFT), KL in nats per response", fontsize=8)
-        ax.set_ylabel(label, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        _legend_below(ax, legend_row)
+        _labelled(ax, legend_row, f"ppo_rm: {label}", "sqrt(KL to SFT), KL in nats per response", label)
     return fig
 
 
-def _samples_axis(ax, legend_row, title: str, xlabel: str, ylabel: str) -> None:
-    """A rate (0-100%) against a number of samples on a log2 axis, with its legend in its own row."""
-    ax.set_xscale("log", base=2)
-    _rate_axis(ax)
+def _labelled(ax, legend_row, title: str, xlabel: str, ylabel: str) -> None:
+    """A panel's title, axis labels, grid and its legend in its own row."""
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     _legend_below(ax, legend_row)
+
+
+def _samples_axis(ax, legend_row, title: str, xlabel: str, ylabel: str) -> None:
+    """A rate (0-100%) against a number of samples on a log2 axis, with its legend in its own row."""
+    ax.set_xscale("log", base=2)
+    _rate_axis(ax)
+    _labelled(ax, legend_row, title, xlabel, ylabel)
 
 
 def tiers_png(samples: dict[str, dict]) -> bytes | None:
@@ -382,4 +388,28 @@ def rankers_figure(curve: dict[str, list[float]] | None):
         ax.plot(n, curve["random"], ":", lw=1.2, color="0.4", label="a random pick (sampled accuracy)")
     _samples_axis(ax, legend_row, "rankers: the top-ranked of n samples, right?", "n (samples ranked)",
                   "best-of-n accuracy (verifier)")
+    return fig
+
+
+def preference_png(pcurves: dict[str, dict] | None) -> bytes | None:
+    """The gold and the proxy against sqrt(KL) on the continuation preference (module docstring);
+    None without any run that measured them."""
+    fig = preference_figure(pcurves)
+    return _png(fig) if fig is not None else None
+
+
+def preference_figure(pcurves: dict[str, dict] | None):
+    """The matplotlib figure of `preference_png`, or None."""
+    if not pcurves:
+        return None
+    fig, axes, legend_rows = _panel_grid(2, ncol=2, width=4.5, height=3.2, legend_lines=len(pcurves) + 1)
+    for ax, legend_row, (key, label) in zip(axes, legend_rows, (("gold", "gold judge's mean (VADER)"),
+                                                              ("proxy", "reward model's mean (proxy)"))):
+        for i, (name, c) in enumerate(pcurves.items()):
+            style = "-" if "n" in c else "-o"
+            ax.plot(c["sqrt_kl"], c[key], style, ms=3, lw=1.5, color=f"C{i}", label=name)
+            if key == "gold" and "ceiling" in c:
+                ax.plot(c["sqrt_kl"], c["ceiling"], "--", lw=1.0, color=f"C{i}", alpha=0.7,
+                        label="the judge's own pick of n (ceiling)")
+        _labelled(ax, legend_row, f"continuations: {label}", "sqrt(KL to SFT), KL in nats per continuation", label)
     return fig

@@ -19,9 +19,14 @@ from typing import Any, Sequence
 from llm.eval.report import (CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL,
                              _join, all_metric_rows, control_line, fixed_prompt_rows, item_sample_groups, overopt_curve,
                              overopt_line, paired_rows, stage_headline_rows, stage_summary, stage_times, summary_rows,
-                             RANKERS_NOTE, TIER_NOTE, ranker_line, ranker_rows, tier_line, tier_rows, verdict)
+                             PREFERENCE_NOTE, RANKERS_NOTE, TIER_NOTE, preference_line, preference_overopt_line,
+                             preference_rows, preference_samples, ranker_line, ranker_rows, tier_line, tier_rows,
+                             verdict)
 
 _URL = re.compile(r"(?i)\b(http)(s?)://")
+PREFERENCE_COLUMNS = ("model", "gold judge", "change vs SFT", "win rate vs SFT", "RM score", "KL, nats/continuation",
+                      "base bits/byte (SFT's)", "repeated trigrams", "not a continuation")
+PREFERENCE_FIGURE = "the gold judge and the reward model against sqrt(KL to SFT) on held-out continuations"
 
 
 MAX_SAMPLE_CHARS = 400
@@ -162,6 +167,23 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out.append("")
         if images.get("rankers"):
             out += [f"![best-of-n per ranker against the verifier]({images['rankers']})", ""]
+    prows = preference_rows(data["evals"], paired, data["curves"])
+    if prows:
+        out += ["## The continuation preference", "", PREFERENCE_NOTE, ""]
+        for line in (preference_line(data["evals"], paired, data["curves"]), preference_overopt_line(data["curves"])):
+            if line:
+                out += [_md(line), ""]
+        out += ["| " + " | ".join(PREFERENCE_COLUMNS) + " |", "|---|" + "---|" * (len(PREFERENCE_COLUMNS) - 1)]
+        out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in prows]
+        out.append("")
+        if images.get("preference"):
+            out += [f"![{PREFERENCE_FIGURE}]({images['preference']})", ""]
+        shown = preference_samples(data["samples"])
+        if shown:
+            out += ["| passage | SFT | PPO |", "|---|---|---|"]
+            out += [f"| {_md(x['passage'])} | {_md(x['sft_response'])} ({x['sft_gold']:+.2f}) |"
+                    f" {_md(x['response'])} ({x['gold']:+.2f}) |" for x in shown]
+            out.append("")
     out += ["## Over-optimisation", ""]
     curve = overopt_curve(data["curves"])
     if curve:
@@ -363,6 +385,26 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
               for row in rrows]
         h.append("</table>")
         h.append(_img(images.get("rankers"), "best-of-n per ranker against the verifier"))
+    prows = preference_rows(data["evals"], paired, data["curves"])
+    if prows:
+        h.append('<h2 id="preference">The continuation preference</h2>')
+        h.append(f'<p class="note">{_e(PREFERENCE_NOTE)}</p>')
+        for line in (preference_line(data["evals"], paired, data["curves"]), preference_overopt_line(data["curves"])):
+            if line:
+                h.append(f'<p class="stage">{_e(line)}</p>')
+        h.append('<div class="wide"><table class="preference"><tr>' + "".join(f"<th>{_e(c)}</th>"
+                                                                             for c in PREFERENCE_COLUMNS) + "</tr>")
+        h += ["<tr><th>" + _e(row[0]) + "</th>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row[1:]) + "</tr>"
+              for row in prows]
+        h.append("</table></div>")
+        h.append(_img(images.get("preference"), PREFERENCE_FIGURE))
+        shown = preference_samples(data["samples"])
+        if shown:
+            h.append('<table class="samples"><tr><th>passage</th><th>SFT</th><th>PPO</th></tr>')
+            h += [f"<tr><td><pre>{_e(_clip(x['passage']))}</pre></td><td><pre>{_e(_clip(x['sft_response']))}</pre>"
+                  f" ({x['sft_gold']:+.2f})</td><td><pre>{_e(_clip(x['response']))}</pre> ({x['gold']:+.2f})</td></tr>"
+                  for x in shown]
+            h.append("</table>")
     h.append("<h2>Over-optimisation</h2>")
     curve = overopt_curve(data["curves"])
     if curve:

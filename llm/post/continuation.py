@@ -19,11 +19,14 @@ gold judge (llm/sample/gold.py), and how well a reward model stands in for that 
 `continuation_stats` is what to report of one model's continuations: the judge's mean, the
 share not a continuation (the judge's floor), the repetition rate, the mean length.
 `agreement_on_samples` is the reward stage's check of its model against the judge.
+`evaluate_continuations` is what the eval stage reports of one model on the held-out passages:
+the judge's mean, the win rate against SFT's continuation of the same passage, the reward model's
+mean, KL to SFT, repetition and the base model's bits per byte on the continuation (a win that
+stops reading like the works it continues shows there).
 
-Of these, only `agreement_on_samples` (and `reward_scores` under it) runs in a stage so far; the
-best-of-n and pair-accuracy figures of docs/log.md (2026-12-07) came from calling
-`draw_continuations`, `gold_of`, `reward_scores` and `proxy_table` by hand on a scratch run. The
-evaluation stage does not call them yet: that is the preference's next step.
+Where each runs: the eval stage calls `evaluate_continuations`; the rankers stage draws SFT's
+continuations and calls `proxy_table` (the best-of-n curve); the reward stage calls
+`agreement_on_samples`.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from llm.eval.evaluate import generate_replies
 from llm.eval.paired import spearman
 from llm.post.rankers import best_of_n
 from llm.sample.gold import FLOOR, gold_score, repetition_rate, words
+
+SHOWN = 5   # passages whose continuations (the model's beside SFT's) the eval stage keeps as text
 
 
 def draw_continuations(model, tok, items: Sequence[dict], *, n: int, temperature: float, max_new_tokens: int,
@@ -122,3 +127,91 @@ def agreement_on_samples(rm, samples_file: Path, tok, *, batch_size: int, device
     gold = [x["verifier"] for p in held for x in p["samples"]]
     return {"continuation_spearman": spearman(gold, [s for row in scores for s in row]),
             "continuation_samples": len(gold)}
+
+
+def base_bits_per_byte(base, tok, passages: Sequence[str], texts: Sequence[str], *, batch_size: int,
+                       rt=None) -> dict:
+    """How well the base model (pretrained on the works, never tuned) reads each continuation as
+    the next lines of its passage: its loss on the continuation's tokens given the passage and a
+    newline, in bits per UTF-8 byte of the continuation, pooled over the non-empty ones
+    ({"bpb", "continuations"}; "bpb" None where every one is empty). A continuation that wins the
+    judge with words no verse would hold scores high here."""
+    import math
+
+    import torch
+
+    from llm.eval.evaluate import lm_eval
+
+    rows, n_bytes = [], 0
+    for passage, text in zip(passages, texts):
+        cont = tok.encode(text)
+        if not cont:
+            continue
+        ids = (tok.encode(passage + "\n") + cont)[-(base.config.seq_len + 1):]
+        start = len(ids) - len(cont)                 # the first continuation token's position
+        rows.append((ids, start))
+        n_bytes += len(tok.decode(ids[max(start, 1):]).encode("utf-8"))
+    if not rows:
+        return {"bpb": None, "continuations": 0}
+    batches = []
+    for at in range(0, len(rows), batch_size):
+        chunk = rows[at:at + batch_size]
+        width = max(len(ids) for ids, _ in chunk) - 1
+        idx = torch.full((len(chunk), width), tok.pad_id, dtype=torch.long)
+        targets = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for r, (ids, start) in enumerate(chunk):
+            idx[r, :len(ids) - 1] = torch.tensor(ids[:-1])
+            scored = torch.tensor(ids[1:])
+            scored[:max(start, 1) - 1] = -100         # the passage is given, not scored
+            targets[r, :len(ids) - 1] = scored
+        batches.append({"idx": idx, "targets": targets})
+    m = lm_eval(base, batches, rt=rt)
+    return {"bpb": m["val_loss"] * m["val_tokens"] / math.log(2) / max(n_bytes, 1), "continuations": len(rows)}
+
+
+def evaluate_continuations(policy, ref, rm, base, tok, items: Sequence[dict], *, max_new_tokens: int,
+                           temperature: float, seed: int, batch_size: int, confidence: float,
+                           rt=None) -> tuple[dict, list[dict], list[dict]]:
+    """One model on the held-out passages (prepare's continue/test.jsonl): one continuation of each
+    passage sampled at `temperature` (llm/post/heldout.py `continuation_heldout`, the draws PPO's
+    evaluations make), and the same of `ref` (SFT) with the same seed. Returns (metrics, items,
+    shown): `continuation_gold` (the judge's mean), `continuation_win_rate` with its Wilson
+    interval (the judge prefers this model's continuation to SFT's of the same passage; ties,
+    e.g. two empty ones, count half; 0.5 for SFT itself), `continuation_rm`, `continuation_kl`
+    (per token) and `continuation_kl_seq` (per continuation), `continuation_repetition`,
+    `continuation_not_continuation` (the judge's floor: too short, not English, repeated),
+    `continuation_words`, and `continuation_base_bpb` beside `continuation_base_bpb_sft` (the
+    base model's bits per byte on each model's continuations); the per-passage outcome records
+    {"set": "continuation", "id", "score": gold} that the report pairs; the first SHOWN passages'
+    texts, this model's continuation beside SFT's."""
+    from llm.eval.evaluate import win_rate
+    from llm.post.heldout import continuation_heldout
+
+    def draw(model):
+        return continuation_heldout(model, ref, rm, tok, items, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, batch_size=batch_size, rt=rt)
+
+    numbers, rows = draw(policy)
+    ref_rows = rows if policy is ref else draw(ref)[1]
+    texts = [r["text"] for r in rows]
+    ref_texts = [r["text"] for r in ref_rows]
+    wr = win_rate([r["gold"] for r in rows], [r["gold"] for r in ref_rows],
+                  ties=[a == b for a, b in zip(texts, ref_texts)], confidence=confidence)
+    passages = [it["passage"] for it in items]
+    bpb = base_bits_per_byte(base, tok, passages, texts, batch_size=batch_size, rt=rt)
+    bpb_ref = bpb if policy is ref else base_bits_per_byte(base, tok, passages, ref_texts, batch_size=batch_size,
+                                                          rt=rt)
+    m = {**numbers, "continuation_items": len(items),
+         "continuation_win_rate": wr["win_rate"], "continuation_win_rate_lo": wr["win_rate_lo"],
+         "continuation_win_rate_hi": wr["win_rate_hi"],
+         "continuation_not_continuation": float(np.mean([r["gold"] == FLOOR for r in rows])),
+         "continuation_words": float(np.mean([len(words(t)) for t in texts]))}
+    for key, b in (("continuation_base_bpb", bpb), ("continuation_base_bpb_sft", bpb_ref)):
+        if b["bpb"] is not None:     # None where every continuation is empty: left out, not a metric
+            m[key] = b["bpb"]
+    outcomes = [{"set": "continuation", "id": it.get("id", str(i)), "score": r["gold"]}
+                for i, (it, r) in enumerate(zip(items, rows))]
+    shown = [{"passage": it["passage"], "reference": it.get("reference", ""), "response": r["text"],
+              "gold": r["gold"], "sft_response": q["text"], "sft_gold": q["gold"]}
+             for it, r, q in list(zip(items, rows, ref_rows))[:SHOWN]]
+    return m, outcomes, shown

@@ -107,30 +107,31 @@ def heldout_reward_change(start: Sequence[float], end: Sequence[float], *, seed:
 @torch.no_grad()
 def continuation_heldout(policy: nn.Module, ref: nn.Module, rm: nn.Module, tokenizer, items: Sequence[dict], *,
                          max_new_tokens: int, temperature: float, seed: int, batch_size: int = 64,
-                         rt: Runtime | None = None) -> tuple[dict[str, float], list[float]]:
+                         rt: Runtime | None = None) -> tuple[dict[str, float], list[dict]]:
     """The continuation preference on held-out passages (prepare's continue/test.jsonl), for one
     model state: one continuation of each passage sampled at `temperature` with a fixed seed (the
     same draws every call for the same policy), and ({"continuation_kl": exact per-token KL to
-    `ref` at those samples' states, "continuation_rm": the reward model's mean score,
-    "continuation_gold": the gold judge's mean (llm/sample/gold.py), "continuation_repetition":
-    the mean share of repeated word trigrams}, the gold score of each passage's continuation in
-    item order). The gold never reaches the policy: it is what the reward model is measured by."""
+    `ref` at those samples' states, "continuation_kl_seq": the same summed over each continuation,
+    "continuation_rm": the reward model's mean score, "continuation_gold": the gold judge's mean
+    (llm/sample/gold.py), "continuation_repetition": the mean share of repeated word trigrams},
+    one row per passage in item order: {"gold", "rm", "repetition", "text"}). The gold never
+    reaches the policy: it is what the reward model is measured by."""
     from llm.nn.reward_model import reward
     from llm.sample.gold import gold_score, repetition_rate
 
-    def visit(ro, ix: list[int]) -> list[tuple[int, float, float, float]]:
+    def visit(ro, ix: list[int]) -> list[tuple[int, float, float, float, str]]:
         r = reward(rm, ro.tokens, ro.attention_mask).float().cpu().tolist()
         texts = [tokenizer.decode(ids) for ids in ro.response_ids()]
-        return [(i, rr, gold_score(t, items[i]["passage"]), repetition_rate(t, items[i]["passage"]))
+        return [(i, rr, gold_score(t, items[i]["passage"]), repetition_rate(t, items[i]["passage"]), t)
                 for i, rr, t in zip(ix, r, texts)]
 
     kl = sampled_kl(policy, ref, [user_prompt(it["prompt"], tokenizer) for it in items],
                     max_new_tokens=max_new_tokens, temperature=temperature,
                     stop_ids=(tokenizer.end_id, tokenizer.eot_id), pad_id=tokenizer.pad_id,
                     seed=derive_seed(seed, "continuation"), batch_size=batch_size, visit=visit, rt=rt)
-    rows = sorted(x for batch in kl.visits for x in batch)
-    gold = [g for _, _, g, _ in rows]
-    return ({"continuation_kl": kl.per_token, "continuation_rm": float(np.mean([r for _, r, _, _ in rows])),
-             "continuation_gold": float(np.mean(gold)),
-             "continuation_repetition": float(np.mean([x for _, _, _, x in rows]))}, gold)
-
+    rows = [{"gold": g, "rm": r, "repetition": x, "text": t}
+            for _, r, g, x, t in sorted(x for batch in kl.visits for x in batch)]
+    return ({"continuation_kl": kl.per_token, "continuation_kl_seq": kl.per_sequence,
+             "continuation_rm": float(np.mean([r["rm"] for r in rows])),
+             "continuation_gold": float(np.mean([r["gold"] for r in rows])),
+             "continuation_repetition": float(np.mean([r["repetition"] for r in rows]))}, rows)

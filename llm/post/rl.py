@@ -274,7 +274,7 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
     samples: list[dict] = []
     reference_gold: list[float] = []   # the reference's continuations, judged once: the win rate's baseline
 
-    def continuations(model) -> tuple[dict, list[float]]:
+    def continuations(model) -> tuple[dict, list[dict]]:
         return continuation_heldout(model, setup.ref, setup.rm, setup.tokenizer, setup.passages_test,
                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=setup.seed,
                                     rt=rt)
@@ -285,9 +285,9 @@ def finish_rl_stage(setup: RLSetup, algo: StepBody, cfg: RLConfig, rt: Runtime, 
         samples[:] = s[:3]
         if setup.passages_test:
             if not reference_gold:
-                reference_gold[:] = continuations(setup.ref)[1]
-            numbers, gold = continuations(model)
-            row.update(numbers, continuation_win=win_rate(gold, reference_gold)["win_rate"])
+                reference_gold[:] = [r["gold"] for r in continuations(setup.ref)[1]]
+            numbers, rows = continuations(model)
+            row.update(numbers, continuation_win=win_rate([r["gold"] for r in rows], reference_gold)["win_rate"])
         return row
 
     def evaluate(step: int) -> dict:
