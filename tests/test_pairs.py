@@ -372,3 +372,15 @@ def test_continuation_prompts_come_after_the_others_and_leave_them_as_they_were(
     from llm.fileio import DataError
     with pytest.raises(DataError, match="raise prepare.continuation_rl"):
         sample_prompts(PairsConfig(**{**params()["pairs"], "continuation_prompts": 31}), 5, math, sft, cont)
+
+
+def test_the_score_histogram_counts_each_scorer_in_its_own_column():
+    """One column per scorer (the reward model, the verifier, the gold judge of the passages):
+    each pair is counted in its bin under `pairs` and under its scorer's column."""
+    from llm.post.pairs import histogram
+    pairs = [{"preference_score": 0.52, "scorer": "rm"}, {"preference_score": 0.99, "scorer": "verifier"},
+             {"preference_score": 0.99, "scorer": "gold"}, {"preference_score": 0.76, "scorer": "gold"}]
+    rows = [r.split("\t") for r in histogram(pairs, bins=4).splitlines()]
+    assert rows[0] == ["preference_score", "pairs", "pairs_rm", "pairs_verifier", "pairs_gold"]
+    assert [r[1:] for r in rows[1:]] == [["1", "1", "0", "0"], ["0", "0", "0", "0"], ["1", "0", "0", "1"],
+                                         ["2", "0", "1", "1"]]

@@ -484,16 +484,18 @@ def mean(xs) -> float | None:
 
 
 def histogram(pairs: list[dict], bins: int = 20) -> str:
-    """TSV: preference_score (bin centre over (0.5, 1)), pairs, pairs_rm, pairs_verifier."""
-    counts = {s: [0] * bins for s in ("all", "rm", "verifier")}
+    """TSV: preference_score (bin centre over (0.5, 1)), pairs, pairs_rm, pairs_verifier, pairs_gold
+    (the passages' continuations the gold judge labelled)."""
+    counts = {s: [0] * bins for s in ("all", "rm", "verifier", "gold")}
     for r in pairs:
         b = min(bins - 1, int((r["preference_score"] - 0.5) * 2 * bins))
         counts["all"][b] += 1
         counts[r["scorer"]][b] += 1
-    lines = ["preference_score\tpairs\tpairs_rm\tpairs_verifier"]
+    lines = ["preference_score\tpairs\tpairs_rm\tpairs_verifier\tpairs_gold"]
     for b in range(bins):
         centre = 0.5 + (b + 0.5) / (2 * bins)
-        lines.append(f"{centre:.4f}\t{counts['all'][b]}\t{counts['rm'][b]}\t{counts['verifier'][b]}")
+        lines.append(f"{centre:.4f}\t{counts['all'][b]}\t{counts['rm'][b]}\t{counts['verifier'][b]}"
+                     f"\t{counts['gold'][b]}")
     return "\n".join(lines) + "\n"
 
 
