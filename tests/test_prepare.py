@@ -11,6 +11,15 @@ import yaml
 from tests.conftest import ROOT, dvc_command
 
 
+def _no_passages(params: dict) -> None:
+    """The continuation preference off (its passages are drawn last and change SFT's statement of
+    what it can do: tests/test_prepare.py's continuation test turns it on)."""
+    params["prepare"].update(continuation_train=0, continuation_rl=0, continuation_test=0)
+    params["eval"]["continuation_items"] = params["rankers"]["continuation_passages"] = 0
+    params["pairs"]["continuation_prompts"] = params["ppo"]["continuation_eval"] = 0
+    params["ppo"]["continuation_share"] = 0.0
+
+
 def _run_prepare(tmp_path, **overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["prepare"].update(math_train=300, math_val=40, math_test=60, math_pretrain_docs=50, task_train=100,
@@ -19,6 +28,7 @@ def _run_prepare(tmp_path, **overrides):
     # last and skip what the evaluation asks, so they would blur what each test isolates
     params["prepare"].update(multiturn_train=0, multiturn_test=0, scope_train=0, scope_test=0, context_train=0,
                              tier_test=0)
+    _no_passages(params)
     params["prepare"].update(overrides)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -226,7 +236,9 @@ def _small_cfg(**overrides):
                               "math_pretrain_docs": 20, "task_train": 60, "task_val": 10, "task_test": 5,
                               "pref_train": 40, "pref_val": 8, "arithmetic_train": 20, "arithmetic_test": 10,
                               "multiturn_train": 0, "multiturn_test": 0, "scope_train": 0, "scope_test": 0,
-                              "context_train": 0, **overrides})
+                              "context_train": 0})
+    _no_passages(params)
+    params["prepare"].update(overrides)
     params["eval"]["math_problems"] = params["prepare"]["math_test"]
     return load_params_text(yaml.safe_dump(params, sort_keys=False)).prepare
 
@@ -413,12 +425,23 @@ def test_params_refuse_more_evaluation_math_than_prepare_writes_and_a_test_sourc
 def test_continuation_passages_come_last_and_the_held_out_ones_from_held_out_works():
     """prepare.continuation_*: SFT's lessons appended last to sft/train, the RL prompts from the
     pretraining works with no passage of a lesson, the test prompts from the works held out of
-    pretraining; every other record is what it is without them."""
+    pretraining; every other record is what it is without them, but for the statement of what
+    the model can do, which names verse once SFT learns it."""
+    import json
+
     from llm.data.continuation import PROMPT_HEAD, passage_of
+    from llm.data.generators import SCOPE_ANSWER, SCOPE_ANSWER_VERSE
     from llm.data.splits import CONTINUATION_SOURCE, build
+    chat = dict(scope_train=30, scope_test=10, context_train=30)   # conversations that state what it can do
     on, _ = build(_small_cfg(shakespeare=True, continuation_train=200, continuation_rl=100,
-                             continuation_test=50), seed=7)
-    off, _ = build(_small_cfg(shakespeare=True), seed=7)
+                             continuation_test=50, **chat), seed=7)
+    off, _ = build(_small_cfg(shakespeare=True, **chat), seed=7)
+    said = json.dumps(on, ensure_ascii=False)
+    assert SCOPE_ANSWER_VERSE["en"] in said and not any(a in said for a in SCOPE_ANSWER.values())
+    for lang in ("en", "zh"):
+        said = said.replace(json.dumps(SCOPE_ANSWER_VERSE[lang], ensure_ascii=False)[1:-1],
+                            json.dumps(SCOPE_ANSWER[lang], ensure_ascii=False)[1:-1])
+    on = json.loads(said)
     for kind in set(on) | set(off):
         for split in set(on[kind]) | set(off[kind]):
             if kind == "sft" and split == "train":

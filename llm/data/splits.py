@@ -297,8 +297,7 @@ def _conversations(cfg, seed: int, key: str, skip) -> list:
     rng = random.Random(f"{seed}:prepare:{key}")
     n = getattr(cfg, key)
     return _distinct(n, lambda: multiturn_conversation(rng, "zh" if rng.random() < cfg.math_zh_fraction else "en",
-                                                       levels=tuple(cfg.math_levels),
-                                                      verse=cfg.continuation_train > 0),
+                                                       levels=tuple(cfg.math_levels)),
                      lambda c: (c.messages[0]["content"], c.messages[2]["content"]), skip,
                      f"prepare: could not draw {n} distinct conversations for prepare.{key}; lower it")
 
