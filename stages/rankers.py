@@ -148,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         if not rt.is_main:
             return None
         pct = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731  (None: no right/wrong pair to rank)
+        num = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731  (None: every score the same)
         parts = [f"{name} {pct(r['pair_accuracy'])} of pairs ({pct(r['greedy_wrong_accuracy'])} against the greedy"
                  f" answer), best of {m['samples']} {pct(r['best_of_n'])}" for name, r in m["rankers"].items()]
         cont = ""
         if "continuation_spearman" in m:
             cont = (f"; continuations: the reward model orders {pct(m['continuation_pair_accuracy'])} of the judge's"
-                    f" comparisons (Spearman {m['continuation_spearman']:.2f}), its best of"
+                    f" comparisons (Spearman {num(m['continuation_spearman'])}), its best of"
                     f" {m['continuation_samples']} scores {m['continuation_best_of_n_gold']:+.3f} by the judge"
                     f" (mean {m['continuation_gold_mean']:+.3f}, the judge's own pick"
                     f" {m['continuation_gold_pick']:+.3f})")
