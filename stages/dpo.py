@@ -12,11 +12,11 @@ computed once up front and ride in the batches, so the training loop runs the po
 Loss `dpo.loss_type`: `sigmoid` = DPO `-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`,
 with `dpo.label_smoothing` > 0 conservative DPO (cDPO); `ipo` = IPO. Trained with
 llm/train/trainer.py (one batch = B pairs, weight B; checkpoints, resume, torchrun as everywhere).
-`dpo.trainable` names the parameters that learn, as globs: ['*'] = all of them; the cpu
-profile's ['norm_f.weight'] trains only the final norm's gains (128 numbers on `tiny`), so
-DPO can rescale the SFT model's output distribution (sharpen or flatten it, per feature) but
-cannot fit each training pair; the other parameters stay as in SFT. The model written is the
-whole model either way.
+`dpo.trainable` names the parameters that learn, as globs: ['*'] = all of them (the profiles');
+['norm_f.weight'] trains only the final norm's gains (128 numbers on `tiny`), so DPO can rescale
+the SFT model's output distribution (sharpen or flatten it, per feature) but cannot fit each
+training pair; the other parameters stay as in SFT. The model written is the whole model either
+way.
 
 Metrics on every held-out pair (TRL's rewards/* named with `_` because `/` is awkward
 in DVC metric paths): rewards_chosen, rewards_rejected (mean beta * (log pi - log ref)),

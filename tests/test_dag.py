@@ -128,7 +128,7 @@ def test_nothing_reruns_when_nothing_changed(stub_repo):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("section,key,value", [("ppo", "clip_epsilon", 0.2), ("grpo", "beta", 0.08),
+@pytest.mark.parametrize("section,key,value", [("ppo", "clip_epsilon", 0.1), ("grpo", "beta", 0.08),
                                                ("dpo", "beta", 0.2)])
 def test_a_param_change_reruns_only_its_stage_and_downstream(stub_repo, section, key, value):
     stages = yaml.safe_load((stub_repo / "dvc.yaml").read_text())["stages"]

@@ -400,16 +400,22 @@ def ranker_finding(values: dict[str, list[float] | None]) -> str | None:
 
 
 def experiment(metrics: Path) -> str:
-    """What GRPO on shuffled rewards changed on this run, against GRPO."""
-    g, r = _read(metrics / "eval" / "grpo.json"), _read(metrics / "eval" / "grpo_random.json")
-    paired = _read(metrics / "paired.json") or {}
-    pg, pr = (paired.get(f"{m}_vs_sft", {}).get("math") for m in ("grpo", "grpo_random"))
-    if not (g and r and pg and pr):
-        return "This run has no evaluation of both GRPO models (`metrics/eval/grpo.json`, `grpo_random.json`)."
-    a, b = g["math_exact_match"], r["math_exact_match"]
-    verb = "falls" if b < a else "rises" if b > a else "stays"
-    return (f"What it changed on the run the tables show: greedy math {verb} from {100 * a:.1f}% to {100 * b:.1f}%,"
-            f" the change against SFT from {_pp(pg)} to {_pp(pr)} points.")
+    """What the README's experiment (`ppo.clip_epsilon`) acts on in the run the tables show: how
+    often PPO's clip bound, and the numbers `dvc metrics diff` sets the experiment's against."""
+    from llm.eval.report import read_tsv
+    e, sft = _read(metrics / "eval" / "ppo.json"), _read(metrics / "eval" / "sft.json")
+    tsv = metrics / "plots" / "ppo.tsv"
+    if not (e and sft and "continuation_gold" in e and "continuation_gold" in sft and tsv.is_file()):
+        return ("This run has no PPO evaluated on held-out passages (`metrics/eval/ppo.json`,"
+                " `continuation_*`: eval.continuation_items).")
+    clip = [v for v in read_tsv(tsv).get("clip_ratio", []) if v == v]
+    bound = (f"PPO's clip bound on {100 * sum(clip) / len(clip):.2f}% of its tokens a step on average (at most"
+             f" {100 * max(clip):.2f}%)" if clip else "PPO logged no clip ratio")
+    return (f"On the run the tables show, {bound}; its continuations of held-out passages score"
+            f" {e['continuation_gold']:+.3f} by the gold judge (SFT's {sft['continuation_gold']:+.3f}), win"
+            f" {100 * e['continuation_win_rate']:.1f}% {fmt_interval(e['continuation_win_rate_lo'], e['continuation_win_rate_hi'], 'pct')}"
+            f" of passages against SFT's, at KL {e['continuation_kl']:.3f} nats per token: what `dvc metrics diff`"
+            f" sets the experiment's numbers against ([log](docs/log.md): what it changed when we ran it).")
 
 
 # name -> the text between its markers; each reads only metrics/
