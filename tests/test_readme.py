@@ -193,3 +193,32 @@ def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
     assert rows["PPO: math change vs SFT (pooled over the seeds' items)"].split(" | ")[1:4] == [
         "+1.0 / -2.0", "-0.5", "[-2.0, +1.0] (95%)"]
     assert readme.targets_table(None) == []
+
+
+def test_the_preference_table_reads_each_models_continuations_and_the_best_of_n(tmp_path):
+    """A row per model evaluated on held-out passages (the judge's mean, its paired change, the win
+    rate, the base model's bits/byte over SFT's), the reward model's best of n after them; the
+    finding names PPO's and DPO's move and the reward model's agreement with the judge."""
+    m = tmp_path / "metrics"
+    (m / "eval").mkdir(parents=True)
+
+    def ev(gold, win, kl, bpb):
+        return {"continuation_gold": gold, "continuation_win_rate": win, "continuation_win_rate_lo": win - 0.05,
+                "continuation_win_rate_hi": win + 0.05, "continuation_rm": gold * 2, "continuation_kl": kl,
+                "continuation_base_bpb": bpb, "continuation_base_bpb_sft": 2.5}
+    for name, e in (("sft", ev(0.1, 0.5, 0.0, 2.5)), ("ppo", ev(0.5, 0.75, 0.16, 2.4)), ("dpo", ev(0.8, 0.9, 0.4, 2.3))):
+        (m / "eval" / f"{name}.json").write_text(json.dumps(e))
+    (m / "paired.json").write_text(json.dumps({"ppo_vs_sft": {"continuation": {"delta": 0.4, "lo": 0.35, "hi": 0.45}}}))
+    (m / "rankers.json").write_text(json.dumps({"continuation_samples": 64, "continuation_best_of_n_gold": 0.7,
+                                                "continuation_best_of_n_rm": 2.1}))
+    (m / "reward.json").write_text(json.dumps({"by_kind": {"continuation": {"accuracy": 0.84}},
+                                               "continuation_spearman": 0.72}))
+    rows = readme.preference_table(m)
+    assert rows[2] == "| SFT | +0.100 | - | - | +0.200 | 0.000 | 1.00 |"
+    assert rows[3] == "| PPO | +0.500 | +0.400 [+0.350, +0.450] | 75.0% [70.0, 80.0] | +1.000 | 0.160 | 0.96 |"
+    assert rows[4].startswith("| DPO | +0.800 | - | 90.0% [85.0, 95.0] |")
+    assert rows[5] == "| SFT, best of 64 by the RM | +0.700 | - | - | +2.100 | ≤ 3.17 a continuation | - |"
+    line = readme.preference_finding(m)
+    assert "PPO +0.10 -> +0.50, winning 75% [70.0, 80.0] of passages at KL 0.16 nats/token" in line
+    assert "ranks 84% of the judge's held-out comparisons as it does (Spearman 0.72), and its best of 64 scores +0.70" in line
+    assert readme.preference_table(tmp_path / "nothing") == []

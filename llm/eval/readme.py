@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -100,6 +101,41 @@ def run_table(metrics: Path) -> list[str]:
         cells = [NAME[m], _cell(e, "math_exact_match", "pct"), _pp(change) if change else "-"]
         cells += [_cell(e, key, kind, interval) for key, _, kind, interval in COLUMNS]
         lines.append(_row(cells))
+    return lines
+
+
+PREFERENCE_MODELS = ("sft", "ppo", "ppo_rm", "dpo")
+
+
+def preference_table(metrics: Path) -> list[str]:
+    """The continuation preference on this run: one row per model evaluated on held-out passages
+    (the gold judge's mean with its paired change against SFT, the win rate against SFT, the
+    reward model's mean, KL, the base model's bits/byte over SFT's), then the reward model's best
+    of n of SFT's samples (metrics/rankers.json); [] without them."""
+    evals = {m: e for m in PREFERENCE_MODELS
+             if (e := _read(metrics / "eval" / f"{m}.json")) and isinstance(e.get("continuation_gold"), (int, float))}
+    if not evals:
+        return []
+    paired = _read(metrics / "paired.json") or {}
+    labels = ["model", "gold judge", "change vs SFT", "win rate vs SFT", "RM score", "KL, nats/token",
+              "base bits/byte over SFT's"]
+    lines = [_row(labels), _row(["---"] * len(labels))]
+    for m, e in evals.items():
+        res = paired.get(f"{m}_vs_sft", {}).get("continuation")
+        change = f"{res['delta']:+.3f} [{res['lo']:+.3f}, {res['hi']:+.3f}]" if res else "-"
+        ratio = (e["continuation_base_bpb"] / e["continuation_base_bpb_sft"]
+                 if isinstance(e.get("continuation_base_bpb"), (int, float)) and e.get("continuation_base_bpb_sft")
+                 else None)
+        lines.append(_row([NAME[m], f"{e['continuation_gold']:+.3f}", change,
+                           _cell(e, "continuation_win_rate", "pct") if m != "sft" else "-",
+                           f"{e['continuation_rm']:+.3f}", f"{e['continuation_kl']:.3f}",
+                           f"{ratio:.2f}" if ratio is not None else "n/a"]))
+    rk = _read(metrics / "rankers.json") or {}
+    if isinstance(rk.get("continuation_best_of_n_gold"), (int, float)):
+        n = rk["continuation_samples"]
+        lines.append(_row([f"SFT, best of {n} by the RM", f"{rk['continuation_best_of_n_gold']:+.3f}", "-", "-",
+                           f"{rk['continuation_best_of_n_rm']:+.3f}",
+                           f"≤ {math.log(n) - (n - 1) / n:.2f} a continuation", "-"]))
     return lines
 
 
@@ -242,6 +278,10 @@ def results(metrics: Path) -> str:
     if run := run_table(metrics):
         out = [out[0] + " This run (`metrics/eval/`, `metrics/paired.json`): 95% intervals; changes in points,"
                         " paired on the same items against the parent (SFT's is base).", "", *run]
+    if pref := preference_table(metrics):
+        out += ["", "The continuation preference on this run (held-out passages of verse, each continued once; the"
+                    " gold judge is VADER's sentiment, the reward model's stand-in for a rater; change: paired on"
+                    " the same passages, 95% bootstrap interval):", "", *pref]
     summary = _read(metrics / "seeds" / "summary.json")
     if summary and not summary_holds_run(summary, metrics):
         return "\n".join(out + ["", _stale_seeds()])
@@ -348,8 +388,33 @@ def run_findings(metrics: Path) -> str:
     rankers = _read(metrics / "rankers.json") or {}
     if line := ranker_finding({k: [v] for k in RANKER_KEYS if isinstance(v := dig(rankers, k), (int, float))}):
         out.append(line + ".")
+    if line := preference_finding(metrics):
+        out.append(line)
     out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
+
+
+def preference_finding(metrics: Path) -> str | None:
+    """The continuation preference in one line (this run): what PPO and DPO did to the gold judge's
+    mean and win rate against SFT and at what KL, beside the reward model's best-of-n and its
+    agreement with the judge."""
+    evals = {m: _read(metrics / "eval" / f"{m}.json") or {} for m in ("sft", "ppo", "dpo")}
+    if not all(isinstance(e.get("continuation_gold"), (int, float)) for e in evals.values()):
+        return None
+    parts = [f"{NAME[m]} {evals['sft']['continuation_gold']:+.2f} -> {e['continuation_gold']:+.2f}, winning"
+             f" {100 * e['continuation_win_rate']:.0f}% {fmt_interval(e['continuation_win_rate_lo'], e['continuation_win_rate_hi'], 'pct')}"
+             f" of passages at KL {e['continuation_kl']:.2f} nats/token"
+             for m, e in evals.items() if m != "sft"]
+    line = "The continuation preference, judged by the gold judge (this run): " + "; ".join(parts)
+    reward, rk = _read(metrics / "reward.json") or {}, _read(metrics / "rankers.json") or {}
+    acc = dig(reward, "by_kind.continuation.accuracy")
+    if isinstance(acc, (int, float)):
+        line += f"; the reward model ranks {100 * acc:.0f}% of the judge's held-out comparisons as it does"
+        if isinstance(reward.get("continuation_spearman"), (int, float)):
+            line += f" (Spearman {reward['continuation_spearman']:.2f})"
+    if isinstance(rk.get("continuation_best_of_n_gold"), (int, float)):
+        line += f", and its best of {rk['continuation_samples']} scores {rk['continuation_best_of_n_gold']:+.2f}"
+    return line + " ([log](docs/log.md))."
 
 
 RANKER_KEYS = ("greedy_accuracy", "pass_at_n", "rankers.likelihood.best_of_n", "rankers.reward_model.best_of_n",
