@@ -190,9 +190,20 @@ def test_the_targets_table_shows_each_seed_the_mean_and_the_worst_side():
     assert rows["SFT: math after an out-of-scope request below math alone, points"].split(" | ")[1:5] == [
         "+2.0 / -1.0", "+0.5", "+2.0", "at most 5 |"]
     assert not any("You are a helpful assistant" in r for r in rows)  # no seed has it
-    assert rows["PPO: math change vs SFT (pooled over the seeds' items)"].split(" | ")[1:4] == [
-        "+1.0 / -2.0", "-0.5", "[-2.0, +1.0] (95%)"]
+    assert rows["PPO (on passages): math change vs SFT (pooled over the seeds' items)"].split(" | ")[1:5] == [
+        "+1.0 / -2.0", "-0.5", "[-2.0, +1.0] (95%)", "within 2 points of 0 (interval) |"]
     assert readme.targets_table(None) == []
+    # the continuation preference's targets: the worst PPO KL is the highest, the worst win rate the lowest
+    summary["metrics"].update({"eval/ppo.json:continuation_win_rate": m(0.78, 0.72),
+                               "eval/ppo.json:continuation_kl": m(0.12, 0.18),
+                               "eval/ppo.json:continuation_base_bpb": m(2.4, 2.6),
+                               "eval/ppo.json:continuation_base_bpb_sft": m(2.5, 2.5)})
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in readme.targets_table(summary)}
+    assert rows["PPO: the judge prefers its continuation to SFT's"].split(" | ")[1:5] == [
+        "78.0% / 72.0%", "75.0%", "72.0%", "at least 75% |"]
+    assert rows["PPO: KL to SFT on held-out passages, nats/token"].split(" | ")[3] == "0.18"
+    assert rows["PPO: the base model's bits/byte on its continuations over on SFT's"].split(" | ")[1] == "0.96 / 1.04"
+    assert "RM: Spearman with the judge on single continuations" not in rows   # no seed has it
 
 
 def test_the_preference_table_reads_each_models_continuations_and_the_best_of_n(tmp_path):

@@ -203,6 +203,20 @@ def targets_table(summary: dict | None) -> list[str]:
     sep = summary.get("rm_separation", {}).get("sft")
     rows.append(("RM AUC, SFT's right over wrong test answers", sep["values"] if sep else None, "num", True,
                  "at least 0.85"))
+    rows.append(("RM: the gold judge's held-out comparisons of SFT's continuations ranked as it does",
+                 _vals(summary, "reward.json:by_kind.continuation.accuracy"), "pct", True, "at least 90%"))
+    rows.append(("RM: Spearman with the judge on single continuations",
+                 _vals(summary, "reward.json:continuation_spearman"), "num", True, "at least 0.8"))
+    rows.append(("PPO: the judge prefers its continuation to SFT's", _vals(summary, "eval/ppo.json:continuation_win_rate"),
+                 "pct", True, "at least 75%"))
+    rows.append(("PPO: KL to SFT on held-out passages, nats/token", _vals(summary, "eval/ppo.json:continuation_kl"),
+                 "num", False, "within 0.05-0.2"))
+    bpb, bpb_sft = (_vals(summary, f"eval/ppo.json:continuation_base_bpb{k}") for k in ("", "_sft"))
+    rows.append(("PPO: the base model's bits/byte on its continuations over on SFT's",
+                 [a / b for a, b in zip(bpb, bpb_sft)] if bpb and bpb_sft else None, "ratio", False, "at most 1.25"))
+    rep, rep_sft = (_vals(summary, f"eval/{m}.json:continuation_repetition") for m in ("ppo", "sft"))
+    rows.append(("PPO: repeated trigrams over SFT's, points", [100 * (a - b) for a, b in zip(rep, rep_sft)]
+                 if rep and rep_sft else None, "pts", False, "at most 5"))
     lines = [_row(["target", f"seeds {' / '.join(runs)}", "mean", "worst", "target"]), _row(["---"] * 5)]
     show = {"pct": lambda v: f"{100 * v:.1f}%", "pts": lambda v: f"{v:+.1f}", "ratio": lambda v: f"{v:.2f}",
             "num": lambda v: f"{v:.2f}"}
@@ -218,8 +232,12 @@ def targets_table(summary: dict | None) -> list[str]:
                                          "covers 0"),
                                         ("grpo", "tier_in_distribution", "GRPO in distribution: change vs SFT",
                                          "not below -1"),
-                                        ("ppo_rm", "math", "PPO on the RM alone: math change vs SFT", "above 0"),
-                                        ("ppo", "math", "PPO: math change vs SFT", "above 0")):
+                                        ("ppo", "math", "PPO (on passages): math change vs SFT",
+                                         "within 2 points of 0"),
+                                        ("ppo", "multiturn", "PPO: second-turn math change vs SFT",
+                                         "within 2 points of 0"),
+                                        ("ppo", "task", "PPO: instruction tasks change vs SFT",
+                                         "within 2 points of 0")):
         res = paired.get(model, {}).get(skill)
         if res:
             f = (lambda v: f"{100 * v:+.1f}") if res.get("type") == "rate" else (lambda v: f"{v:+.4f}")

@@ -67,7 +67,13 @@ STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                  "eval/sft.json:val_bpb", "eval/base.json:val_bpb", "eval/sft.json:tier_edge_greedy_wrong_pass",
                  "eval/sft.json:tier_edge_pass_at_16", "rankers.json:greedy_accuracy", "rankers.json:pass_at_n",
                  *(f"rankers.json:rankers.{r}.best_of_n" for r in ("likelihood", "reward_model", "dpo_implicit",
-                                                                  "agreement")))
+                                                                  "agreement")),
+                 # the continuation preference: the reward model against the gold judge, PPO's win
+                 # rate and what guards it (KL, the base model's bits/byte, repetition)
+                 "reward.json:by_kind.continuation.accuracy", "reward.json:continuation_spearman",
+                 *(f"eval/{m}.json:continuation_{k}" for m in ("sft", "ppo", "dpo")
+                   for k in ("gold", "win_rate", "kl", "base_bpb", "base_bpb_sft", "repetition")),
+                 "rankers.json:continuation_best_of_n_gold")
 
 
 @dataclass
