@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -135,7 +134,7 @@ def preference_table(metrics: Path) -> list[str]:
         n = rk["continuation_samples"]
         lines.append(_row([f"SFT, best of {n} by the RM", f"{rk['continuation_best_of_n_gold']:+.3f}", "-", "-",
                            f"{rk['continuation_best_of_n_rm']:+.3f}",
-                           f"≤ {math.log(n) - (n - 1) / n:.2f} a continuation", "-"]))
+                           f"≤ log {n} - {n - 1}/{n} a continuation", "-"]))
     return lines
 
 
@@ -299,7 +298,7 @@ def results(metrics: Path) -> str:
     if pref := preference_table(metrics):
         out += ["", "The continuation preference on this run (held-out passages of verse, each continued once; the"
                     " gold judge is VADER's sentiment, the reward model's stand-in for a rater; change: paired on"
-                    " the same passages, 95% bootstrap interval):", "", *pref]
+                    " the same passages, with its 95% interval by the bootstrap):", "", *pref]
     summary = _read(metrics / "seeds" / "summary.json")
     if summary and not summary_holds_run(summary, metrics):
         return "\n".join(out + ["", _stale_seeds()])
