@@ -814,3 +814,12 @@ def test_without_continuations_the_preference_section_is_left_out(metrics):
     _run(metrics)
     assert "## The continuation preference" not in (metrics / "report.md").read_text()
     assert (metrics / "report_preference.png").read_bytes()[:4] == b"\x89PNG"   # the placeholder (a DVC out)
+
+
+def test_a_ppo_rm_on_passages_alone_says_why_it_has_no_math_curve(metrics):
+    """ppo_rm.tsv without the verifier's accuracy (its rollouts were passages): the section says so
+    and points to the preference's curve, rather than calling the history missing."""
+    _write(metrics / "plots/ppo_rm.tsv", "step\treward\tkl\tkl_seq\n1\t0.1\t0.0\t0.0\n2\t0.3\t0.02\t0.5\n")
+    _run(metrics)
+    md = (metrics / "report.md").read_text()
+    assert "rolled out no math (ppo.continuation_share 1.0)" in md and "No per-step history" not in md

@@ -90,6 +90,15 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
+def _no_overopt(data: dict) -> str:
+    """Why the math over-optimisation curve is missing: no ppo_rm history, or one with no math
+    rollouts (PPO on passages alone: its curve is the continuation preference's)."""
+    if "ppo_rm.tsv" in data["curves"]:
+        return ("PPO on the reward model alone rolled out no math (ppo.continuation_share 1.0): the verifier has"
+                " nothing to judge; its curve on the continuation preference is in the section above.")
+    return "No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)."
+
+
 def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str] | None = None) -> str:
     """The report as GitHub markdown; `images` maps "curves"/"eval" to relative image paths.
 
@@ -191,7 +200,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         if images.get("overopt"):
             out += [f"![ppo_rm: RM score and verifier accuracy against sqrt(KL to SFT)]({images['overopt']})", ""]
     else:
-        out += ["_No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv)._", ""]
+        out += [f"_{_no_overopt(data)}_", ""]
     out += ["## Training curves", ""]
     out.append(f"![training curves]({images['curves']})" if images.get("curves") else "_No per-step TSVs yet._")
     out += ["", CURVES_NOTE]
@@ -411,7 +420,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h.append(f'<p class="stage" id="overopt">{_e(overopt_line(curve))}</p>')
         h.append(_img(images.get("overopt"), "ppo_rm: RM score and verifier accuracy against sqrt(KL to SFT)"))
     else:
-        h.append('<p class="note">No per-step history of PPO on the reward model alone (metrics/plots/ppo_rm.tsv).</p>')
+        h.append(f'<p class="note">{_e(_no_overopt(data))}</p>')
     h.append("<h2>Training curves</h2>")
     h.append(_img(images.get("curves"), "training curves") or '<p class="note">No per-step TSVs yet.</p>')
     h.append(f'<p class="note">{_e(CURVES_NOTE)}</p>')
