@@ -109,8 +109,9 @@ PREFERENCE_MODELS = ("sft", "ppo", "ppo_rm", "dpo")
 def preference_table(metrics: Path) -> list[str]:
     """The continuation preference on this run: one row per model evaluated on held-out passages
     (the gold judge's mean with its paired change against SFT, the win rate against SFT, the
-    reward model's mean, KL, the base model's bits/byte over SFT's), then the reward model's best
-    of n of SFT's samples (metrics/rankers.json); [] without them."""
+    reward model's mean, KL, the base model's bits/byte over SFT's); [] without them. Only files
+    git keeps (metrics/eval/, paired.json): the reward model's agreement and best-of-n are the
+    report's."""
     evals = {m: e for m in PREFERENCE_MODELS
              if (e := _read(metrics / "eval" / f"{m}.json")) and isinstance(e.get("continuation_gold"), (int, float))}
     if not evals:
@@ -129,12 +130,6 @@ def preference_table(metrics: Path) -> list[str]:
                            _cell(e, "continuation_win_rate", "pct") if m != "sft" else "-",
                            f"{e['continuation_rm']:+.3f}", f"{e['continuation_kl']:.3f}",
                            f"{ratio:.2f}" if ratio is not None else "n/a"]))
-    rk = _read(metrics / "rankers.json") or {}
-    if isinstance(rk.get("continuation_best_of_n_gold"), (int, float)):
-        n = rk["continuation_samples"]
-        lines.append(_row([f"SFT, best of {n} by the RM", f"{rk['continuation_best_of_n_gold']:+.3f}", "-", "-",
-                           f"{rk['continuation_best_of_n_rm']:+.3f}",
-                           f"≤ log {n} - {n - 1}/{n} a continuation", "-"]))
     return lines
 
 
@@ -402,9 +397,6 @@ def run_findings(metrics: Path) -> str:
     head = sft.get("tier_edge_greedy_wrong_pass")
     if line := tier_finding(tiers, [head] if isinstance(head, (int, float)) else None, pooled=False):
         out.append(line + ".")
-    rankers = _read(metrics / "rankers.json") or {}
-    if line := ranker_finding({k: [v] for k in RANKER_KEYS if isinstance(v := dig(rankers, k), (int, float))}):
-        out.append(line + ".")
     if line := preference_finding(metrics):
         out.append(line)
     out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
@@ -413,8 +405,7 @@ def run_findings(metrics: Path) -> str:
 
 def preference_finding(metrics: Path) -> str | None:
     """The continuation preference in one line (this run): what PPO and DPO did to the gold judge's
-    mean and win rate against SFT and at what KL, beside the reward model's best-of-n and its
-    agreement with the judge."""
+    mean and win rate against SFT and at what KL (from metrics/eval/, which git keeps)."""
     evals = {m: _read(metrics / "eval" / f"{m}.json") or {} for m in ("sft", "ppo", "dpo")}
     if not all(isinstance(e.get("continuation_gold"), (int, float)) for e in evals.values()):
         return None
@@ -423,15 +414,7 @@ def preference_finding(metrics: Path) -> str | None:
              f" of passages at KL {e['continuation_kl']:.2f} nats/token"
              for m, e in evals.items() if m != "sft"]
     line = "The continuation preference, judged by the gold judge (this run): " + "; ".join(parts)
-    reward, rk = _read(metrics / "reward.json") or {}, _read(metrics / "rankers.json") or {}
-    acc = dig(reward, "by_kind.continuation.accuracy")
-    if isinstance(acc, (int, float)):
-        line += f"; the reward model ranks {100 * acc:.0f}% of the judge's held-out comparisons as it does"
-        if isinstance(reward.get("continuation_spearman"), (int, float)):
-            line += f" (Spearman {reward['continuation_spearman']:.2f})"
-    if isinstance(rk.get("continuation_best_of_n_gold"), (int, float)):
-        line += f", and its best of {rk['continuation_samples']} scores {rk['continuation_best_of_n_gold']:+.2f}"
-    return line + " ([log](docs/log.md))."
+    return line + "; the reward model's agreement with the judge and its best-of-n: the report ([log](docs/log.md))."
 
 
 RANKER_KEYS = ("greedy_accuracy", "pass_at_n", "rankers.likelihood.best_of_n", "rankers.reward_model.best_of_n",
@@ -482,21 +465,17 @@ def ranker_finding(values: dict[str, list[float] | None]) -> str | None:
 
 
 def experiment(metrics: Path) -> str:
-    """What the README's experiment (`ppo.clip_epsilon`) acts on in the run the tables show: how
-    often PPO's clip bound, and the numbers `dvc metrics diff` sets the experiment's against."""
-    from llm.eval.report import read_tsv
+    """What the README's experiment (`ppo.clip_epsilon`) is read against on the run the tables show:
+    PPO's continuations and skills (metrics/eval/, which git keeps)."""
     e, sft = _read(metrics / "eval" / "ppo.json"), _read(metrics / "eval" / "sft.json")
-    tsv = metrics / "plots" / "ppo.tsv"
-    if not (e and sft and "continuation_gold" in e and "continuation_gold" in sft and tsv.is_file()):
+    if not (e and sft and "continuation_gold" in e and "continuation_gold" in sft):
         return ("This run has no PPO evaluated on held-out passages (`metrics/eval/ppo.json`,"
                 " `continuation_*`: eval.continuation_items).")
-    clip = [v for v in read_tsv(tsv).get("clip_ratio", []) if v == v]
-    bound = (f"PPO's clip bound on {100 * sum(clip) / len(clip):.2f}% of its tokens a step on average (at most"
-             f" {100 * max(clip):.2f}%)" if clip else "PPO logged no clip ratio")
-    return (f"On the run the tables show, {bound}; its continuations of held-out passages score"
+    return (f"On the run the tables show, PPO's continuations of held-out passages score"
             f" {e['continuation_gold']:+.3f} by the gold judge (SFT's {sft['continuation_gold']:+.3f}), win"
             f" {100 * e['continuation_win_rate']:.1f}% {fmt_interval(e['continuation_win_rate_lo'], e['continuation_win_rate_hi'], 'pct')}"
-            f" of passages against SFT's, at KL {e['continuation_kl']:.3f} nats per token: what `dvc metrics diff`"
+            f" of passages against SFT's, at KL {e['continuation_kl']:.3f} nats per token, with greedy math at"
+            f" {100 * e['math_exact_match']:.1f}% (SFT's {100 * sft['math_exact_match']:.1f}%): what `dvc metrics diff`"
             f" sets the experiment's numbers against ([log](docs/log.md): what it changed when we ran it).")
 
 
