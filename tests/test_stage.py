@@ -109,9 +109,9 @@ def _variant_run(tmp_path, module, argv: list[str]) -> tuple[int, dict]:
     return rl_main(["--params", str(tmp_path / "params.yaml"), *opts, *argv]), seen
 
 
-@pytest.mark.parametrize("stage,variant,key,value", [("ppo", "ppo_rm", "reward_source", "rm"),
-                                                     ("grpo", "grpo_random", "reward_control", "shuffled")])
-def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, stage, variant, key, value):
+@pytest.mark.parametrize("stage,variant,forced", [("ppo", "ppo_rm", {"reward_source": "rm", "adaptive_kl": False}),
+                                                   ("grpo", "grpo_random", {"reward_control": "shuffled"})])
+def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, stage, variant, forced):
     """`--variant NAME` (dvc.yaml's ppo_rm, grpo_random): the stage's run gets the name and its
     section with the variant's keys forced, the rest as params.yaml has it; the fingerprint of
     what it computes differs from the plain stage's."""
@@ -119,17 +119,17 @@ def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, 
 
     from llm.config import fingerprint
     module = importlib.import_module(f"stages.{stage}")
-    assert module.VARIANTS[variant] == {key: value}
+    assert module.VARIANTS[variant] == forced
     code, plain = _variant_run(tmp_path, module, [])
     assert code == 0
     code, var = _variant_run(tmp_path, module, ["--variant", variant])
     assert code == 0
     assert plain["name"] == stage and var["name"] == variant
-    assert getattr(plain["cfg"], key) != value and getattr(var["cfg"], key) == value
     p = yaml.safe_load((ROOT / "params.yaml").read_text())[stage]
-    assert {k: v for k, v in vars(var["cfg"]).items() if k != key} == {k: v for k, v in vars(plain["cfg"]).items()
-                                                                      if k != key}
-    assert getattr(plain["cfg"], key) == p[key]
+    for key, value in forced.items():
+        assert getattr(plain["cfg"], key) == p[key] != value and getattr(var["cfg"], key) == value
+    assert {k: v for k, v in vars(var["cfg"]).items() if k not in forced} == {
+        k: v for k, v in vars(plain["cfg"]).items() if k not in forced}
     assert fingerprint(plain["common"], plain["cfg"]) != fingerprint(var["common"], var["cfg"])
     assert plain["paths"] == var["paths"]
 
