@@ -29,14 +29,15 @@ continuations, the reward model's, the win rate against the reference's continua
 passage (by the gold judge) and the KL there: along the run, the over-optimisation curve.
 
 `--variant ppo_rm` (dvc.yaml's stage ppo_rm) runs it as `ppo_rm` with ppo.reward_source forced
-to rm and the KL coefficient held at ppo.init_kl_coef (adaptive_kl forced off), everything else
-from the `ppo` section (the same seed, so the same prompts), for ppo.overopt_steps steps where
-that is set (0: ppo.max_steps): the reward model alone, the proxy that the over-optimisation
-curve of the report sets against the gold (the verifier's accuracy of the same rollouts; on
-held-out passages, the gold judge). The coefficient stays fixed because an adaptive controller
-pulls the policy back toward the reference once the KL passes its target, and the curve would
-then show the penalty winning, not where the gold stops following the proxy. Its metrics and
-meta.json record the variant and what it forces; the forced values are in its fingerprint.
+to rm and no KL penalty (init_kl_coef 0, adaptive_kl off), everything else from the `ppo` section
+(the same seed, so the same prompts), for ppo.overopt_steps steps where that is set (0:
+ppo.max_steps): the reward model alone, the proxy that the over-optimisation curve of the report
+sets against the gold (the verifier's accuracy of the same rollouts; on held-out passages, the
+gold judge) along the KL to SFT, measured and not penalised, as in Gao, Schulman and Hilton's
+runs. A penalty would stop the policy where the penalty balances the reward (an adaptive one
+pulls it back once the KL passes its target), and the curve would show the penalty, not where the
+gold stops following the proxy. Its metrics and meta.json record the variant and what it forces;
+the forced values are in its fingerprint.
 
 Quality gate (the stage exits 1 with a message and writes no model): final held-out KL above
 ppo.max_kl.
@@ -63,7 +64,8 @@ INPUTS = {"sft": "the SFT model directory (the policy's start and the frozen ref
           "data": "math problems: train.jsonl (rollout prompts), val.jsonl (held out)",
           "continuation": "passages to continue: train.jsonl (rollout prompts), test.jsonl (held out)"}
 OUTPUTS = training_outputs("the PPO model directory")
-VARIANTS = {"ppo_rm": {"reward_source": "rm", "adaptive_kl": False}}   # name: the keys of the ppo section it forces
+# name: the keys of the ppo section it forces
+VARIANTS = {"ppo_rm": {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False}}
 
 
 def run(common: CommonConfig, cfg: PPOConfig, rt: Runtime, *, sft: Path, rm: Path, data: Path, run_dir: Path,

@@ -109,7 +109,8 @@ def _variant_run(tmp_path, module, argv: list[str]) -> tuple[int, dict]:
     return rl_main(["--params", str(tmp_path / "params.yaml"), *opts, *argv]), seen
 
 
-@pytest.mark.parametrize("stage,variant,forced", [("ppo", "ppo_rm", {"reward_source": "rm", "adaptive_kl": False}),
+@pytest.mark.parametrize("stage,variant,forced", [("ppo", "ppo_rm", {"reward_source": "rm", "init_kl_coef": 0.0,
+                                                                       "adaptive_kl": False}),
                                                    ("grpo", "grpo_random", {"reward_control": "shuffled"})])
 def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, stage, variant, forced):
     """`--variant NAME` (dvc.yaml's ppo_rm, grpo_random): the stage's run gets the name and its

@@ -470,9 +470,8 @@ MODEL_LINES = (
                      " answer scores higher; PPO's reward uses it (`ppo.reward_source`)"),
     ("ppo", "reinforcement learning from SFT: it samples answers, scores them (`ppo.reward_source`), and takes"
             " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT"),
-    ("ppo_rm", "PPO on the reward model's score alone, no verifier, its KL coefficient held fixed (no adaptive"
-               " controller to pull it back) and run longer: where optimising a learnt reward stops helping"
-               " (Over-optimisation)"),
+    ("ppo_rm", "PPO on the reward model's score alone, no verifier and no KL penalty (its KL to SFT measured,"
+               " not penalised), run longer: where optimising a learnt reward stops helping (Over-optimisation)"),
     ("grpo", "reinforcement learning from SFT on math problems without a value model: several answers per"
              " problem, each one's advantage its reward minus the group's mean, with a KL penalty to SFT"),
     ("grpo_random", "GRPO's control: the same rewards shuffled across each step's samples, so any gain it shows"
