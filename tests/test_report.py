@@ -810,6 +810,18 @@ def test_the_report_shows_the_continuation_preference(metrics):
     assert paired["ppo_vs_sft"]["continuation"]["delta"] == pytest.approx(0.18)
 
 
+def test_the_over_optimisation_line_says_where_a_saturating_gold_stops_rising():
+    """A judge that saturates (its mean near its ceiling from some KL on, its highest point far
+    beyond): the line names the peak and, before it, the first KL with 95% of the peak's gain."""
+    from llm.eval.report import preference_overopt_line
+    rows = {"continuation_kl_seq": [0.0, 2.0, 50.0, 200.0, 400.0], "continuation_gold": [0.1, 0.3, 0.96, 0.99, 0.98],
+            "continuation_rm": [0.0, 0.5, 3.0, 3.9, 3.8]}
+    line = preference_overopt_line({"ppo_rm_val.tsv": rows})
+    assert line == ("Over-optimisation on the preference: along PPO on the RM alone the judge's mean peaks at KL"
+                    " 200 (+0.990) (95% of that gain first at KL 50.000: +0.960) and ends at +0.980 at KL 400,"
+                    " while the reward model's own score goes +3.900 -> +3.800.")
+
+
 def test_without_continuations_the_preference_section_is_left_out(metrics):
     _run(metrics)
     assert "## The continuation preference" not in (metrics / "report.md").read_text()

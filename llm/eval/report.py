@@ -938,9 +938,15 @@ def preference_overopt_line(curves: dict[str, dict[str, list[float]]]) -> str | 
             parts.append(f"along {label} the judge's mean is still rising at the largest KL reached ({_num(top)} nats"
                          f" per continuation: {c['gold'][order[0]]:+.3f} -> {c['gold'][peak]:+.3f})")
         else:
+            # where it stops rising: the first point (by KL) with 95% of the peak's gain over the start
+            start = c["gold"][order[0]]
+            near = next(i for i in order if c["gold"][i] - start >= 0.95 * (c["gold"][peak] - start))
+            plateau = (f" (95% of that gain first at KL {_num(c['sqrt_kl'][near] ** 2)}: {c['gold'][near]:+.3f})"
+                       if near != peak else "")
             parts.append(f"along {label} the judge's mean peaks at KL {_num(c['sqrt_kl'][peak] ** 2)} ({what}"
-                         f"{c['gold'][peak]:+.3f}) and ends at {c['gold'][order[-1]]:+.3f} at KL {_num(top)}, while"
-                         f" the reward model's own score goes {c['proxy'][peak]:+.3f} -> {c['proxy'][order[-1]]:+.3f}")
+                         f"{c['gold'][peak]:+.3f}){plateau} and ends at {c['gold'][order[-1]]:+.3f} at KL {_num(top)},"
+                         f" while the reward model's own score goes {c['proxy'][peak]:+.3f} ->"
+                         f" {c['proxy'][order[-1]]:+.3f}")
     return ("Over-optimisation on the preference: " + "; ".join(parts) + ".") if parts else None
 
 
