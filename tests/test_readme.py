@@ -233,3 +233,9 @@ def test_the_preference_table_reads_each_models_continuations_and_the_best_of_n(
     line = readme.preference_finding(m)
     assert "PPO +0.10 -> +0.50, winning 75% [70.0, 80.0] of passages at KL 0.16 nats/token" in line
     assert readme.preference_table(tmp_path / "nothing") == []
+
+
+def test_the_seeds_command_carries_the_models_a_summary_was_read_on():
+    from llm.eval.readme import SEEDS_COMMAND, seeds_command
+    assert seeds_command(None) == seeds_command({"runs": ["1337"]}) == SEEDS_COMMAND
+    assert seeds_command({"models": ["sft", "ppo", "dpo"]}) == SEEDS_COMMAND + " --models sft ppo dpo"

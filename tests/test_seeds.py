@@ -264,3 +264,15 @@ def test_the_rl_stages_held_out_reward_change_is_pooled_from_the_run_files(tmp_p
     (tmp_path / "r/metrics/run/ppo.json").write_text(json.dumps({"heldout_rewards_start": [0.0],
                                                                  "heldout_rewards_end": [1.0]}))
     assert load_run(str(tmp_path / "r")).metrics["run/ppo.json"]["heldout_rewards_end"] == [1.0]
+
+
+def test_runs_that_evaluated_different_models_are_read_on_the_models_named():
+    """A seed whose GRPO stages have not run beside one that has them: refused as they are, read
+    on --models (the parent always kept), which the summary records; the command line takes it."""
+    a = Run("a", {"sft": _items([1, 0, 1, 0]), "ppo": _items([1, 1, 1, 0]), "grpo": _items([1, 1, 1, 1])}, {})
+    b = Run("b", {"sft": _items([1, 1, 0, 0]), "ppo": _items([1, 1, 1, 0])}, {})
+    with pytest.raises(ValueError, match="a: .*no grpo_items.jsonl|b: no grpo_items.jsonl.*--models"):
+        summarize([a, b], n_boot=200)
+    s = summarize([a, b], n_boot=200, models=("ppo",))
+    assert s["models"] == ["sft", "ppo"] and set(s["levels"]) == {"sft", "ppo"} and set(s["paired"]) == {"ppo"}
+    assert "models" not in summarize([b, b], n_boot=200)

@@ -42,6 +42,13 @@ SEEDS_COMMAND = ("python -m llm.seeds 1337=. 1338=metrics/seeds/1338 1339=metric
                  " metrics/seeds/summary.json --markdown metrics/seeds/summary.md")
 
 
+def seeds_command(summary: dict | None) -> str:
+    """The command that rewrites the seeds' summary: SEEDS_COMMAND, with the summary's --models
+    where it read only some models (seeds whose every stage has not run)."""
+    models = (summary or {}).get("models")
+    return SEEDS_COMMAND + (f" --models {' '.join(models)}" if models else "")
+
+
 def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
@@ -279,10 +286,10 @@ def summary_holds_run(summary: dict | None, metrics: Path) -> bool:
                for i in range(len(summary["runs"])))
 
 
-def _stale_seeds() -> str:
+def _stale_seeds(summary: dict | None) -> str:
     return ("`metrics/seeds/summary.json` reads other runs than this one (none of its seeds has this run's"
             " greedy math), so its tables and findings are left out: to read this run with the committed seeds,"
-            f" `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
+            f" `{seeds_command(summary)}`, then `python -m llm.readme`.")
 
 
 def results(metrics: Path) -> str:
@@ -296,7 +303,7 @@ def results(metrics: Path) -> str:
                     " the same passages, with its 95% interval by the bootstrap):", "", *pref]
     summary = _read(metrics / "seeds" / "summary.json")
     if summary and not summary_holds_run(summary, metrics):
-        return "\n".join(out + ["", _stale_seeds()])
+        return "\n".join(out + ["", _stale_seeds(summary)])
     if seeds := seeds_table(summary):
         out += ["", f"{len(summary['runs'])} seeds read together (`metrics/seeds/summary.json`; where and when they"
                     " ran: `metrics/seeds/README.md`): each seed draws its own data and test items; pooled = all"
@@ -399,7 +406,8 @@ def run_findings(metrics: Path) -> str:
         out.append(line + ".")
     if line := preference_finding(metrics):
         out.append(line)
-    out.append(f"Read across seeds: `{SEEDS_COMMAND}`, then `python -m llm.readme`.")
+    out.append(f"Read across seeds: `{seeds_command(_read(metrics / 'seeds' / 'summary.json'))}`, then"
+               " `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
 
 

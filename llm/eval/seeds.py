@@ -42,6 +42,7 @@ import json
 import math
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,17 +322,24 @@ def stage_metrics(runs: list[Run], names: tuple[str, ...], *, required: bool) ->
 
 
 def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95, n_boot: int = 10000,
-              seed: int = 0, keys: tuple[str, ...] | None = HEADLINE, metrics: tuple[str, ...] | None = None
-              ) -> dict[str, Any]:
+              seed: int = 0, keys: tuple[str, ...] | None = HEADLINE, metrics: tuple[str, ...] | None = None,
+              models: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Levels of every model, the pooled change of every model trained from `parent`, and the
     stage metrics named in `metrics` (None: those of STAGE_METRICS that every run has; the others
-    that some run has are named in "metrics_left_out" with the runs that lack them)."""
+    that some run has are named in "metrics_left_out" with the runs that lack them). `models`
+    (with the parent) reads only those models' items, where some run evaluated more than the
+    others; the summary then records them under "models"."""
+    if models is not None:
+        keep = {*models, parent}
+        runs = [dataclasses.replace(r, items={m: v for m, v in r.items.items() if m in keep}) for r in runs]
+    chosen = {"models": [m for m in dict.fromkeys((parent, *models))]} if models is not None else {}
     models = list(dict.fromkeys(m for r in runs for m in r.items))
     for r in runs:
         missing = [m for m in models if m not in r.items]
         if missing:
             raise ValueError(f"{r.name}: no {', '.join(m + '_items.jsonl' for m in missing)} (it has"
-                             f" {', '.join(sorted(r.items))}); every run must have evaluated the same models")
+                             f" {', '.join(sorted(r.items))}); every run must have evaluated the same models, or"
+                             f" --models names the ones to read")
     if parent not in models:
         raise ValueError(f"the parent {parent!r} is not evaluated in every run (models: {', '.join(models)})")
     children = [m for m in models if m not in (parent, "base")]
@@ -352,7 +360,7 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
                                if (ch := heldout_changes(runs, st, confidence=confidence, n_boot=n_boot,
                                                          seed=seed)) is not None},
             "metrics": stage_metrics(runs, names, required=metrics is not None),
-            "metrics_left_out": left_out}
+            "metrics_left_out": left_out, **chosen}
 
 
 def _fmt(v: float | None, score: bool, sign: bool = False) -> str:
@@ -432,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metric", action="append", metavar="FILE:KEY",
                     help="a number from each run's metrics/FILE (dotted KEY for nested objects), repeatable;"
                          f" default: those of {', '.join(STAGE_METRICS)} that every run has")
+    ap.add_argument("--models", nargs="+", metavar="MODEL",
+                    help="read only these models (and the parent), where some run evaluated more than the others"
+                         " (say seeds whose GRPO stages have not run); default: every model, which every run must"
+                         " have")
     ap.add_argument("--confidence", type=float, default=0.95, help="of every interval (default: 0.95)")
     ap.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples (default: 10000)")
     ap.add_argument("--seed", type=int, default=1337, help="the bootstrap's seed (default: 1337)")
@@ -446,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [load_run(r) for r in args.runs]
         s = summarize(runs, args.parent, confidence=args.confidence, n_boot=args.n_boot, seed=args.seed,
                       keys=None if args.all_skills else HEADLINE,
-                      metrics=tuple(args.metric) if args.metric else None)
+                      metrics=tuple(args.metric) if args.metric else None,
+                      models=tuple(args.models) if args.models else None)
     except (ValueError, OSError) as e:
         print(f"llm.seeds: {e}", file=sys.stderr)
         return 2
