@@ -218,13 +218,26 @@ def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ppo_rm: reward from the reward model" in p.stdout
     m = read_metrics(tmp_path / "metrics/ppo_rm.json")
-    assert m["reward_source"] == "rm" and m["variant_of"] == "ppo" and m["overrides"] == {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False}
+    from stages.ppo import VARIANTS
+    forced = {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False, "max_kl": 1e6}
+    assert VARIANTS["ppo_rm"] == forced
+    assert m["reward_source"] == "rm" and m["variant_of"] == "ppo" and m["overrides"] == forced
     head = (tmp_path / "metrics/plots/ppo_rm.tsv").read_text().splitlines()[0].split("\t")
     assert {"reward", "accuracy", "kl", "kl_seq"} <= set(head)   # the over-optimisation curve's columns
     from llm.nn.artifacts import load_model_dir
     _, _, meta = load_model_dir(tmp_path / "models/ppo_rm")
-    assert meta["stage"] == "ppo_rm" and meta["overrides"] == {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False}
+    assert meta["stage"] == "ppo_rm" and meta["overrides"] == forced
     assert not (tmp_path / "models/ppo").exists() and (tmp_path / "runs/ppo_rm").is_dir()
+
+
+@pytest.mark.slow
+def test_ppo_rm_has_no_kl_gate(tmp_path):
+    """The KL limit that stops ppo (here far below any KL) does not stop ppo_rm, whose KL with no
+    penalty is what it measures."""
+    make_workspace(tmp_path, "ppo", {"reward_source": "verifier", "max_kl": 1.0e-9}, rm=True)
+    p = run_stage(tmp_path, "ppo_rm")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert read_metrics(tmp_path / "metrics/ppo_rm.json")["final_kl"] > 1.0e-9
 
 
 @pytest.mark.slow
