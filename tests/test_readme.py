@@ -62,7 +62,7 @@ def _fake_run(tmp_path):
 
 
 NUMBER = re.compile(r"[+-]?\d+\.\d+%?|\d+%")  # a measured figure; counts and labels are whole numbers
-FIXED = re.compile(r"at (?:most|least) \S+|95% interval|\(95%\)")  # the targets' thresholds, the confidence level
+FIXED = re.compile(r"at (?:most|least) \S+|within [\d.]+-[\d.]+|95% interval|\(95%\)")  # the targets' thresholds, the confidence level
 
 
 def _generated(text: str) -> list[list[str]]:

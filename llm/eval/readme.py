@@ -360,6 +360,14 @@ def findings(metrics: Path) -> str:
     if line := tier_finding({m: paired.get(m, {}) for m in ("grpo", "grpo_random")},
                             _vals(summary, "eval/sft.json:tier_edge_greedy_wrong_pass"), pooled=True):
         out.append(line + f" {log}.")
+    elif "grpo" not in summary["levels"]:   # seeds read without GRPO (`llm.seeds --models`): this run's
+        run_paired, sft = _read(metrics / "paired.json") or {}, _read(metrics / "eval" / "sft.json") or {}
+        head = sft.get("tier_edge_greedy_wrong_pass")
+        if line := tier_finding({m: run_paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")},
+                                [head] if isinstance(head, (int, float)) else None, pooled=False):
+            out.append(line + f"; the other seeds did not run GRPO {log}.")
+    if line := preference_finding(metrics):
+        out.append(line)
     if line := ranker_finding({k: _vals(summary, f"rankers.json:{k}") for k in RANKER_KEYS}):
         out.append(line + f" {log}.")
     rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
