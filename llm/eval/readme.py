@@ -360,12 +360,8 @@ def findings(metrics: Path) -> str:
     if line := tier_finding({m: paired.get(m, {}) for m in ("grpo", "grpo_random")},
                             _vals(summary, "eval/sft.json:tier_edge_greedy_wrong_pass"), pooled=True):
         out.append(line + f" {log}.")
-    elif "grpo" not in summary["levels"]:   # seeds read without GRPO (`llm.seeds --models`): this run's
-        run_paired, sft = _read(metrics / "paired.json") or {}, _read(metrics / "eval" / "sft.json") or {}
-        head = sft.get("tier_edge_greedy_wrong_pass")
-        if line := tier_finding({m: run_paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")},
-                                [head] if isinstance(head, (int, float)) else None, pooled=False):
-            out.append(line + f"; the other seeds did not run GRPO {log}.")
+    elif "grpo" not in summary["levels"] and (line := run_tier_finding(metrics)):
+        out.append(line + f"; the other seeds did not run GRPO {log}.")   # seeds read without GRPO (--models)
     if line := preference_finding(metrics):
         out.append(line)
     if line := ranker_finding({k: _vals(summary, f"rankers.json:{k}") for k in RANKER_KEYS}):
@@ -408,15 +404,21 @@ def run_findings(metrics: Path) -> str:
              if "math" in paired.get(f"{m}_vs_sft", {})]
     if cells:
         out.append("RL's change of greedy math from SFT on this run's items: " + ", ".join(cells) + ".")
-    tiers = {m: paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")}
-    head = sft.get("tier_edge_greedy_wrong_pass")
-    if line := tier_finding(tiers, [head] if isinstance(head, (int, float)) else None, pooled=False):
+    if line := run_tier_finding(metrics):
         out.append(line + ".")
     if line := preference_finding(metrics):
         out.append(line)
     out.append(f"Read across seeds: `{seeds_command(_read(metrics / 'seeds' / 'summary.json'))}`, then"
                " `python -m llm.readme`.")
     return "\n".join(f"- {line}" for line in out)
+
+
+def run_tier_finding(metrics: Path) -> str | None:
+    """tier_finding of this run's GRPO and its control (metrics/paired.json, eval/sft.json)."""
+    paired, sft = _read(metrics / "paired.json") or {}, _read(metrics / "eval" / "sft.json") or {}
+    head = sft.get("tier_edge_greedy_wrong_pass")
+    return tier_finding({m: paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")},
+                        [head] if isinstance(head, (int, float)) else None, pooled=False)
 
 
 def preference_finding(metrics: Path) -> str | None:

@@ -42,8 +42,7 @@ import json
 import math
 import subprocess
 import sys
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -329,10 +328,10 @@ def summarize(runs: list[Run], parent: str = "sft", *, confidence: float = 0.95,
     that some run has are named in "metrics_left_out" with the runs that lack them). `models`
     (with the parent) reads only those models' items, where some run evaluated more than the
     others; the summary then records them under "models"."""
+    chosen = {}
     if models is not None:
-        keep = {*models, parent}
-        runs = [dataclasses.replace(r, items={m: v for m, v in r.items.items() if m in keep}) for r in runs]
-    chosen = {"models": [m for m in dict.fromkeys((parent, *models))]} if models is not None else {}
+        chosen = {"models": list(dict.fromkeys((parent, *models)))}
+        runs = [replace(r, items={m: v for m, v in r.items.items() if m in chosen["models"]}) for r in runs]
     models = list(dict.fromkeys(m for r in runs for m in r.items))
     for r in runs:
         missing = [m for m in models if m not in r.items]
