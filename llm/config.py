@@ -569,6 +569,10 @@ class PPOConfig(RLConfig):
     overopt_steps: int = _f(0, lo=0, hi=MAX_STEPS, added=True, doc="steps of the ppo_rm variant (PPO on the"
                             " reward model alone, run past ppo's steps: the report's over-optimisation curve); 0:"
                             " max_steps, as ppo")
+    ptx_coef: float = _f(0.0, lo=0.0, hi=MAX_COEF, added=True, doc="weight of the supervised loss on SFT's own"
+                         " training conversations (--sft-data), added to every minibatch's PPO loss on"
+                         " minibatch_size of them (InstructGPT's PPO-ptx): it holds what SFT taught and the reward"
+                         " does not ask for; 0: none")
 
     def check_world(self, key: str, common: CommonConfig) -> list[str]:
         out = _shared_out(key, "rollout_prompts", self.rollout_prompts, "prompts per step", common,

@@ -516,7 +516,7 @@ def make_workspace(root: Path, stage: str, overrides: dict | None = None, rm: bo
     else:
         # math rollouts (the cpu profile's PPO continues passages; tests/test_ppo.py covers those)
         sec.update(rollout_prompts=4, minibatch_size=2, reward_source="rm" if rm else "verifier",
-                   continuation_share=0.0, continuation_eval=0, overopt_steps=0)
+                   continuation_share=0.0, continuation_eval=0, overopt_steps=0, ptx_coef=0.0)
     sec.update(overrides or {})
     common = dict(params["common"], num_threads=1)
     (root / "params.yaml").write_text(yaml.safe_dump({"common": common, stage: sec}, sort_keys=False))

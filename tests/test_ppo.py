@@ -161,6 +161,52 @@ def test_ppo_needs_a_value_head():
         PPO(tiny(), tiny(), ppo_cfg(), prompts_fn=None, reward_fn=None, stop_ids=(STOP,), pad_id=PAD, seed=0)
 
 
+def _ptx_batch():
+    """A fixed SFT-like batch: a prompt the loss skips, then an answer of one repeated token."""
+    from llm.data.batching import pad_collate
+    seqs = [PROMPTS[i] + [7] * 6 for i in range(4)]
+    masks = [[False] * len(PROMPTS[i]) + [True] * 6 for i in range(4)]
+    return pad_collate(seqs, pad_id=PAD, loss_masks=masks)
+
+
+def _sft_loss(model) -> float:
+    from llm.train.trainer import supervised_lm_loss
+    with torch.no_grad():
+        loss_sum, n = supervised_lm_loss(model, _ptx_batch())
+    return float(loss_sum / n)
+
+
+def test_ptx_trains_the_supervised_loss_on_sft_conversations_beside_ppo(tmp_path):
+    """PPO-ptx: with ptx_coef > 0 every minibatch adds the supervised loss on a batch the ptx function
+    draws (one draw per minibatch), logged as ptx_loss; the policy then fits that batch far better
+    than PPO alone leaves it, on the same rollouts' reward."""
+    draws = []
+
+    def ptx(g):
+        draws.append(torch.randint(1000, (1,), generator=g).item())
+        return _ptx_batch()
+
+    models = {}
+    for coef in (0.0, 5.0):
+        cfg = ppo_cfg(max_steps=3, ptx_coef=coef)
+        prompts = (PROMPTS * 8)[: cfg.rollout_prompts]
+        algo = PPO(tiny(("lm", "value")), tiny(), cfg, prompts_fn=lambda step: (prompts, [{}] * len(prompts)),
+                   reward_fn=target_fraction, stop_ids=(STOP,), pad_id=PAD, seed=0, ptx=ptx)
+        res = run_rl(algo, cfg, CPU, stage="ppo", run_dir=tmp_path / str(coef), fingerprint="fp", progress=False)
+        models[coef] = algo.model
+        assert ("ptx_loss" in res.history[-1]) == (coef > 0)
+    start = _sft_loss(tiny(("lm", "value")))
+    assert draws and len(draws) == 3 * 2 * 2    # steps x epochs x minibatches, and none at coef 0
+    assert len(set(draws[:4])) > 1               # each minibatch draws afresh
+    assert _sft_loss(models[5.0]) < 0.5 * min(start, _sft_loss(models[0.0]))
+
+
+def test_ptx_needs_sft_conversations():
+    with pytest.raises(ValueError, match="ptx_coef > 0 needs SFT's conversations"):
+        PPO(tiny(("lm", "value")), tiny(), ppo_cfg(ptx_coef=1.0), prompts_fn=None, reward_fn=None, stop_ids=(STOP,),
+            pad_id=PAD, seed=0)
+
+
 # ---------------------------------------------------------------------------
 # the stage, end to end in a temp dir
 
@@ -219,7 +265,7 @@ def test_ppo_rm_runs_the_ppo_section_with_the_reward_model_alone(tmp_path):
     assert "ppo_rm: reward from the reward model" in p.stdout
     m = read_metrics(tmp_path / "metrics/ppo_rm.json")
     from stages.ppo import VARIANTS
-    forced = {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False, "max_kl": 1e6}
+    forced = {"reward_source": "rm", "init_kl_coef": 0.0, "adaptive_kl": False, "max_kl": 1e6, "ptx_coef": 0.0}
     assert VARIANTS["ppo_rm"] == forced
     assert m["reward_source"] == "rm" and m["variant_of"] == "ppo" and m["overrides"] == forced
     head = (tmp_path / "metrics/plots/ppo_rm.tsv").read_text().splitlines()[0].split("\t")
@@ -255,6 +301,30 @@ def test_ppo_rm_goes_on_for_overopt_steps_and_ppo_does_not(tmp_path):
         assert m["steps"] == steps
         init = yaml.safe_load((tmp_path / "params.yaml").read_text())["ppo"]["init_kl_coef"]
         assert m["kl_coef_final"] == 0.0 if stage == "ppo_rm" else 0 < m["kl_coef_final"] != init, (stage, m)
+
+
+@pytest.mark.slow
+def test_ppo_stage_with_ptx_reads_sft_conversations_and_says_so(tmp_path):
+    """ppo.ptx_coef > 0: the stage trains on --sft-data's train.jsonl beside PPO (its curves carry
+    ptx_loss, its meta.json the file's hash); without that file it stops and names it."""
+    import json
+    make_workspace(tmp_path, "ppo", {"ptx_coef": 1.0})
+    p = run_stage(tmp_path, "ppo")
+    assert p.returncode == 1 and "data/clean_sft/train.jsonl: not found; run `dvc repro clean_sft` first" in p.stderr
+    d = tmp_path / "data/clean_sft"
+    d.mkdir(parents=True)
+    rows = [{"id": f"c{i}", "source": "generated/math_en",
+             "messages": [{"role": "user", "content": f"What is {i} + 2?"},
+                          {"role": "assistant", "content": f"{i} + 2 = {i + 2}\n#### {i + 2}"}]} for i in range(6)]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = run_stage(tmp_path, "ppo")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "each minibatch adds 1.0 x the supervised loss on 2 of 6 SFT conversations" in p.stdout
+    head = (tmp_path / "metrics/plots/ppo.tsv").read_text().splitlines()[0].split("\t")
+    assert "ptx_loss" in head
+    from llm.nn.artifacts import load_model_dir
+    _, _, meta = load_model_dir(tmp_path / "models/ppo")
+    assert "sft_data" in meta["inputs"]
 
 
 def _passages(root, n_train=6, n_test=4):

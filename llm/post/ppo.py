@@ -20,14 +20,17 @@ the reference is a frozen copy of the SFT model. One step:
      optimizer step on
         policy_loss + vf_coef * value_loss - ent_coef * entropy
      with the clipped surrogate (clip_epsilon), the clipped value loss (value_clip), both
-     token means (llm/nn/losses.py);
+     token means (llm/nn/losses.py); with ptx_coef > 0 (InstructGPT's PPO-ptx) plus
+        ptx_coef * the supervised loss on minibatch_size of SFT's training conversations,
+     drawn afresh for each minibatch (`ptx`), so that what SFT taught and the reward does not
+     ask for (math, when the reward is about verse) is trained on while PPO moves the rest;
   6. the adaptive KL controller sees this batch's mean per-token KL (KLController),
      and a KL outside [kl_alert_low, kl_alert_high] is reported (KLAlert); after the
      last step (cfg.max_steps), so is a KL that never reached that band.
 
 Per-step row (TRL names where TRL has one): reward (mean score), reward_std, non_score_reward
 (mean per-response KL penalty), kl (mean per-token), kl_seq, kl_coef, entropy, clip_ratio,
-approxkl, policy_loss, value_loss, vf_clipfrac, loss, grad_norm, response_length,
+approxkl, policy_loss, value_loss, vf_clipfrac, ptx_loss (with ptx), loss, grad_norm, response_length,
 stop_rate, accuracy / format_rate (verifier statistics of the rollouts, when known),
 rollout_s / scoring_s / update_s, tokens_per_s.
 """
@@ -47,8 +50,10 @@ from llm.runtime import Runtime
 from llm.sample.rewards import RewardFn
 from llm.sample.rollout import Rollout, response_forward, rollout
 from llm.train.loop import Updater
+from llm.train.trainer import supervised_lm_loss
 
 PromptsFn = Callable[[int], tuple[list[list[int]], list[dict]]]
+PtxFn = Callable[[torch.Generator], dict[str, Tensor]]   # a batch of SFT conversations (llm/data/batching.py)
 
 
 # ---------------------------------------------------------------------------
@@ -156,11 +161,14 @@ STATS = ("policy_loss", "value_loss", "entropy", "clip_ratio", "approxkl", "vf_c
 class PPO:
     def __init__(self, policy: nn.Module, ref: nn.Module, cfg: PPOConfig, *, prompts_fn: PromptsFn,
                  reward_fn: RewardFn, stop_ids: Sequence[int], pad_id: int, seed: int,
-                 log: Callable[[str], None] = print, rt: Runtime | None = None):
+                 log: Callable[[str], None] = print, rt: Runtime | None = None, ptx: PtxFn | None = None):
         if policy.value_head is None:
             raise ValueError("PPO: the policy needs a value head; call policy.add_head('value') first")
         self.model, self.ref, self.cfg, self.rt = policy, ref, cfg, rt
+        if cfg.ptx_coef > 0 and ptx is None:
+            raise ValueError("PPO: ptx_coef > 0 needs SFT's conversations (ptx, a batch function)")
         self.prompts_fn, self.reward_fn = prompts_fn, reward_fn
+        self.ptx = ptx if cfg.ptx_coef > 0 else None
         self.stop_ids, self.pad_id, self.seed, self.log = tuple(stop_ids), pad_id, seed, log
         self.kl_ctl = KLController(cfg.init_kl_coef, adaptive=cfg.adaptive_kl, target=cfg.kl_target,
                                    horizon=cfg.kl_horizon)
@@ -209,9 +217,11 @@ class PPO:
 
         # 5. epochs of minibatch updates of clipped surrogate + clipped value loss - entropy bonus
         batch = Scored(ro, mask, old_lp, old_values, adv, returns)
-        stats = update_epochs(updater, share, torch.arange(share.total), partial(self.minibatch_loss, batch),
+        ptx_gen = step_generator(self.seed, "ptx", step) if self.ptx else None
+        stats = update_epochs(updater, share, torch.arange(share.total),
+                              partial(self.minibatch_loss, batch, ptx_gen=ptx_gen),
                               lengths=lengths, epochs=cfg.epochs, minibatch_size=cfg.minibatch_size, seed=self.seed,
-                              step=step, device=device, stat_keys=STATS)
+                              step=step, device=device, stat_keys=STATS + (("ptx_loss",) if self.ptx else ()))
         t3 = time.perf_counter()
 
         # 6. KL control and alerts, on the global batch
@@ -232,9 +242,12 @@ class PPO:
                 "kl_alerts": self.alert.alerts, "rollout_s": t1 - t0, "scoring_s": t2 - t1, "update_s": t3 - t2,
                 "tokens_per_s": n_tokens / (t3 - t0)}
 
-    def minibatch_loss(self, b: Scored, rows: Tensor, idx: Tensor, w: float) -> tuple[Tensor, dict]:
+    def minibatch_loss(self, b: Scored, rows: Tensor, idx: Tensor, w: float, *,
+                       ptx_gen: torch.Generator | None = None) -> tuple[Tensor, dict]:
         """Step 5 on this rank's `rows` of one minibatch: policy_loss + vf_coef * value_loss -
-        ent_coef * entropy, each a token mean over the rows times `w` (llm.post.shares.update_epochs)."""
+        ent_coef * entropy, each a token mean over the rows times `w` (llm.post.shares.update_epochs),
+        plus ptx_coef * ptx_loss (the supervised token mean on a batch of SFT's conversations drawn
+        from `ptx_gen`, the same on every rank, times `w`) when ptx is on."""
         cfg, m = self.cfg, b.mask[rows]
         out = response_forward(self.model, b.ro.select(rows), cfg.temperature, values=True, entropy=True,
                                entropy_grad=cfg.ent_coef > 0)
@@ -244,9 +257,17 @@ class PPO:
         value_loss = value_loss * w
         entropy = masked_mean(out.entropy, m) * w
         loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy
+        extra = {}
+        if self.ptx is not None:
+            device = b.mask.device
+            sft_batch = {k: v.to(device) for k, v in self.ptx(ptx_gen).items()}
+            loss_sum, n_tok = supervised_lm_loss(self.model, sft_batch)
+            ptx_loss = loss_sum / n_tok.clamp(min=1) * w
+            loss = loss + cfg.ptx_coef * ptx_loss
+            extra["ptx_loss"] = ptx_loss.detach()
         return loss, {"policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
                       "entropy": entropy.detach(), "clip_ratio": w * pst["clip_ratio"], "approxkl": w * pst["approxkl"],
-                      "vf_clipfrac": w * vf_clipfrac, "loss": loss.detach()}
+                      "vf_clipfrac": w * vf_clipfrac, **extra, "loss": loss.detach()}
 
     def check_kl(self, kl: float, step: int) -> None:
         """Step 6's alerts: KL outside the band, and after the last step a KL that never reached it."""
