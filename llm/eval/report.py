@@ -469,7 +469,8 @@ MODEL_LINES = (
     ("reward model", "SFT's network with a one-number head, trained on preference pairs so that the preferred"
                      " answer scores higher; PPO's reward uses it (`ppo.reward_source`)"),
     ("ppo", "reinforcement learning from SFT: it samples answers, scores them (`ppo.reward_source`), and takes"
-            " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT"),
+            " clipped policy steps guided by a learnt value model, with a penalty on its KL to SFT;"
+            " `ppo.ptx_coef` above 0 adds SFT's own loss on its conversations to every step"),
     ("ppo_rm", "PPO on the reward model's score alone, no verifier and no KL penalty (its KL to SFT measured,"
                " not penalised), run longer: where optimising a learnt reward stops helping (Over-optimisation)"),
     ("grpo", "reinforcement learning from SFT on math problems without a value model: several answers per"
