@@ -239,3 +239,18 @@ def test_the_seeds_command_carries_the_models_a_summary_was_read_on():
     from llm.eval.readme import SEEDS_COMMAND, seeds_command
     assert seeds_command(None) == seeds_command({"runs": ["1337"]}) == SEEDS_COMMAND
     assert seeds_command({"models": ["sft", "ppo", "dpo"]}) == SEEDS_COMMAND + " --models sft ppo dpo"
+
+
+def test_the_tier_finding_sets_ppos_edge_change_beside_grpos_and_its_controls():
+    """GRPO's per-tier sentence carries PPO's change on the edge where PPO was evaluated there (PPO
+    trains on no edge problem: the gain GRPO's is read beside), and leaves it out where it was not."""
+    def res(mean, lo, hi, deltas):
+        return {"mean": mean, "lo": lo, "hi": hi, "deltas": deltas, "worst": min(deltas)}
+    paired = {"grpo": {"tier_edge": res(0.043, 0.029, 0.057, [0.051, 0.018, 0.059]),
+                       "tier_in_distribution": res(0.005, -0.0, 0.01, [0.0, 0.005, 0.009])},
+              "grpo_random": {"tier_edge": res(-0.035, -0.048, -0.022, [-0.045, -0.061, 0.001])},
+              "ppo": {"tier_edge": res(0.041, 0.027, 0.056, [0.054, 0.022, 0.048])}}
+    line = readme.tier_finding(paired, [0.31], pooled=True)
+    assert ("on the edge tier +4.3 [+2.9, +5.7], worst seed +1.8, its shuffled-reward control there -3.5"
+            " [-4.8, -2.2], worst seed -6.1, PPO there +4.1 [+2.7, +5.6], worst seed +2.2, in distribution") in line
+    assert "PPO" not in readme.tier_finding({k: v for k, v in paired.items() if k != "ppo"}, None, pooled=True)

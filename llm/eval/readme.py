@@ -357,7 +357,7 @@ def findings(metrics: Path) -> str:
         if "math_sampled" in paired.get("dpo", {}):
             line += f"; DPO's sampled math {_pooled(paired['dpo']['math_sampled'])}"
         out.append(line + f" {log}.")
-    if line := tier_finding({m: paired.get(m, {}) for m in ("grpo", "grpo_random")},
+    if line := tier_finding({m: paired.get(m, {}) for m in ("grpo", "grpo_random", "ppo")},
                             _vals(summary, "eval/sft.json:tier_edge_greedy_wrong_pass"), pooled=True):
         out.append(line + f" {log}.")
     elif "grpo" not in summary["levels"] and (line := run_tier_finding(metrics)):
@@ -417,7 +417,7 @@ def run_tier_finding(metrics: Path) -> str | None:
     """tier_finding of this run's GRPO and its control (metrics/paired.json, eval/sft.json)."""
     paired, sft = _read(metrics / "paired.json") or {}, _read(metrics / "eval" / "sft.json") or {}
     head = sft.get("tier_edge_greedy_wrong_pass")
-    return tier_finding({m: paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random")},
+    return tier_finding({m: paired.get(f"{m}_vs_sft", {}) for m in ("grpo", "grpo_random", "ppo")},
                         [head] if isinstance(head, (int, float)) else None, pooled=False)
 
 
@@ -449,8 +449,8 @@ def _change(res: dict, pooled: bool) -> str:
 
 
 def tier_finding(paired: dict[str, dict], headroom: list[float] | None, *, pooled: bool) -> str | None:
-    """GRPO's change of greedy math per difficulty tier and its control's on the edge, and how much
-    sharpening could add there; None when GRPO was not evaluated on the tiers."""
+    """GRPO's change of greedy math per difficulty tier, its control's and PPO's on the edge, and how
+    much sharpening could add there; None when GRPO was not evaluated on the tiers."""
     g = paired.get("grpo", {})
     if "tier_edge" not in g:
         return None
@@ -458,6 +458,8 @@ def tier_finding(paired: dict[str, dict], headroom: list[float] | None, *, poole
     parts = [f"on the edge tier {_change(g['tier_edge'], pooled)}"]
     if "tier_edge" in paired.get("grpo_random", {}):
         parts.append(f"its shuffled-reward control there {_change(paired['grpo_random']['tier_edge'], pooled)}")
+    if "tier_edge" in paired.get("ppo", {}):  # PPO trains on no edge problem: what GRPO's gain is read beside
+        parts.append(f"PPO there {_change(paired['ppo']['tier_edge'], pooled)}")
     for key, label in (("tier_in_distribution", "in distribution"), ("tier_harder", "on the harder tier, never trained on")):
         if key in g:
             parts.append(f"{label} {_change(g[key], pooled)}")
