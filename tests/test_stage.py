@@ -110,7 +110,8 @@ def _variant_run(tmp_path, module, argv: list[str]) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("stage,variant,forced", [("ppo", "ppo_rm", {"reward_source": "rm", "init_kl_coef": 0.0,
-                                                                       "adaptive_kl": False, "max_kl": 1e6}),
+                                                                       "adaptive_kl": False, "max_kl": 1e6,
+                                                                       "ptx_coef": 0.0}),
                                                    ("grpo", "grpo_random", {"reward_control": "shuffled"})])
 def test_a_variant_runs_the_stage_under_its_name_with_its_keys_forced(tmp_path, stage, variant, forced):
     """`--variant NAME` (dvc.yaml's ppo_rm, grpo_random): the stage's run gets the name and its
