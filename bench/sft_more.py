@@ -24,28 +24,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm.data.batching import pad_collate  # noqa: E402
-from llm.data.template import render_all  # noqa: E402
-from llm.fileio import read_jsonl  # noqa: E402
 from llm.nn.artifacts import load_model_dir, save_model_dir  # noqa: E402
 from llm.train.trainer import supervised_lm_loss  # noqa: E402
+from stages.ppo import sft_batches  # noqa: E402  (PPO-ptx's own draw of SFT's conversations)
 
 
-def continue_sft(model, tok, conversations, *, updates: int, batch: int, lr: float, seed: int,
-                 log=print) -> list[float]:
-    """`updates` AdamW steps of the supervised loss on `batch` of `conversations` (message lists)
-    each; returns every step's loss."""
-    examples, _ = render_all(conversations, tok, model.config.seq_len + 1)
-    if not examples:
-        raise ValueError("no conversation has an assistant token within the model's context")
+def continue_sft(model, batches, *, updates: int, lr: float, seed: int, log=print) -> list[float]:
+    """`updates` AdamW steps of the supervised loss on `batches(generator)` (stages.ppo.sft_batches,
+    the draw PPO-ptx makes); returns every step's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     losses: list[float] = []
     model.train()
     for u in range(updates):
-        pick = torch.randint(len(examples), (batch,), generator=g).tolist()
-        b = pad_collate([examples[i][0] for i in pick], pad_id=tok.pad_id, loss_masks=[examples[i][1] for i in pick])
-        loss_sum, n_tok = supervised_lm_loss(model, b)
+        loss_sum, n_tok = supervised_lm_loss(model, batches(g))
         loss = loss_sum / n_tok.clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -75,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{path}: not found; run `dvc repro clean_sft` (or pass --data)")
     torch.set_num_threads(a.threads)
     model, tok, meta = load_model_dir(a.sft, heads=("lm",))
+    batches, _ = sft_batches(a.data, tok, seq_len=model.config.seq_len, batch_size=a.batch)
     t0 = time.perf_counter()
-    losses = continue_sft(model, tok, [r["messages"] for r in read_jsonl(path)], updates=a.updates,
-                          batch=a.batch, lr=a.lr, seed=a.seed)
+    losses = continue_sft(model, batches, updates=a.updates, lr=a.lr, seed=a.seed)
     seconds = time.perf_counter() - t0
     control = {"updates": a.updates, "batch": a.batch, "lr": a.lr, "seed": a.seed, "sft": str(a.sft)}
     save_model_dir(a.out, model, tok, dict(meta, stage="sft_more", control=control))
