@@ -26,10 +26,11 @@ each package reads with what it stands on already read.
     llm/post/: rl, ppo, grpo, shares, heldout, pairs, dpo, rankers, continuation
         post-training: PPO, GRPO and their shares, held-out checks, the RL stages' glue, pairs
         from SFT's samples, DPO, math rankers, the continuation preference and its proxy measured
-    llm/tools/: chat, serve, serve_guard, export, profile, rehearse
-        what a person runs: terminal chat, the server, HF export, profiles, the rehearsal
+    llm/tools/: chat, serve, serve_guard, export, profile, rehearse, repro
+        what a person runs: terminal chat, the server, HF export, profiles, the rehearsal,
+        `dvc repro` with independent stages side by side
 
 The commands keep their short names: `python -m llm.<command>` runs llm/<command>.py, which
-only forwards to main() of the module in its package (chat, serve, export, profile, rehearse, seeds, average, readme;
-llm.config is at the top already).
+only forwards to main() of the module in its package (chat, serve, export, profile, rehearse, repro, seeds,
+average, readme; llm.config is at the top already).
 """

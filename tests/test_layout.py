@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 LLM = ROOT / "llm"
 PACKAGES = ["data", "nn", "sample", "train", "eval", "post", "tools"]   # lowest first; llm/*.py below them all
 COMMANDS = {"chat": "tools", "serve": "tools", "export": "tools", "profile": "tools", "rehearse": "tools",
-            "seeds": "eval", "average": "train", "readme": "eval"}   # llm/<command>.py forwards; config is ground
+            "repro": "tools", "seeds": "eval", "average": "train", "readme": "eval"}   # llm/<command>.py forwards; config is ground
 
 
 def _module(path) -> str:
