@@ -2,13 +2,18 @@
 
     python bench/optim.py [--profile cpu] [--steps 300] [--seeds 3] [--muon-lr 0.02 ...] [--tokens data/tokens]
     python bench/optim.py --steps 30 --seeds 2 --muon-lr 0.02 0.04 --eval-every 3 --eval-batches 2  # short, a sweep
+    python bench/optim.py --profile gpu-13m --batch-size 16 --muon-lr 0.005  # another profile's shapes, on the CPU
 
 Trains the profile's pretraining (its model, batch, schedule and AdamW settings, from
 env/profiles/<profile>.yaml) through the project's own loop (llm.train.trainer.train), once with
 `optimizer: adamw` and once per --muon-lr with `optimizer: muon`, from the same initial weights
 on the same batches. Per seed the runs alternate, the first one rotated every seed (A B, B A, ...
 with a sweep: A B C, B C A, ...). --steps shortens the run: max_steps, and warmup_steps scaled
-with it, so the schedule keeps its shape.
+with it, so the schedule keeps its shape. --batch-size cuts the profile's batch (a GPU profile's 96
+windows of 512 tokens take seconds a step on the CPU); the model's shapes stay the profile's, the
+vocabulary is the data's, and every run is eager fp32 on the CPU (a profile's `compile` is off).
+The bench prints the share of the parameters Muon would train (`muon_share`): Muon orthogonalises
+only the blocks' matrices, so its saving can reach only as far as they decide the loss.
 
 Data: the pipeline's token shards (--tokens: train.bin, val.bin, meta.json, as stages/pretrain.py
 reads them) when they exist; otherwise the first --doc-mb MB of the English text under
@@ -49,6 +54,7 @@ from bench.common import loadavg, machine, rotations, summary  # noqa: E402
 from llm.config import PretrainConfig, load_params_text  # noqa: E402
 from llm.data.batching import WindowSampler, fixed_windows, open_tokens  # noqa: E402
 from llm.nn.model import GPT  # noqa: E402
+from llm.nn.optim import build_optimizers  # noqa: E402
 from llm.runtime import Runtime  # noqa: E402
 from llm.tools.profile import render, to_yaml  # noqa: E402
 from llm.train.monitor import Plots  # noqa: E402
@@ -68,6 +74,14 @@ def load_tokens(tokens: Path, doc_mb: float) -> tuple[np.ndarray, np.ndarray, in
     cut = int(len(data) * 0.9)
     digest = hashlib.sha256(data.tobytes()).hexdigest()[:12]  # /usr/share/doc changes as packages come and go
     return data[:cut], data[cut:], 256, f"{source}, {len(data)} bytes as tokens, sha256 {digest} ({tokens} not found)"
+
+
+def muon_share(model: torch.nn.Module, cfg: PretrainConfig) -> float:
+    """The fraction of the model's trainable parameters (a tied table counted once) that
+    `optimizer: muon` hands to Muon (build_optimizers' own split); AdamW trains the rest."""
+    opts = build_optimizers(model, dataclasses.replace(cfg, optimizer="muon"))
+    counts = [sum(p.numel() for g in o.param_groups for p in g["params"]) for o in opts]
+    return counts[0] / sum(counts)
 
 
 def run_once(cfg: PretrainConfig, model_cfg, seed: int, train_tok, val_tok) -> dict:
@@ -118,6 +132,7 @@ def main() -> None:
     ap.add_argument("--muon-lr", type=float, nargs="+", default=None,
                     help="Muon's peak learning rate(s), one run each per seed; default: the profile's muon_lr")
     ap.add_argument("--eval-every", type=int, default=0, help="steps between evaluations; 0 = steps / 20")
+    ap.add_argument("--batch-size", type=int, default=0, help="windows per step; 0 = the profile's")
     ap.add_argument("--eval-batches", type=int, default=0, help="validation batches per evaluation; 0 = the profile's")
     ap.add_argument("--tokens", type=Path, default=Path("data/tokens"))
     ap.add_argument("--doc-mb", type=float, default=4.0, help="MB of /usr/share/doc text when --tokens is absent")
@@ -133,11 +148,14 @@ def main() -> None:
     every = args.eval_every or max(1, steps // 20)
     base = dataclasses.replace(pre, max_steps=steps, warmup_steps=round(pre.warmup_steps * steps / pre.max_steps),
                                eval_every=every, checkpoint_every=steps, log_every=steps,
-                               eval_batches=args.eval_batches or pre.eval_batches)
+                               eval_batches=args.eval_batches or pre.eval_batches,
+                               batch_size=args.batch_size or pre.batch_size, compile=False)
     cfgs = {"adamw": dataclasses.replace(base, optimizer="adamw")}
     for lr in args.muon_lr or [pre.muon_lr]:
         cfgs[f"muon@{lr:g}"] = dataclasses.replace(base, optimizer="muon", muon_lr=lr)
-    print(f"bench: {args.profile} pretraining, {GPT(model_cfg).summary()}; data: {source}", flush=True)
+    share = muon_share(GPT(model_cfg), base)
+    print(f"bench: {args.profile} pretraining, {GPT(model_cfg).summary()}; Muon would train {share:.1%} of the"
+          f" parameters (the blocks' matrices), AdamW the rest; data: {source}", flush=True)
     print(f"bench: {steps} steps (warmup {base.warmup_steps}), batch {base.batch_size} x {model_cfg.seq_len}"
           f" x grad_accum {base.grad_accum}, AdamW lr {base.lr:g}, eval every {every} steps on {base.eval_batches}"
           f" batches, {args.threads} thread(s); {args.seeds} seed(s)", flush=True)
@@ -182,7 +200,8 @@ def main() -> None:
     print(f"adamw final val loss (min/median/max): {min(adamw_final):.4f}/{statistics.median(adamw_final):.4f}"
           f"/{max(adamw_final):.4f}")
     print(json.dumps({"bench": "optim", "profile": args.profile, "steps": steps, "warmup_steps": base.warmup_steps,
-                      "eval_every": every, "threads": args.threads, "data": source, "summary": result,
+                      "eval_every": every, "batch_size": base.batch_size, "muon_share": round(share, 4),
+                      "threads": args.threads, "data": source, "summary": result,
                       "seeds": seeds, "machine": machine(load0)}))
 
 
