@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu", help="env/profiles/<profile>.yaml's pretrain section")
     ap.add_argument("--steps", type=int, default=0, help="max_steps of every run; 0 = the profile's")
     ap.add_argument("--seeds", type=int, default=3, help="paired repeats (model init and batch order)")
+    ap.add_argument("--first-seed", type=int, default=1337,
+                    help="the seeds are first-seed, first-seed + 1, ...: --first-seed 1339 --seeds 1 adds a third seed")
     ap.add_argument("--muon-lr", type=float, nargs="+", default=None,
                     help="Muon's peak learning rate(s), one run each per seed; default: the profile's muon_lr")
     ap.add_argument("--eval-every", type=int, default=0, help="steps between evaluations; 0 = steps / 20")
@@ -162,8 +164,9 @@ def main() -> None:
 
     load0 = loadavg()
     seeds = []
-    for i, order in enumerate(rotations(list(cfgs), args.seeds)):
-        seed = 1337 + i
+    skip = max(0, args.first_seed - 1337)  # the orders a run from 1337 would give these seeds
+    for i, order in enumerate(rotations(list(cfgs), skip + args.seeds)[skip:]):
+        seed = args.first_seed + i
         runs = {}
         for name in order:
             runs[name] = run_once(cfgs[name], model_cfg, seed, train_tok, val_tok)
