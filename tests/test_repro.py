@@ -130,3 +130,13 @@ def test_priorities_weigh_stages_by_this_commands_last_times_else_by_what_metric
     logs.mkdir(parents=True)
     (logs / "seconds.json").write_text(json.dumps({"sft": 700, "grpo": 650}))
     assert repro.known_seconds(logs, metrics)[0] == {"sft": 700.0, "grpo": 650.0}
+
+
+def test_a_fresh_clone_weighs_the_stages_by_the_committed_report_cards_times(tmp_path):
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (metrics / "report.md").write_text((ROOT / "metrics/report.md").read_text())
+    got, source = repro.known_seconds(tmp_path / "runs/repro", metrics)
+    assert source == f"the stage times of {metrics / 'report.md'}"
+    assert {"pretrain", "sft", "grpo", "eval@ppo"} <= set(got) and "prepare" not in got  # prepare records none
+    assert all(t > 0 for t in got.values())

@@ -18,8 +18,8 @@ run parallel branches); a `dvc repro` afterwards finds nothing to do.
 Which ready stage goes first: the one with the longest chain of work still behind it, each
 stage weighted by the seconds it took the last time this command ran it (runs/repro/seconds.json,
 beside the per-stage logs runs/repro/<stage>.log), or else by the seconds the stages recorded in
-metrics/ on their last run (the report's wall-time row), 60 s where neither has a figure (a fresh
-clone: its stages' metrics are DVC outputs, not yet made). A stage that
+metrics/ on their last run, or else by the committed report card's row of stage times
+(metrics/report.md, in git: what a fresh clone has), 60 s a stage where none of them has a figure. A stage that
 fails stops the run: no new stage starts, the running ones finish, and the command prints the
 failed stage's last lines and its log's path and exits 1. Ctrl-C stops every running stage.
 
@@ -141,7 +141,25 @@ def known_seconds(log_dir: Path = LOG_DIR, metrics: Path = Path("metrics")) -> t
             got = {}
         if got:
             return got, f"the seconds recorded in {metrics}/"
+        got = report_seconds(metrics / "report.md")
+        if got:
+            return got, f"the stage times of {metrics / 'report.md'}"
     return {}, f"{DEFAULT_SECONDS:.0f} s a stage"
+
+
+def report_seconds(report: Path) -> dict[str, float]:
+    """{stage: seconds} from the report card's table of stage times (llm/eval/report_render.py
+    writes it under the header: a row of stage names, `|---|...`, a row of `159 s` or `–`)."""
+    try:
+        lines = report.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    for head, rule, row in zip(lines, lines[1:], lines[2:]):
+        if head.startswith("| prepare |") and rule.startswith("|---|"):
+            names = [c.strip() for c in head.strip("|").split("|")]
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            return {n: float(c.removesuffix(" s")) for n, c in zip(names, cells) if c.endswith(" s")}
+    return {}
 
 
 def run(graph: dict[str, list[str]], jobs: int, *, dvc: list[str], log_dir: Path = LOG_DIR,
