@@ -78,6 +78,9 @@ def test_independent_stages_run_side_by_side_and_dvc_records_every_one(tmp_path)
     assert set(json.loads((tmp_path / "runs/repro/seconds.json").read_text())) == set("abcd")
     again = _repro(tmp_path, env, "-j", "2")
     assert again.returncode == 0 and "0 stage(s) ran, 4 up to date" in again.stdout, again.stdout
+    forced = _repro(tmp_path, env, "-f", "-s", "b", "c")   # those two again, nothing above or below them
+    assert forced.returncode == 0 and "2 stage(s) ran, 0 up to date" in forced.stdout, forced.stdout
+    assert _span(tmp_path, "a") == (a0, a1) and _span(tmp_path, "d") == (d0, d1) and _span(tmp_path, "b")[0] > b1
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@
     python -m llm.repro -j 1         # one at a time, in the same order `dvc repro` would choose
     python -m llm.repro eval@grpo    # that stage and what it depends on
     python -m llm.repro --dry-run    # the plan: every stage, what it waits for, its priority
+    python -m llm.repro -f -s eval@sft eval@ppo   # rerun just those two, up to date or not (timing them)
 
 `dvc repro` runs one stage at a time. Every stage of this pipeline but pretraining's steps runs
 on one thread (llm/threads.py says why), so on a 2-core machine `dvc repro` leaves a core idle
@@ -163,7 +164,7 @@ def report_seconds(report: Path) -> dict[str, float]:
 
 
 def run(graph: dict[str, list[str]], jobs: int, *, dvc: list[str], log_dir: Path = LOG_DIR,
-        metrics: Path = Path("metrics"), say=print, poll: float = 0.5) -> int:
+        metrics: Path = Path("metrics"), force: bool = False, say=print, poll: float = 0.5) -> int:
     """Run every stage of `graph` through `dvc repro --single-item`, up to `jobs` at a time
     (module docstring). 0 when every stage finished, 1 when one failed, 130 on Ctrl-C."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -183,8 +184,8 @@ def run(graph: dict[str, list[str]], jobs: int, *, dvc: list[str], log_dir: Path
     def launch(stage: str, tries: int = 1) -> Running:
         log = log_dir / _log_name(stage)
         fh = open(log, "w", encoding="utf-8")
-        proc = subprocess.Popen([*dvc, "repro", "--single-item", stage], stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        argv = [*dvc, "repro", "--single-item", *(["--force"] if force else []), stage]
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         return Running(stage, proc, log, time.monotonic(), tries, fh)
 
     try:
@@ -261,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("targets", nargs="*", help="stages to bring up to date, with what they depend on (default: all)")
     ap.add_argument("-j", "--jobs", type=int, default=0,
                     help="stages at a time; 0 = the usable CPUs (1 on a GPU profile)")
+    ap.add_argument("-s", "--single-item", action="store_true",
+                    help="only the named targets, not what they depend on (as `dvc repro -s`)")
+    ap.add_argument("-f", "--force", action="store_true",
+                    help="run the stages even where DVC finds them up to date (as `dvc repro -f`)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and run nothing")
     args = ap.parse_args(argv)
     if not Path("dvc.yaml").is_file():
@@ -274,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.targets:
         graph = upstream(graph, args.targets)
+        if args.single_item:  # the targets alone; what they wait for among themselves still holds
+            graph = {s: [d for d in deps if d in args.targets] for s, deps in graph.items() if s in args.targets}
+    elif args.single_item:
+        print("llm.repro: -s/--single-item needs the stages to run", file=sys.stderr)
+        return 2
     jobs = args.jobs if args.jobs > 0 else default_jobs()
     if args.dry_run:
         seconds, source = known_seconds()
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in sorted(graph, key=lambda s: -rank[s]):
             print(f"  {s:<20} {rank[s]:8.0f}  after {', '.join(graph[s]) or '-'}")
         return 0
-    return run(graph, jobs, dvc=[sys.executable, "-m", "dvc"])
+    return run(graph, jobs, dvc=[sys.executable, "-m", "dvc"], force=args.force)
 
 
 if __name__ == "__main__":
