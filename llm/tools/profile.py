@@ -6,7 +6,7 @@
     python -m llm.profile memory gpu-406m   # memory per GPU of every stage, and whether it fits the card
     python -m llm.profile data gpu-77m      # pretraining's tokens against the distinct tokens of its text
 
-`env/profiles/cpu.yaml` is a complete params file (the default: 2 CPU cores, about half an hour).
+`env/profiles/cpu.yaml` is a complete params file (the default: 2 CPU cores, about two hours).
 Every other profile starts with `extends: cpu` and lists only the keys it changes, so a
 reader sees at a glance what makes `smoke` small or `gpu-77m` big:
 
