@@ -122,6 +122,10 @@ def test_dry_run_prints_the_plan_of_this_pipeline(capsys, monkeypatch):
     plan = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert {"pretrain", "sft", "grpo", "eval@grpo"} <= set(plan) and "ppo" not in plan
     assert "sft" in plan["grpo"].split("after ")[1]
+    # -s: only the named stages; grpo needs clean_sft through sft, which is not named, and still waits
+    assert repro.main(["--dry-run", "-s", "clean_sft", "grpo"]) == 0
+    plan = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(plan) == {"clean_sft", "grpo"} and plan["grpo"].endswith("after clean_sft")
 
 
 def test_priorities_weigh_stages_by_this_commands_last_times_else_by_what_metrics_recorded(tmp_path):

@@ -237,7 +237,7 @@ def run(graph: dict[str, list[str]], jobs: int, *, dvc: list[str], log_dir: Path
 
     wall = time.monotonic() - t0
     ran = [(s, t) for s, t, how in report if how == "ran"]
-    say(f"llm.repro: {len(ran)} stage(s) ran, {len(report) - len(ran) - (failed is not None)} up to date, in"
+    say(f"llm.repro: {len(ran)} stage(s) ran, {sum(how == 'up to date' for _, _, how in report)} up to date, in"
         f" {wall / 60:.1f} min with up to {jobs} at a time (the stages' own times add up to"
         f" {sum(t for _, t in ran) / 60:.1f} min); logs in {log_dir}/")
     if failed:
@@ -279,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.targets:
         graph = upstream(graph, args.targets)
-        if args.single_item:  # the targets alone; what they wait for among themselves still holds
-            graph = {s: [d for d in deps if d in args.targets] for s, deps in graph.items() if s in args.targets}
+        if args.single_item:  # the targets alone; a target still waits for any target it needs, however far up
+            graph = {s: sorted(t for t in upstream(graph, [s]) if t in args.targets and t != s)
+                     for s in graph if s in args.targets}
     elif args.single_item:
         print("llm.repro: -s/--single-item needs the stages to run", file=sys.stderr)
         return 2
