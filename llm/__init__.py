@@ -23,9 +23,10 @@ each package reads with what it stands on already read.
     llm/eval/: evaluate, tiers, paired, seeds, report, report_plots, report_render, readme
         judging models: skills with intervals, math by difficulty tier, paired comparisons,
         seeds, the report card, the README's tables
-    llm/post/: rl, ppo, grpo, shares, heldout, pairs, dpo, rankers, continuation
+    llm/post/: rl, ppo, grpo, shares, heldout, pairs, dpo, verifier, rankers, continuation
         post-training: PPO, GRPO and their shares, held-out checks, the RL stages' glue, pairs
-        from SFT's samples, DPO, math rankers, the continuation preference and its proxy measured
+        from SFT's samples, DPO, the generative verifier, math rankers, the continuation
+        preference and its proxy measured
     llm/tools/: chat, serve, serve_guard, export, profile, rehearse, repro
         what a person runs: terminal chat, the server, HF export, profiles, the rehearsal,
         `dvc repro` with independent stages side by side

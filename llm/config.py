@@ -681,6 +681,16 @@ class RankersConfig:
                                     " how it ranks the judge's comparisons; 0: none")
     continuation_samples: int = _f(32, lo=2, hi=1024, added=True, doc="continuations per passage (best-of-n runs"
                                    " n = 1..continuation_samples)")
+    verifier_steps: int = _f(300, lo=1, hi=MAX_STEPS, added=True, doc="optimizer steps of stage verifier: SFT"
+                             " taught to answer \"Is the answer right?\" about its own math answers, with SFT's loop"
+                             " settings (batch, schedule shape, clipping) otherwise")
+    verifier_lr: float = _f(5e-4, lo=0.0, hi=MAX_LR, lo_open=True, added=True, doc="stage verifier's peak learning"
+                            " rate (cosine to a tenth of it)")
+    verifier_sft_share: float = _f(0.5, lo=0.0, hi=0.9, added=True, doc="share of the verifier's training"
+                                   " conversations that are SFT's own (the joint loss that keeps it answering as SFT"
+                                   " did); the rest ask for a verdict")
+    verifier_val_fraction: float = _f(0.1, lo=0.01, hi=0.5, added=True, doc="share of the sampled problems held"
+                                      " out of the verifier's training, whole, for its held-out verdicts")
 
 
 @dataclass(kw_only=True)

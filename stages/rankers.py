@@ -8,6 +8,7 @@ Reads the `common` and `rankers` sections of params.yaml and
     --rm     the reward model
     --dpo    the DPO model (its implicit reward, dpo.beta * (log pi_DPO - log pi_SFT), ranks as the
              difference of the two log-probabilities does: beta > 0 changes no order)
+    --verifier  the generative verifier (stage verifier: SFT taught to judge its own answers)
     --tiers  word problems by difficulty tier (prepare's tiers/test.jsonl)
     --continuation  held-out passages to continue (prepare's continue/test.jsonl; may be empty)
 
@@ -15,10 +16,12 @@ On the first `rankers.problems` problems of tier `rankers.tier` (the edge by def
 about half the time, where a ranker can change what it answers), SFT answers greedily and samples
 `rankers.samples` answers at `rankers.temperature`; the verifier says which are right. Each ranker
 (llm/post/rankers.py: SFT's likelihood, its per-token mean, the reward model, DPO's implicit reward,
-agreement with the other samples) is measured two ways against the verifier: how often it ranks a
-right answer above a wrong one to the same problem, over all such pairs and over the pairs whose
-wrong answer is SFT's greedy answer (only those can change greedy accuracy); and best-of-n, the
-accuracy of its top pick among n = 1..samples answers, beside pass@n and a random pick.
+agreement with the other samples, the generative verifier's log p(Yes) - log p(No)) is measured two
+ways against the exact checker: how often it ranks a right answer above a wrong one to the same
+problem, over all such pairs and over the pairs whose wrong answer is SFT's greedy answer (only
+those can change greedy accuracy); and best-of-n, the accuracy of its top pick among n = 1..samples
+answers, beside pass@n and a random pick, with its paired difference (over the problems) from
+greedy decoding and from the likelihood's pick.
 
 With `rankers.continuation_passages`, the same question for the continuation preference, where
 the gold judge (llm/sample/gold.py) stands in for the verifier: SFT continues each of that many
@@ -32,7 +35,7 @@ policy by at most KL = log n - (n - 1)/n nats per continuation (Stiennon et al. 
 the report draws it on.
 
 Writes metrics/rankers.json (per ranker: pair accuracy and its greedy-wrong slice with 95%
-intervals over problems, best-of-n at n = samples; and the counts; `continuation_*` for the
+intervals over problems, best-of-n at n = samples and its paired differences; and the counts; `continuation_*` for the
 preference), rankers.tsv in the plots directory (best-of-n against n, a column per ranker, pass@n
 and random) and rankers_continuation.tsv (n, KL bound, the judge's mean of the reward model's pick,
 the reward model's mean of it, the judge's own pick).
@@ -51,6 +54,7 @@ from llm.train.metrics import write_metrics
 
 STAGE = "rankers"
 INPUTS = {"sft": "the SFT model directory", "rm": "the reward model directory", "dpo": "the DPO model directory",
+          "verifier": "the generative verifier's model directory (stage verifier)",
           "tiers": "word problems by difficulty tier (JSONL)",
           "continuation": "held-out passages to continue (JSONL, may be empty)"}
 GOLD_MARGIN = 0.1   # the judge's comparisons: scores further apart than this (pairs.gold_margin's default)
@@ -59,10 +63,12 @@ OUTPUTS = {"metrics": "the metrics JSON", "plots": "the dvc plots directory"}
 
 
 def run(common: CommonConfig, cfg: RankersConfig, device, *, sft: Path, rm: Path, dpo: Path,
-        tiers: Path, metrics: Path, plots: Path, continuation: Path | None = None, rt: Runtime | None = None) -> dict:
+        tiers: Path, metrics: Path, plots: Path, continuation: Path | None = None, verifier: Path | None = None,
+        rt: Runtime | None = None) -> dict:
     """Measure, write (rank 0) and return the metrics."""
     from llm.nn.artifacts import load_model_dir
     from llm.post.rankers import RANKERS, draw_candidates, ranker_table, score_all
+    from llm.post.verifier import candidate_scores
 
     t0 = time.perf_counter()
     problems = [p for p in read_jsonl(tiers) if p.get("tier") == cfg.tier][:cfg.problems] \
@@ -73,7 +79,8 @@ def run(common: CommonConfig, cfg: RankersConfig, device, *, sft: Path, rm: Path
     policy, tok, _ = load_model_dir(sft, device=device, heads=("lm",))
     reward_model, rm_tok, _ = load_model_dir(rm, device=device, heads=("reward",))
     dpo_model, dpo_tok, _ = load_model_dir(dpo, device=device, heads=("lm",))
-    for path, other in ((rm, rm_tok), (dpo, dpo_tok)):
+    checker, checker_tok, _ = load_model_dir(verifier, device=device, heads=("lm",)) if verifier else (None, tok, None)
+    for path, other in ((rm, rm_tok), (dpo, dpo_tok), (verifier, checker_tok)):
         if other.sha256() != tok.sha256():
             raise DataError(f"{path} uses another tokenizer than {sft}; the rankers score the same tokens")
     seed = derive_seed(common.seed, STAGE)
@@ -82,6 +89,9 @@ def run(common: CommonConfig, cfg: RankersConfig, device, *, sft: Path, rm: Path
     t_draw = time.perf_counter() - t0
     scores, greedy = score_all(cands, tok, sft=policy, rm=reward_model, dpo=dpo_model, batch_size=cfg.batch_size,
                                device=device, rt=rt)
+    if checker is not None:
+        scores["generative verifier"], greedy["generative verifier"] = candidate_scores(
+            checker, tok, cands, batch_size=cfg.batch_size, device=device, rt=rt)
     table = ranker_table(cands, scores, greedy, confidence=cfg.confidence, seed=seed)
     n = cfg.samples
     m = {"tier": cfg.tier, "problems": len(problems), "samples": n, "greedy_accuracy": table["greedy_accuracy"],

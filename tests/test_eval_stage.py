@@ -387,6 +387,65 @@ def test_the_rankers_stage_scores_sft_answers_on_a_tier(world, monkeypatch):
             tiers=root / "data/prepared/rl/test.jsonl", metrics=root / "r2/rankers.json", plots=root / "r2")
 
 
+def test_the_verifier_stage_learns_verdicts_beside_sft_and_the_rankers_read_it(world, tmp_path, capsys):
+    """stage verifier on the tiny SFT model: SFT's answers labelled by the checker (every wrong one
+    and as many right), SFT's conversations beside them; a model directory and held-out measures
+    written; then stage rankers with it ranks as "generative_verifier", with the paired columns."""
+    from dataclasses import replace
+
+    from llm.config import RankersConfig
+    from llm.runtime import Runtime
+    from stages.rankers import run as rankers
+    from stages.verifier import run
+    root, tok = world["root"], world["tok"]
+    rows = [{"id": f"math-train-{i}", "prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"],
+             "kind": "math", "samples": [{"text": f"#### {t['answer']}"}, {"text": f"#### {int(t['answer']) + 1}"},
+                                         {"text": f"#### {int(t['answer']) + 2}"}]} for i, t in enumerate(world["test"])]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft/train.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": t["question"]}, {"role": "assistant", "content": f"#### {t['answer']}"}],
+        "source": "generated/math"}) + "\n" for i, t in enumerate(world["test"])))
+    sft_cfg = replace(load_sections(["sft"], ROOT / "params.yaml")["sft"], batch_size=4, grad_accum=1,
+                      eval_batches=1, eval_math_problems=3, max_new_tokens=12, log_every=1, bucket_width=8)
+    cfg = replace(load_sections(["rankers"], ROOT / "params.yaml")["rankers"], verifier_steps=2,
+                  verifier_val_fraction=0.3)
+    common = load_sections(["common"], root / "params.yaml")["common"]
+    out = tmp_path / "out"
+    m = run(common, sft_cfg, cfg, Runtime(torch.device("cpu")), sft=root / "models/sft",
+            samples=tmp_path / "samples.jsonl", sft_data=tmp_path / "sft", math_val=root / "data/prepared/rl/test.jsonl",
+            run_dir=out / "run", model=out / "model", metrics=out / "verifier.json", plots=out / "plots",
+            progress=False)
+    assert m["steps"] == 2
+    # verifier_sft_share 0.5: one of SFT's conversations per verdict, as many as there are
+    assert m["sft_conversations"] == min(m["verdicts_trained"], len(world["test"])) > 0
+    assert 0 < m["heldout_verdicts"] == 2 * m["heldout_right"]              # one right and one wrong per problem
+    for key in ("heldout_auc", "heldout_likelihood_auc", "heldout_pair_accuracy", "heldout_verdict_accuracy",
+                "math_exact_match", "sft_math_exact_match"):
+        assert 0 <= m[key] <= 1, key
+    assert json.loads((out / "verifier.json").read_text())["steps"] == 2 and (out / "model").is_dir()
+    rcfg = RankersConfig(problems=3, tier="edge", samples=3, temperature=1.0, max_new_tokens=12, batch_size=4,
+                         confidence=0.95)
+    r = rankers(common, rcfg, "cpu", sft=root / "models/sft", rm=root / "models/reward", dpo=root / "models/ppo",
+                verifier=out / "model", tiers=root / "data/prepared/tiers/test.jsonl", metrics=out / "rankers.json",
+                plots=out)
+    g = r["rankers"]["generative_verifier"]
+    assert 0 <= g["best_of_n"] <= r["pass_at_n"] + 1e-9
+    assert g["best_of_n_vs_greedy"] == pytest.approx(g["best_of_n"] - r["greedy_accuracy"])
+    assert "best_of_n_vs_likelihood" in g and "best_of_n_vs_likelihood" not in r["rankers"]["likelihood"]
+    assert "generative_verifier" in (out / "rankers.tsv").read_text().splitlines()[0].split("\t")
+    wrong_only = [{**r, "samples": r["samples"][1:]} for r in rows]          # nothing right to contrast
+    (tmp_path / "wrong.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wrong_only))
+    m = run(common, sft_cfg, cfg, Runtime(torch.device("cpu")), sft=root / "models/sft", samples=tmp_path / "wrong.jsonl",
+            sft_data=tmp_path / "sft", math_val=root / "data/prepared/rl/test.jsonl", run_dir=out / "run2",
+            model=out / "model2", metrics=out / "v2.json", plots=out / "plots2", progress=False)
+    assert m["steps"] == m["verdicts_trained"] == 0 and "WARNING" in capsys.readouterr().out
+    assert (out / "plots2/verifier.png").is_file() and (out / "plots2/verifier.tsv").read_text() == "step\tloss\n"
+    from llm.nn.artifacts import load_model_dir
+    untaught, _, _ = load_model_dir(out / "model2", device="cpu", heads=("lm",))
+    assert all(torch.equal(a, b) for a, b in zip(untaught.state_dict().values(), world["sft"].state_dict().values()))
+
+
 def test_the_rankers_stage_measures_the_reward_model_against_the_gold_judge(world):
     """With passages, the rankers stage writes the reward model's best-of-n of SFT's continuations:
     n = 1 is the judge's mean, the judge's own pick bounds every pick, the KL bound starts at 0;

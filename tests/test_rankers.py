@@ -51,3 +51,17 @@ def test_best_of_n_of_a_perfect_ranker_is_pass_at_n_and_of_a_constant_one_the_sa
 def test_pass_at_n_uses_the_unbiased_estimator():
     t = ranker_table([_cand([True, False, False, False])], {"s": [[0.0] * 4]}, {"s": [0.0]}, confidence=0.9, seed=0)
     assert t["pass_at_n"] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+
+def test_best_of_n_is_compared_with_greedy_and_with_the_likelihood_paired_over_problems():
+    """Problem 1: one right answer of two, greedy wrong; problem 2: none right, greedy right. A
+    perfect ranker's best of 2 is 1 and 0, greedy 0 and 1: no change; a constant likelihood picks
+    at random, 0.5 and 0: the perfect ranker is 0.25 above it."""
+    cands = [_cand([True, False]), _cand([False, False], greedy_right=True)]
+    t = ranker_table(cands, {"likelihood": [[0.0, 0.0], [0.0, 0.0]], "s": [[1.0, 0.0], [0.0, 0.0]]},
+                     {}, confidence=0.95, seed=0)["rankers"]
+    assert t["s"]["best_of_n_vs_greedy"] == pytest.approx(0.0)
+    assert t["s"]["best_of_n_vs_likelihood"] == pytest.approx(0.25)
+    assert t["s"]["best_of_n_vs_likelihood_lo"] <= 0.25 <= t["s"]["best_of_n_vs_likelihood_hi"]
+    assert t["likelihood"]["best_of_n_vs_greedy"] == pytest.approx(-0.25)
+    assert "best_of_n_vs_likelihood" not in t["likelihood"]

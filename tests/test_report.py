@@ -709,8 +709,14 @@ def _with_rankers(metrics) -> None:
                               "best_of_n_lo": best - 0.08, "best_of_n_hi": best + 0.08}
     _write(metrics / "rankers.json", {"tier": "edge", "problems": 128, "samples": 4, "greedy_accuracy": 0.555,
                                       "pass_at_n": 0.8, "stage_time_s": 55.0,
-                                      "rankers": {"likelihood": r(0.74, 0.12, 0.555), "reward_model": r(0.62, 0.36, 0.44),
+                                      "rankers": {"likelihood": r(0.74, 0.12, 0.555),
+                                                  "reward_model": {**r(0.62, 0.36, 0.44), "best_of_n_vs_likelihood": -0.115,
+                                                                   "best_of_n_vs_likelihood_lo": -0.2,
+                                                                   "best_of_n_vs_likelihood_hi": -0.03},
                                                   "agreement": r(0.74, 0.23, 0.54)}})
+    _write(metrics / "verifier.json", {"heldout_verdicts": 174, "heldout_pair_accuracy": 0.55,
+                                       "heldout_likelihood_pair_accuracy": 0.88, "math_exact_match": 0.83,
+                                       "sft_math_exact_match": 0.82, "math_problems": 200, "train_time_s": 200.0})
     _write(metrics / "plots/rankers.tsv", "n\tlikelihood\treward_model\tagreement\tpass_at_n\trandom\n"
            + "".join(f"{k}\t0.5\t0.4\t0.5\t{0.45 + 0.1 * k}\t0.45\n" for k in range(1, 5)))
 
@@ -721,10 +727,16 @@ def test_the_report_shows_the_math_rankers(metrics):
     _with_rankers(metrics)
     _run(metrics)
     md = (metrics / "report.md").read_text()
-    assert "## Math rankers" in md and "| ranker | pairs ranked right | against the greedy answer | best of 4 |" in md
-    assert "| the reward model | 62.0% [57.0, 67.0] | 36.0% [31.0, 41.0] (40 pairs) | 44.0% [36.0, 52.0] |" in md
+    assert "## Math rankers" in md
+    assert "| ranker | pairs ranked right | against the greedy answer | best of 4 | than the likelihood's |" in md
+    assert ("| the reward model | 62.0% [57.0, 67.0] | 36.0% [31.0, 41.0] (40 pairs) | 44.0% [36.0, 52.0] |"
+            " -11.5 [-20.0, -3.0] |") in md
+    assert "| SFT's likelihood | 74.0% [69.0, 79.0] | 12.0% [7.0, 17.0] (40 pairs) | 55.5% [47.5, 63.5] | – |" in md
     assert ("the best ranker's pick of 4 samples, SFT's likelihood's, is right on 55.5% [47.5, 63.5]: no better"
             " than greedy decoding") in md
+    assert ("The generative verifier, on 174 answers to training problems it never saw (SFT's samples, as many right as"
+            " wrong per problem), orders 55.0% of the pairs of one problem's right and wrong answers right, SFT's"
+            " likelihood 88.0%; its own greedy math 83.0% (SFT 82.0%, 200 held-out problems).") in md
     assert "![best-of-n per ranker against the verifier](report_rankers.png)" in md
     page = (metrics / "report.html").read_text()
     assert 'id="rankers"' in page and len(re.findall(r'src="data:image/png;base64,', page)) == 3
@@ -835,3 +847,25 @@ def test_a_ppo_rm_on_passages_alone_says_why_it_has_no_math_curve(metrics):
     _run(metrics)
     md = (metrics / "report.md").read_text()
     assert "rolled out no math (ppo.continuation_share 1.0)" in md and "No per-step history" not in md
+
+
+def test_a_stage_that_did_not_run_in_this_checkout_keeps_the_committed_report_cards_time(tmp_path):
+    """Stage times live in runs/<stage>/run.json, which a clone lacks: those stages keep the time
+    the report card committed at HEAD recorded (marked *); a stage that ran here shows its own."""
+    import subprocess
+
+    from llm.eval.report import COMMITTED, committed_seconds, stage_times
+    from llm.eval.report_render import _time_cells
+    m = tmp_path / "metrics"
+    m.mkdir()
+    (m / "report.md").write_text("# Report card\n\n| prepare | sft | rankers |\n|---|---|---|\n| – | 1622 s | 106 s* |\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "run"]):
+        subprocess.run(git + args, cwd=tmp_path, check=True)
+    (m / "report.md").write_text("uncommitted: not read")
+    assert committed_seconds(m) == {"sft": 1622.0, "rankers": 106.0}
+    data = {"stages": {"sft": {}, "rankers": {"stage_time_s": 50.0}}, "samples": {},
+            "committed_seconds": committed_seconds(m)}
+    assert stage_times(data) == [("prepare", None, ""), ("sft", 1622.0, COMMITTED), ("rankers", 50.0, "stage_time_s")]
+    assert _time_cells(data) == [("prepare", "–"), ("sft", "1622 s*"), ("rankers", "50 s")]
+    assert committed_seconds(tmp_path / "not-a-checkout") == {}

@@ -476,7 +476,8 @@ def ranker_finding(values: dict[str, list[float] | None]) -> str | None:
     if not greedy or not values.get("rankers.likelihood.best_of_n"):
         return None
     names = (("likelihood", "SFT's likelihood"), ("reward_model", "the reward model"),
-             ("dpo_implicit", "DPO's implicit reward"), ("agreement", "agreement among the samples"))
+             ("dpo_implicit", "DPO's implicit reward"), ("agreement", "agreement among the samples"),
+             ("generative_verifier", "SFT's own verdict (a generative verifier)"))
     cells = [f"{label} {100 * _mean(v):.1f}%" for key, label in names
              if (v := values.get(f"rankers.{key}.best_of_n")) and len(v) == n]
     return (f"Picking the best of 16 of SFT's answers on the edge tier{' (mean of ' + str(n) + ' seeds)' if n > 1 else ''}:"

@@ -71,7 +71,7 @@ PARENT = {"sft": "base", "ppo": "sft", "ppo_rm": "sft", "grpo": "sft", "grpo_ran
 NAME = {"base": "base", "sft": "SFT", "ppo": "PPO", "ppo_rm": "PPO on the RM alone", "grpo": "GRPO",
         "grpo_random": "GRPO on shuffled rewards", "dpo": "DPO"}
 STAGES = ("tokenizer", "tokenize", "pretrain", "clean_sft", "sft", "samples", "reward", "pairs", "dpo", "ppo",
-          "ppo_rm", "grpo", "grpo_random", "rankers")
+          "ppo_rm", "grpo", "grpo_random", "verifier", "rankers")
 PLUMBING_PROFILES = {"smoke": "Smoke profile: tiny models trained for a few steps, so that every stage runs end to end"
                               " in minutes. These numbers check the plumbing, not learning: do not read them as"
                               " results."}
@@ -259,7 +259,7 @@ def collect(metrics_dir: str | Path = "metrics", max_samples: int = 3) -> dict:
         if f.is_file() and (cols := read_tsv(f)).get("n"):
             curves[f.name] = cols
     return {"evals": evals, "samples": samples, "items": items, "stages": stages, "curves": curves, "notes": notes,
-            "max_samples": max_samples}
+            "max_samples": max_samples, "committed_seconds": committed_seconds(root) if root.is_dir() else {}}
 
 
 def paired_deltas(items: dict[str, list[dict]], *, confidence: float, n_boot: int, seed: int) -> dict[str, dict]:
@@ -291,18 +291,52 @@ def recorded_seconds(metrics: dict) -> tuple[float, str] | None:
     return None
 
 
+COMMITTED = "committed"   # stage_times' source of a time read from the committed report card
+
+
 def stage_times(data: dict) -> list[tuple[str, float | None, str]]:
-    """[(stage, seconds or None, source)] in pipeline order, eval@<model> included."""
-    rows: list[tuple[str, float | None, str]] = [("prepare", None, "")]
+    """[(stage, seconds or None, source)] in pipeline order, eval@<model> included. A stage's
+    timings live in its run directory (runs/<stage>/run.json: no DVC output, so that a rerun
+    writes the same bytes), which a clone does not have: a stage that did not run in this
+    checkout keeps the time the committed report card recorded for it (source COMMITTED)."""
+    before = data.get("committed_seconds") or {}
+    rows: list[tuple[str, float | None, str]] = []
+
+    def add(name: str, metrics: dict | None) -> None:
+        t = recorded_seconds(metrics) if metrics is not None else None
+        if t:
+            rows.append((name, t[0], t[1]))
+        elif name in before:
+            rows.append((name, before[name], COMMITTED))
+        else:
+            rows.append((name, None, ""))
+
+    add("prepare", None)
     for st in STAGES:
         if st in data["stages"]:
-            t = recorded_seconds(data["stages"][st])
-            rows.append((st, t[0], t[1]) if t else (st, None, ""))
+            add(st, data["stages"][st])
     for m in MODELS:
         if m in data["samples"]:
-            t = recorded_seconds(data["samples"][m])
-            rows.append((f"eval@{m}", t[0], t[1]) if t else (f"eval@{m}", None, ""))
+            add(f"eval@{m}", data["samples"][m])
     return rows
+
+
+def stage_seconds_row(text: str) -> dict[str, float]:
+    """{stage: seconds} from a report card's table of stage times (report_render writes it under
+    the header: a row of stage names, `|---|...`, a row of `159 s`, `159 s*` or `–`)."""
+    lines = text.splitlines()
+    for head, rule, row in zip(lines, lines[1:], lines[2:]):
+        if head.startswith("| prepare |") and rule.startswith("|---|"):
+            names = [c.strip() for c in head.strip("|").split("|")]
+            cells = [c.strip().rstrip("*") for c in row.strip("|").split("|")]
+            return {n: float(c.removesuffix(" s")) for n, c in zip(names, cells) if c.endswith(" s")}
+    return {}
+
+
+def committed_seconds(metrics_dir: str | Path) -> dict[str, float]:
+    """The stage times of the report card committed at HEAD in `metrics_dir` ({} outside git)."""
+    text = _git(["show", "HEAD:./report.md"], Path(metrics_dir))
+    return stage_seconds_row(text) if text else {}
 
 
 # ---------------------------------------------------------------------------
@@ -775,18 +809,23 @@ def tier_line(paired: dict[str, dict], evals: dict[str, dict]) -> str | None:
 # The rankers of stage rankers (its metrics' keys), as the report words them, in order.
 RANKER_LABELS = {"likelihood": "SFT's likelihood", "per_token": "SFT's likelihood per token",
                  "reward_model": "the reward model", "dpo_implicit": "DPO's implicit reward",
-                 "agreement": "agreement with the other samples"}
-RANKERS_NOTE = ("Each of SFT's problems on the tier gets its greedy answer and n sampled answers; the verifier says"
-                " which are right. Pairs: every (right, wrong) pair of different answers to one problem, ranked"
+                 "agreement": "agreement with the other samples",
+                 "generative_verifier": "the generative verifier (SFT asked \"Is the answer right?\")"}
+RANKERS_NOTE = ("Each of SFT's problems on the tier gets its greedy answer and n sampled answers; the verifier (the"
+                " exact checker of the final number) says which are right. Pairs: every (right, wrong) pair of different answers to one problem, ranked"
                 " right when the right one scores higher (ties count half); against the greedy answer: the pairs"
                 " of a right sample and SFT's own wrong greedy answer, the only errors a reward must fix to change"
                 " what greedy decoding says. Best of n: the share of problems whose top-ranked of n samples is right"
-                " (pass@n is the most any ranker can reach; a random pick scores the sampled accuracy).")
+                " (pass@n is the most any ranker can reach; a random pick scores the sampled accuracy), and its"
+                " difference in points from the likelihood's pick, paired over the problems. The generative verifier"
+                " is SFT taught (stage verifier) to answer \"Is the answer right?\" about its own answers to training"
+                " problems, with SFT's loss beside; it scores log p(Yes) - log p(No).")
 
 
 def ranker_rows(stages: dict[str, dict]) -> list[list[str]]:
-    """[ranker, pairs ranked right [interval], against the greedy answer [interval] (pairs), best of n]
-    per ranker of metrics/rankers.json; [] without it."""
+    """[ranker, pairs ranked right [interval], against the greedy answer [interval] (pairs), best of n,
+    its best of n less the likelihood's in points (paired over the problems) [interval]] per ranker
+    of metrics/rankers.json; [] without it."""
     m = stages.get("rankers") or {}
     out = []
     for key, label in RANKER_LABELS.items():
@@ -798,7 +837,10 @@ def ranker_rows(stages: dict[str, dict]) -> list[list[str]]:
                   f"{fmt_interval(r.get('greedy_wrong_accuracy_lo'), r.get('greedy_wrong_accuracy_hi'), 'pct')}"
                   f" ({r.get('greedy_wrong_pairs', 0)} pairs)") if _isnum(r.get("greedy_wrong_accuracy")) else "–"
         best = f"{fmt_value(r.get('best_of_n'), 'pct')} {fmt_interval(r.get('best_of_n_lo'), r.get('best_of_n_hi'), 'pct')}"
-        out.append([label, pair.strip(), slice_, best.strip()])
+        d = r.get("best_of_n_vs_likelihood")
+        vs = (f"{d * 100:+.1f} {fmt_interval(r.get('best_of_n_vs_likelihood_lo'), r.get('best_of_n_vs_likelihood_hi'), 'pct')}"
+              if _isnum(d) else "–")
+        out.append([label, pair.strip(), slice_, best.strip(), vs.strip()])
     return out
 
 
@@ -819,6 +861,23 @@ def ranker_line(stages: dict[str, dict]) -> str | None:
             f" {fmt_value(r['best_of_n'], 'pct')} {fmt_interval(r['best_of_n_lo'], r['best_of_n_hi'], 'pct')}: "
             + ("above greedy decoding." if beats else "no better than greedy decoding, so none of these scores"
                " would make a better math reward than the likelihood the policy already has."))
+
+
+def verifier_line(stages: dict[str, dict]) -> str | None:
+    """One sentence on the generative verifier's own held-out check (stage verifier): pairs of one
+    problem's answers it orders right against SFT's likelihood, and its greedy math against SFT's;
+    None without metrics/verifier.json."""
+    v = stages.get("verifier") or {}
+    if not _isnum(v.get("heldout_pair_accuracy")):
+        return None
+    line = (f"The generative verifier, on {v.get('heldout_verdicts')} answers to training problems it never saw"
+            f" (SFT's samples, as many right as wrong per problem), orders"
+            f" {fmt_value(v['heldout_pair_accuracy'], 'pct')} of the pairs of one problem's right and wrong answers"
+            f" right, SFT's likelihood {fmt_value(v.get('heldout_likelihood_pair_accuracy'), 'pct')}")
+    if _isnum(v.get("math_exact_match")):
+        line += (f"; its own greedy math {fmt_value(v['math_exact_match'], 'pct')} (SFT"
+                 f" {fmt_value(v.get('sft_math_exact_match'), 'pct')}, {v.get('math_problems')} held-out problems)")
+    return line + "."
 
 
 # ---------------------------------------------------------------------------

@@ -362,7 +362,7 @@ def tiers_figure(samples: dict[str, dict]):
 
 RANKER_COLUMNS = (("likelihood", "SFT's likelihood"), ("per_token", "likelihood per token"),
                   ("reward_model", "reward model"), ("dpo_implicit", "DPO implicit reward"),
-                  ("agreement", "agreement"))
+                  ("agreement", "agreement"), ("generative_verifier", "generative verifier"))
 
 
 def rankers_png(curve: dict[str, list[float]] | None) -> bytes | None:

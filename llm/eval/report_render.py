@@ -16,12 +16,12 @@ import html
 import re
 from typing import Any, Sequence
 
-from llm.eval.report import (CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL,
+from llm.eval.report import (COMMITTED, CURVES_NOTE, MARK, MODEL_LINES, MODELS, NAME, NBSP, NBSP_COMMA, PLUMBING_PROFILES, _NEG_KL,
                              _join, all_metric_rows, control_line, fixed_prompt_rows, item_sample_groups, overopt_curve,
                              overopt_line, paired_rows, stage_headline_rows, stage_summary, stage_times, summary_rows,
                              PREFERENCE_NOTE, RANKERS_NOTE, TIER_NOTE, preference_line, preference_overopt_line,
                              preference_rows, preference_samples, ranker_line, ranker_rows, tier_line, tier_rows,
-                             verdict)
+                             verdict, verifier_line)
 
 _URL = re.compile(r"(?i)\b(http)(s?)://")
 PREFERENCE_COLUMNS = ("model", "gold judge", "change vs SFT", "win rate vs SFT", "RM score", "KL, nats/continuation",
@@ -66,15 +66,18 @@ def header_lines(head: dict, data: dict) -> tuple[str | None, list[tuple[str, st
     total = sum(t for _, t, _ in times if t is not None)
     if any(t is not None for _, t, _ in times):
         untimed = [s for s, t, _ in times if t is None]
+        before = [s for s, _, src in times if src == COMMITTED]
         lines.append(("wall time", f"{total / 60:.1f} min in all, as the stages recorded it (not counting process"
                                    f" start-up and model loading" + (f"; no time recorded by {_join(untimed)}"
-                                                                     if untimed else "") + ")"))
+                                                                     if untimed else "")
+                      + (f"; * {_join(before)} did not run in this checkout: their times are those of the report"
+                         f" card committed at HEAD" if before else "") + ")"))
     return warning, lines
 
 
 def _time_cells(data: dict) -> list[tuple[str, str]]:
-    return [(s, f"{t:.0f} s" if t is not None and t >= 10 else f"{t:.1f} s" if t is not None else "–")
-            for s, t, _ in stage_times(data)]
+    return [(s, (f"{t:.0f} s" if t >= 10 else f"{t:.1f} s") + ("*" if src == COMMITTED else "") if t is not None
+             else "–") for s, t, src in stage_times(data)]
 
 
 _TAG_START = re.compile(r"<(?=[A-Za-z/!?])")  # what could open an HTML tag or comment
@@ -169,9 +172,11 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
     if rrows:
         n = data["stages"]["rankers"].get("samples", "n")
         out += ["## Math rankers", "", RANKERS_NOTE, ""]
-        if line := ranker_line(data["stages"]):
-            out += [_md(line), ""]
-        out += [f"| ranker | pairs ranked right | against the greedy answer | best of {n} |", "|---|---|---|---|"]
+        for line in (ranker_line(data["stages"]), verifier_line(data["stages"])):
+            if line:
+                out += [_md(line), ""]
+        out += [f"| ranker | pairs ranked right | against the greedy answer | best of {n} | than the likelihood's |",
+                "|---|---|---|---|---|"]
         out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rrows]
         out.append("")
         if images.get("rankers"):
@@ -386,10 +391,11 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         n = data["stages"]["rankers"].get("samples", "n")
         h.append('<h2 id="rankers">Math rankers</h2>')
         h.append(f'<p class="note">{_e(RANKERS_NOTE)}</p>')
-        if line := ranker_line(data["stages"]):
-            h.append(f'<p class="stage">{_e(line)}</p>')
+        for line in (ranker_line(data["stages"]), verifier_line(data["stages"])):
+            if line:
+                h.append(f'<p class="stage">{_e(line)}</p>')
         h.append('<table class="rankers"><tr><th>ranker</th><th>pairs ranked right</th><th>against the greedy'
-                 f" answer</th><th>best of {_e(n)}</th></tr>")
+                 f" answer</th><th>best of {_e(n)}</th><th>than the likelihood's</th></tr>")
         h += ["<tr><th>" + _e(row[0]) + "</th>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row[1:]) + "</tr>"
               for row in rrows]
         h.append("</table>")

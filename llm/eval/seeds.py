@@ -67,7 +67,10 @@ STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                  "eval/sft.json:val_bpb", "eval/base.json:val_bpb", "eval/sft.json:tier_edge_greedy_wrong_pass",
                  "eval/sft.json:tier_edge_pass_at_16", "rankers.json:greedy_accuracy", "rankers.json:pass_at_n",
                  *(f"rankers.json:rankers.{r}.best_of_n" for r in ("likelihood", "reward_model", "dpo_implicit",
-                                                                  "agreement")),
+                                                                  "agreement", "generative_verifier")),
+                 "rankers.json:rankers.generative_verifier.best_of_n_vs_likelihood",
+                 "rankers.json:rankers.generative_verifier.greedy_wrong_accuracy",
+                 "verifier.json:heldout_auc", "verifier.json:heldout_likelihood_auc",
                  # the continuation preference: the reward model against the gold judge, PPO's win
                  # rate and what guards it (KL, the base model's bits/byte, repetition)
                  "reward.json:by_kind.continuation.accuracy", "reward.json:continuation_spearman",

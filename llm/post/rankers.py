@@ -15,7 +15,10 @@ answer (`draw_candidates`), for the rankers a user would try first (`RANKERS`):
                  positive factor, which changes no order)
   agreement      how many of the problem's other samples end in the same final number (self-
                  consistency; a majority vote picks the answer most others agree with)
-  (a generative verifier, the model trained to answer "Correct?" about its own work, is not built)
+  generative verifier
+                 the SFT model taught (stage verifier, llm/post/verifier.py) to answer "Is the answer
+                 right?" after an answer: log p(Yes) - log p(No), a score that reads the whole answer
+                 before it judges (scored by verifier.py's `candidate_scores`)
 
 Two measures per ranker:
 - pair accuracy: over every (right, wrong) pair of distinct answers to one problem, the share the
@@ -40,7 +43,7 @@ from llm.data.template import user_prompt
 from llm.eval.evaluate import generate_replies, pass_at_k
 from llm.sample.rewards import is_correct, parse_answer
 
-RANKERS = ("likelihood", "per token", "reward model", "DPO implicit", "agreement")
+RANKERS = ("likelihood", "per token", "reward model", "DPO implicit", "agreement", "generative verifier")
 
 
 def draw_candidates(policy, tok, problems: Sequence[dict], *, n: int, temperature: float, max_new_tokens: int,
@@ -106,10 +109,13 @@ def _boot(per_problem: Sequence[Sequence[float]], confidence: float, rng: np.ran
 def ranker_table(cands: Sequence[dict], scores: dict[str, list[list[float]]], greedy_scores: dict[str, list[float]],
                  *, confidence: float, seed: int) -> dict:
     """Per ranker {"pair_accuracy", _lo, _hi, "pairs", "greedy_wrong_accuracy", _lo, _hi,
-    "greedy_wrong_pairs", "best_of_n": [k = 1..n], "best_of_n_lo"/"_hi" at n}; and the reference
+    "greedy_wrong_pairs", "best_of_n": [k = 1..n], "best_of_n_lo"/"_hi" at n, and paired over the
+    problems "best_of_n_vs_greedy" (its best of n less greedy decoding's accuracy) and
+    "best_of_n_vs_likelihood" (less the likelihood's best of n), each with _lo/_hi}; and the reference
     curves "pass_at_n" and "random" (the mean sampled accuracy) with the counts of problems."""
     out: dict = {"rankers": {}, "problems": len(cands),
                  "greedy_accuracy": float(np.mean([c["greedy_right"] for c in cands])) if cands else None}
+    tops: dict[str, np.ndarray] = {}   # per ranker, each problem's best of n (n = all the samples)
     for name, sc in scores.items():
         rng = np.random.default_rng([seed, *name.encode()])
         every, sliced = zip(*(_pairs(c, s, g) for c, s, g in zip(cands, sc, greedy_scores.get(name, [None] * len(cands)))))
@@ -122,6 +128,17 @@ def ranker_table(cands: Sequence[dict], scores: dict[str, list[list[float]]], gr
                                 "greedy_wrong_accuracy_lo": glo, "greedy_wrong_accuracy_hi": ghi,
                                 "greedy_wrong_pairs": sum(map(len, sliced)),
                                 "best_of_n": bon.mean(0).tolist(), "best_of_n_lo": blo, "best_of_n_hi": bhi}
+        tops[name] = bon[:, -1]
+    # paired over problems: each ranker's best of n against greedy decoding and against the likelihood's
+    greedy = np.array([float(c["greedy_right"]) for c in cands])
+    for name, top in tops.items():
+        rng = np.random.default_rng([seed, *name.encode(), 1])
+        for key, ref in (("greedy", greedy), ("likelihood", tops.get("likelihood"))):
+            if ref is None or (key == "likelihood" and name == "likelihood"):
+                continue
+            d, lo, hi = _boot([[x] for x in top - ref], confidence, rng)
+            out["rankers"][name] |= {f"best_of_n_vs_{key}": d, f"best_of_n_vs_{key}_lo": lo,
+                                     f"best_of_n_vs_{key}_hi": hi}
     n = len(cands[0]["samples"]) if cands else 0
     ok = np.array([c["right"] for c in cands], dtype=float).reshape(len(cands), n)
     c_right = ok.sum(1)
@@ -132,8 +149,9 @@ def ranker_table(cands: Sequence[dict], scores: dict[str, list[list[float]]], gr
 
 def score_all(cands: Sequence[dict], tok, *, sft, rm, dpo, batch_size: int, device,
               rt=None) -> tuple[dict[str, list[list[float]]], dict[str, list[float]]]:
-    """Every ranker's score of every sample and of each greedy answer: ({ranker: [[per sample] per
-    problem]}, {ranker: [greedy score per problem]}). dpo None leaves the DPO ranker out."""
+    """Every ranker's score of every sample and of each greedy answer but the generative verifier's
+    (llm/post/verifier.py `candidate_scores`): ({ranker: [[per sample] per problem]}, {ranker:
+    [greedy score per problem]}). dpo None leaves the DPO ranker out."""
     from llm.data.preference import encode_response
     from llm.nn.reward_model import score_sequences
     from llm.post.pairs import add_likelihoods

@@ -149,18 +149,14 @@ def known_seconds(log_dir: Path = LOG_DIR, metrics: Path = Path("metrics")) -> t
 
 
 def report_seconds(report: Path) -> dict[str, float]:
-    """{stage: seconds} from the report card's table of stage times (llm/eval/report_render.py
-    writes it under the header: a row of stage names, `|---|...`, a row of `159 s` or `–`)."""
+    """{stage: seconds} from the report card's table of stage times (llm/eval/report.py
+    stage_seconds_row); {} when it cannot be read."""
+    from llm.eval.report import stage_seconds_row
+
     try:
-        lines = report.read_text(encoding="utf-8").splitlines()
+        return stage_seconds_row(report.read_text(encoding="utf-8"))
     except OSError:
         return {}
-    for head, rule, row in zip(lines, lines[1:], lines[2:]):
-        if head.startswith("| prepare |") and rule.startswith("|---|"):
-            names = [c.strip() for c in head.strip("|").split("|")]
-            cells = [c.strip() for c in row.strip("|").split("|")]
-            return {n: float(c.removesuffix(" s")) for n, c in zip(names, cells) if c.endswith(" s")}
-    return {}
 
 
 def run(graph: dict[str, list[str]], jobs: int, *, dvc: list[str], log_dir: Path = LOG_DIR,
