@@ -14,9 +14,9 @@ shape, clipping, checkpoints) and the `verifier_*` keys of the `rankers` section
 After each sampled answer the conversation goes on: the user asks "Is the answer right?" and the
 assistant says "Yes" or "No", as the checker said (llm/post/verifier.py); only that reply is
 trained on. From each problem as many right answers as wrong ones make the verdicts (so only the
-answer tells them apart, never the problem); SFT's own
-conversations, `rankers.verifier_sft_share` of the training examples, keep the SFT loss in the mix
-(the model must still write the answers it judges). `rankers.verifier_steps` optimizer steps at
+answer tells them apart, never the problem); SFT's own conversations, `rankers.verifier_sft_share`
+of what the run reads, all different (as many as that takes), keep the SFT loss in the mix (the
+model must still write the answers it judges); the verdicts are repeated to fill the rest. `rankers.verifier_steps` optimizer steps at
 `rankers.verifier_lr`, warmup and the cosine's floor scaled from SFT's.
 
 Where no sampled problem has both a right and a wrong answer (a model that solves none, as the
@@ -96,25 +96,30 @@ def run(common: CommonConfig, sft_cfg: SFTConfig, cfg: RankersConfig, rt: Runtim
                             meta={"stage": STAGE, "fingerprint": "", "inputs": inputs, "parent": str(sft), "steps": 0},
                             plots=plots, metrics=metrics, numbers={"steps": 0, "verdicts_trained": 0,
                                                                    "heldout_verdicts": len(val_v), "train_time_s": 0.0})
-    # SFT's conversations beside them: verifier_sft_share of all the training examples
+    # SFT's conversations beside them, verifier_sft_share of what the run reads: as many different
+    # ones as that takes (a few hundred read ten times over cost one seed 6 points of math), the
+    # verdicts repeated to fill the rest
     sft_recs = list(read_jsonl(Path(sft_data) / "train.jsonl"))
     share = cfg.verifier_sft_share
-    n_sft = min(len(sft_recs), round(len(verdicts) * share / (1 - share)))
+    reads = loop.max_steps * loop.batch_size * loop.grad_accum
+    n_sft = min(len(sft_recs), round(reads * share))
     pick = random.Random(derive_seed(seed, "sft")).sample(range(len(sft_recs)), n_sft)
     own, _ = render_all([sft_recs[i]["messages"] for i in pick], tok, seq_len + 1)
+    repeats = max(1, round(len(own) * (1 - share) / (share * len(verdicts)))) if share else 1
     val_ex = [x for x in (render_verification(e["messages"], tok, seq_len + 1) for e in val_v) if x is not None]
-    # what the run computes: the loop (steps and rate in it) and the two keys that shape its data
-    fp = fingerprint(common, loop, inputs | {"sft_share": share, "val_fraction": cfg.verifier_val_fraction})
-    batches = conversation_batches(verdicts + own, pad_id=tok.pad_id, batch_size=loop.batch_size,
+    # what the run computes: the loop (steps and rate in it), the keys that shape its data and the mix
+    fp = fingerprint(common, loop, inputs | {"sft_share": share, "val_fraction": cfg.verifier_val_fraction,
+                                             "mix": [len(verdicts), repeats, len(own)]})
+    batches = conversation_batches(verdicts * repeats + own, pad_id=tok.pad_id, batch_size=loop.batch_size,
                                    bucket_width=loop.bucket_width, seed=seed, rank=rt.rank, world_size=rt.world_size)
     val_batches = fixed_conversation_batches(val_ex, pad_id=tok.pad_id, batch_size=loop.batch_size,
                                              n_batches=min(loop.eval_batches, max(1, len(val_ex) // loop.batch_size)),
                                              seed=derive_seed(seed, "val")) if val_ex else None
     if rt.is_main:
         right = sum(e["right"] for e in train_v)
-        print(f"{STAGE}: {len(verdicts)} verdicts to learn ({right} right answers, {len(train_v) - right} wrong)"
-              f" beside {len(own)} of SFT's conversations; {len(val_v)} held-out verdicts; {gpt.summary()}",
-              flush=True)
+        print(f"{STAGE}: {len(verdicts)} verdicts to learn ({right} right answers, {len(train_v) - right} wrong),"
+              f" each {repeats} times, beside {len(own)} of SFT's conversations; {len(val_v)} held-out verdicts;"
+              f" {gpt.summary()}", flush=True)
     loss_fn = lm_loss if loop.compile else supervised_lm_loss
     result = train(gpt, loop, rt, stage=STAGE, seed=seed, batches=batches, loss_fn=loss_fn, val_batches=val_batches,
                    run_dir=run_dir, fingerprint=fp, plots=run_plots(STAGE, run_dir), progress=progress)
@@ -126,7 +131,8 @@ def run(common: CommonConfig, sft_cfg: SFTConfig, cfg: RankersConfig, rt: Runtim
     out_model.eval()
     m = dict(result.metrics)
     out = {"train_loss": m["train_loss"], "val_loss": m.get("val_loss"), "steps": m["steps"],
-           "verdicts_trained": len(verdicts), "sft_conversations": len(own), "heldout_verdicts": len(val_v),
+           "verdicts_trained": len(verdicts), "verdict_repeats": repeats, "sft_conversations": len(own),
+           "heldout_verdicts": len(val_v),
            "heldout_right": sum(e["right"] for e in val_v), "tokens_seen": m["tokens_seen"],
            "train_time_s": m["train_time_s"], "num_threads": m["num_threads"]}
     sft_model, _, _ = load_model_dir(sft, device=rt.device, heads=("lm",))

@@ -417,8 +417,9 @@ def test_the_verifier_stage_learns_verdicts_beside_sft_and_the_rankers_read_it(w
             run_dir=out / "run", model=out / "model", metrics=out / "verifier.json", plots=out / "plots",
             progress=False)
     assert m["steps"] == 2
-    # verifier_sft_share 0.5: one of SFT's conversations per verdict, as many as there are
-    assert m["sft_conversations"] == min(m["verdicts_trained"], len(world["test"])) > 0
+    # verifier_sft_share 0.5: half of the 2 steps x 4 conversations it reads are SFT's, all different;
+    # the verdicts (more than the other half) are read once each
+    assert m["sft_conversations"] == 4 and m["verdict_repeats"] == 1 and m["verdicts_trained"] > 4
     assert 0 < m["heldout_verdicts"] == 2 * m["heldout_right"]              # one right and one wrong per problem
     for key in ("heldout_auc", "heldout_likelihood_auc", "heldout_pair_accuracy", "heldout_verdict_accuracy",
                 "math_exact_match", "sft_math_exact_match"):

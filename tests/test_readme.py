@@ -254,3 +254,18 @@ def test_the_tier_finding_sets_ppos_edge_change_beside_grpos_and_its_controls():
     assert ("on the edge tier +4.3 [+2.9, +5.7], worst seed +1.8, its shuffled-reward control there -3.5"
             " [-4.8, -2.2], worst seed -6.1, PPO there +4.1 [+2.7, +5.6], worst seed +2.2, in distribution") in line
     assert "PPO" not in readme.tier_finding({k: v for k, v in paired.items() if k != "ppo"}, None, pooled=True)
+
+
+def test_the_ranker_finding_names_each_ranker_and_the_verifiers_own_check():
+    from llm.eval.readme import ranker_finding
+    v = {"greedy_accuracy": [0.5, 0.6], "pass_at_n": [0.8, 0.8], "rankers.likelihood.best_of_n": [0.5, 0.5],
+         "rankers.generative_verifier.best_of_n": [0.2, 0.3], "heldout_pair_accuracy": [0.6, 0.5],
+         "heldout_likelihood_pair_accuracy": [0.9, 0.8]}
+    assert ranker_finding(v) == (
+        "Picking the best of 16 of SFT's answers on the edge tier (mean of 2 seeds): greedy 55.0%, pass@16 80.0%;"
+        " by SFT's likelihood 50.0%, SFT's own verdict (a generative verifier) 25.0%; taught to judge its own"
+        " answers, the verifier orders 55% of held-out pairs of one problem's right and wrong answers right (worst"
+        " seed 50%), SFT's likelihood 85%")
+    # a ranker some seed lacks is left out, and so is the verifier's check
+    assert "verdict" not in ranker_finding({**v, "rankers.generative_verifier.best_of_n": [0.2],
+                                            "heldout_pair_accuracy": None})

@@ -364,7 +364,8 @@ def findings(metrics: Path) -> str:
         out.append(line + f"; the other seeds did not run GRPO {log}.")   # seeds read without GRPO (--models)
     if line := preference_finding(metrics):
         out.append(line)
-    if line := ranker_finding({k: _vals(summary, f"rankers.json:{k}") for k in RANKER_KEYS}):
+    if line := ranker_finding({**{k: _vals(summary, f"rankers.json:{k}") for k in RANKER_KEYS},
+                               **{k: _vals(summary, f"verifier.json:{k}") for k in VERIFIER_KEYS}}):
         out.append(line + f" {log}.")
     rm, lik = _vals(summary, "reward.json:accuracy"), _vals(summary, "reward.json:sft_likelihood_accuracy")
     own = _vals(summary, "samples.json:heldout_errors_sft_would_make")
@@ -436,7 +437,8 @@ def preference_finding(metrics: Path) -> str | None:
 
 
 RANKER_KEYS = ("greedy_accuracy", "pass_at_n", "rankers.likelihood.best_of_n", "rankers.reward_model.best_of_n",
-               "rankers.dpo_implicit.best_of_n", "rankers.agreement.best_of_n")
+               "rankers.dpo_implicit.best_of_n", "rankers.agreement.best_of_n", "rankers.generative_verifier.best_of_n")
+VERIFIER_KEYS = ("heldout_pair_accuracy", "heldout_likelihood_pair_accuracy")
 
 
 def _change(res: dict, pooled: bool) -> str:
@@ -480,9 +482,15 @@ def ranker_finding(values: dict[str, list[float] | None]) -> str | None:
              ("generative_verifier", "SFT's own verdict (a generative verifier)"))
     cells = [f"{label} {100 * _mean(v):.1f}%" for key, label in names
              if (v := values.get(f"rankers.{key}.best_of_n")) and len(v) == n]
-    return (f"Picking the best of 16 of SFT's answers on the edge tier{' (mean of ' + str(n) + ' seeds)' if n > 1 else ''}:"
+    line = (f"Picking the best of 16 of SFT's answers on the edge tier{' (mean of ' + str(n) + ' seeds)' if n > 1 else ''}:"
             f" greedy {100 * _mean(greedy):.1f}%, pass@16 {100 * _mean(values.get('pass_at_n') or greedy):.1f}%; by "
             + ", ".join(cells))
+    own, lik = values.get("heldout_pair_accuracy"), values.get("heldout_likelihood_pair_accuracy")
+    if own and lik and len(own) == len(lik) == n:
+        line += (f"; taught to judge its own answers, the verifier orders {100 * _mean(own):.0f}% of held-out pairs of"
+                 f" one problem's right and wrong answers right (worst seed {100 * min(own):.0f}%), SFT's likelihood"
+                 f" {100 * _mean(lik):.0f}%")
+    return line
 
 
 def experiment(metrics: Path) -> str:

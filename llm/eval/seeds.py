@@ -70,7 +70,8 @@ STAGE_METRICS = ("reward.json:accuracy", "reward.json:sft_likelihood_accuracy",
                                                                   "agreement", "generative_verifier")),
                  "rankers.json:rankers.generative_verifier.best_of_n_vs_likelihood",
                  "rankers.json:rankers.generative_verifier.greedy_wrong_accuracy",
-                 "verifier.json:heldout_auc", "verifier.json:heldout_likelihood_auc",
+                 "verifier.json:heldout_pair_accuracy", "verifier.json:heldout_likelihood_pair_accuracy",
+                 "verifier.json:math_exact_match", "verifier.json:sft_math_exact_match",
                  # the continuation preference: the reward model against the gold judge, PPO's win
                  # rate and what guards it (KL, the base model's bits/byte, repetition)
                  "reward.json:by_kind.continuation.accuracy", "reward.json:continuation_spearman",
