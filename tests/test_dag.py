@@ -119,6 +119,9 @@ def _downstream(stage: str) -> set[str]:
         "ppo": {"ppo", "eval@ppo", "ppo_rm", "eval@ppo_rm", "report"},          # ppo_rm: a variant of ppo
         "grpo": {"grpo", "eval@grpo", "grpo_random", "eval@grpo_random", "report"},
         "dpo": {"dpo", "eval@dpo", "rankers", "report"},                         # rankers reads DPO's model
+        # the verifier reads only its own keys of the rankers section
+        "rankers.verifier_steps": {"verifier", "rankers", "report"},
+        "rankers.problems": {"rankers", "report"},
     }[stage]
 
 
@@ -129,12 +132,14 @@ def test_nothing_reruns_when_nothing_changed(stub_repo):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("section,key,value", [("ppo", "clip_epsilon", 0.1), ("grpo", "beta", 0.08),
-                                               ("dpo", "beta", 0.2)])
+                                               ("dpo", "beta", 0.2), ("rankers", "verifier_steps", 4),
+                                               ("rankers", "problems", 64)])
 def test_a_param_change_reruns_only_its_stage_and_downstream(stub_repo, section, key, value):
     stages = yaml.safe_load((stub_repo / "dvc.yaml").read_text())["stages"]
     if section not in stages:
         pytest.skip(f"stage {section} is not in dvc.yaml yet")
-    assert _change_and_repro(stub_repo, section, key, value) == _downstream(section)
+    expected = _downstream(f"{section}.{key}" if section == "rankers" else section)
+    assert _change_and_repro(stub_repo, section, key, value) == expected
 
 
 @pytest.mark.slow
