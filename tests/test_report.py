@@ -737,7 +737,7 @@ def test_the_report_shows_the_math_rankers(metrics):
     assert ("The generative verifier, on 174 answers to training problems it never saw (SFT's samples, as many right as"
             " wrong per problem), orders 55.0% of the pairs of one problem's right and wrong answers right, SFT's"
             " likelihood 88.0%; its own greedy math 83.0% (SFT 82.0%, 200 held-out problems).") in md
-    assert "![best-of-n per ranker against the verifier](report_rankers.png)" in md
+    assert "![best-of-n per ranker against the exact checker](report_rankers.png)" in md
     page = (metrics / "report.html").read_text()
     assert 'id="rankers"' in page and len(re.findall(r'src="data:image/png;base64,', page)) == 3
     assert "rankers" in (metrics / "report.md").read_text().split("## The models")[0]  # its stage time

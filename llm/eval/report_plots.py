@@ -387,7 +387,7 @@ def rankers_figure(curve: dict[str, list[float]] | None):
     if "random" in curve:
         ax.plot(n, curve["random"], ":", lw=1.2, color="0.4", label="a random pick (sampled accuracy)")
     _samples_axis(ax, legend_row, "rankers: the top-ranked of n samples, right?", "n (samples ranked)",
-                  "best-of-n accuracy (verifier)")
+                  "best-of-n accuracy (exact checker)")
     return fig
 
 

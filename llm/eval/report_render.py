@@ -180,7 +180,7 @@ def render_markdown(data: dict, paired: dict, head: dict, images: dict[str, str]
         out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rrows]
         out.append("")
         if images.get("rankers"):
-            out += [f"![best-of-n per ranker against the verifier]({images['rankers']})", ""]
+            out += [f"![best-of-n per ranker against the exact checker]({images['rankers']})", ""]
     prows = preference_rows(data["evals"], paired, data["curves"])
     if prows:
         out += ["## The continuation preference", "", PREFERENCE_NOTE, ""]
@@ -399,7 +399,7 @@ def render_html(data: dict, paired: dict, head: dict, images: dict[str, bytes | 
         h += ["<tr><th>" + _e(row[0]) + "</th>" + "".join(f'<td class="num">{_e(c)}</td>' for c in row[1:]) + "</tr>"
               for row in rrows]
         h.append("</table>")
-        h.append(_img(images.get("rankers"), "best-of-n per ranker against the verifier"))
+        h.append(_img(images.get("rankers"), "best-of-n per ranker against the exact checker"))
     prows = preference_rows(data["evals"], paired, data["curves"])
     if prows:
         h.append('<h2 id="preference">The continuation preference</h2>')
