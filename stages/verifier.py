@@ -16,8 +16,9 @@ assistant says "Yes" or "No", as the checker said (llm/post/verifier.py); only t
 trained on. From each problem as many right answers as wrong ones make the verdicts (so only the
 answer tells them apart, never the problem); SFT's own conversations, `rankers.verifier_sft_share`
 of what the run reads, all different (as many as that takes), keep the SFT loss in the mix (the
-model must still write the answers it judges); the verdicts are repeated to fill the rest. `rankers.verifier_steps` optimizer steps at
-`rankers.verifier_lr`, warmup and the cosine's floor scaled from SFT's.
+model must still write the answers it judges); the verdicts are repeated to fill the rest.
+`rankers.verifier_steps` optimizer steps at `rankers.verifier_lr`, warmup and the cosine's floor
+scaled from SFT's.
 
 Where no sampled problem has both a right and a wrong answer (a model that solves none, as the
 smoke profile's), there is nothing to learn: the stage says so and writes SFT's weights untaught.
@@ -26,8 +27,8 @@ smoke profile's), there is nothing to learn: the stage says so and writes SFT's 
 stage measures the verifier's score (log p(Yes) - log p(No)) against SFT's likelihood, the ranker
 it has to beat: for both, the AUC of right answers over wrong ones (any two answers) and the pair
 accuracy (a right and a wrong answer to the same problem: what best-of-n needs), and the share of
-verdicts the verifier gets right (score above 0 means "Yes"). It also checks SFT's exact match on the first
-`sft.eval_math_problems` held-out problems against the verifier's own greedy answers.
+verdicts the verifier gets right (score above 0 means "Yes"). It also checks SFT's exact match on
+the first `sft.eval_math_problems` held-out problems against the verifier's own greedy answers.
 
 Writes the verifier model directory, its metrics, the curves (verifier{.tsv,_val.tsv,.png}) and the
 run directory (checkpoints).
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from llm.config import CommonConfig, RankersConfig, SFTConfig, fingerprint, load_sections
 from llm.data.batching import conversation_batches, derive_seed, fixed_conversation_batches
-from llm.data.template import render_all, user_prompt
+from llm.data.template import render_all, render_prompt
 from llm.fileio import atomic_write_text, read_jsonl, sha256_file, sha256_tree
 from llm.runtime import Runtime, full_model_state, setup_runtime
 from llm.stage import stage_main, training_outputs
@@ -160,14 +161,25 @@ def _no_curves(where: Path, why: str) -> None:
 
 
 def heldout_verdicts_measured(verifier, sft_model, tok, val: list[dict], rt: Runtime) -> dict:
-    """On the held-out answers: the verifier's AUC and verdict accuracy, SFT's likelihood's AUC."""
+    """On the held-out answers, for the verifier's score and for SFT's likelihood: the AUC of right
+    over wrong answers (llm/eval/paired.py `separation`) and the pair accuracy within a problem;
+    the verifier's verdict accuracy."""
+    import numpy as np
+
+    from llm.eval.paired import separation
     from llm.post.pairs import add_likelihoods
-    from llm.post.verifier import auc, pair_accuracy, verifier_scores
+    from llm.post.verifier import pair_accuracy, verifier_scores
 
     if not val:
         return {}
-    prompts = [user_prompt(e["messages"][0]["content"], tok) for e in val]
-    answers = [e["messages"][1]["content"] for e in val]
+
+    def auc(scores: list[float]) -> float | None:
+        sep = separation(scores, right, n_boot=1, rng=np.random.default_rng(0))
+        return sep["auc"] if sep else None
+
+    # a conversation is [prompt..., the answer, the question, the verdict]
+    prompts = [render_prompt(e["messages"][:-3], tok) for e in val]
+    answers = [e["messages"][-3]["content"] for e in val]
     right = [e["right"] for e in val]
     scores = verifier_scores(verifier, tok, prompts, answers, batch_size=64, device=rt.device)
     rows = [[{"text": a}] for a in answers]
@@ -175,7 +187,7 @@ def heldout_verdicts_measured(verifier, sft_model, tok, val: list[dict], rt: Run
     logp = [r[0]["logp"] for r in rows]
     problem = [e["id"].rsplit("/", 1)[0] for e in val]
     (pair, n_pairs), (pair_logp, _) = pair_accuracy(problem, scores, right), pair_accuracy(problem, logp, right)
-    return {"heldout_auc": auc(scores, right), "heldout_likelihood_auc": auc(logp, right),
+    return {"heldout_auc": auc(scores), "heldout_likelihood_auc": auc(logp),
             "heldout_pair_accuracy": pair, "heldout_likelihood_pair_accuracy": pair_logp, "heldout_pairs": n_pairs,
             "heldout_verdict_accuracy": sum((s > 0) == r for s, r in zip(scores, right)) / len(val)}
 

@@ -1,13 +1,15 @@
 """The generative verifier (llm/post/verifier.py): its examples, what it trains on and its score."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from llm.data.template import render, render_prompt
 from llm.data.tokenizer import Tokenizer
 from llm.nn.model import GPT, ModelConfig
-from llm.post.verifier import (NO, QUESTION, YES, auc, render_verification, verification_examples, verifier_scores,
+from llm.eval.paired import separation
+from llm.post.verifier import (NO, QUESTION, YES, render_verification, verification_examples, verifier_scores,
                                verify_messages)
 from llm.sample.rewards import is_correct
 
@@ -81,6 +83,10 @@ def test_the_score_is_the_log_odds_of_yes_at_the_reply_and_padding_changes_nothi
 
 
 def test_auc():
+    """The stage's AUC is the project's `separation` (llm/eval/paired.py)."""
+    def auc(scores, right):
+        sep = separation(scores, right, n_boot=1, rng=np.random.default_rng(0))
+        return sep["auc"] if sep else None
     assert auc([3, 2, 1, 0], [True, True, False, False]) == 1.0
     assert auc([0, 1, 2, 3], [True, True, False, False]) == 0.0
     assert auc([1, 1], [True, False]) == 0.5

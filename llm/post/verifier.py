@@ -16,8 +16,8 @@ problem at three temperatures and the checker, llm/sample/rewards.py `is_correct
 from each problem as many right answers as wrong ones, drawn at random, so "Yes" and "No" are
 equally common on every problem and only the answer tells them apart. Only the last reply is
 trained on (`render_verification`), and stage `verifier` trains on these mixed with SFT's own
-conversations, so the model keeps answering as SFT did while it learns to judge (the joint loss of Cobbe et al. 2021's verifiers and of generative verifiers, Zhang et al.
-2024). Its score of an answer (`verifier_scores`) is log p(Yes) - log p(No) at the reply's first
+conversations, so the model keeps answering as SFT did while it learns to judge (the joint loss of
+Cobbe et al. 2021's verifiers and of generative verifiers, Zhang et al. 2024). Its score of an answer (`verifier_scores`) is log p(Yes) - log p(No) at the reply's first
 token: a ranker that reads the whole answer before it judges, where SFT's likelihood has judged
 each token as it was written. Problems are split into train and validation whole, so the held-out
 scores are of problems the verifier never saw.
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import random
 from typing import Iterable, Sequence
-
-import numpy as np
 
 from llm.data.batching import derive_seed
 from llm.data.template import ROLE_TOKENS, END, render
@@ -58,12 +56,14 @@ def verification_examples(rows: Iterable[dict], *, seed: int, val_fraction: floa
             continue
         name = "val" if random.Random(derive_seed(seed, "split", r["id"])).random() < val_fraction else "train"
         texts = list(dict.fromkeys(s["text"] for s in r.get("samples") or []))   # distinct, in order
-        right = [(k, t) for k, t in enumerate(texts) if is_correct(t, r["answer"])]
-        wrong = [(k, t) for k, t in enumerate(texts) if not is_correct(t, r["answer"])]
+        ok = [is_correct(t, r["answer"]) for t in texts]
+        right = [(k, t) for k, t in enumerate(texts) if ok[k]]
+        wrong = [(k, t) for k, t in enumerate(texts) if not ok[k]]
         rng = random.Random(derive_seed(seed, "balance", r["id"]))
         m = min(len(right), len(wrong))
-        for (k, t), ok in [(x, True) for x in rng.sample(right, m)] + [(x, False) for x in rng.sample(wrong, m)]:
-            out[name].append({"id": f"{r['id']}/{k}", "messages": verify_messages(r["prompt"], t, ok), "right": ok})
+        for (k, t), good in [(x, True) for x in rng.sample(right, m)] + [(x, False) for x in rng.sample(wrong, m)]:
+            out[name].append({"id": f"{r['id']}/{k}", "messages": verify_messages(r["prompt"], t, good),
+                              "right": good})
     for name, examples in out.items():
         random.Random(derive_seed(seed, "order", name)).shuffle(examples)
     return out["train"], out["val"]
@@ -73,16 +73,12 @@ def render_verification(messages: Sequence[dict], tokenizer, max_tokens: int | N
                         ) -> tuple[list[int], list[bool]] | None:
     """render()'s ids with the loss on the last assistant reply only (the verdict and its <|end|>):
     the answer being judged may be wrong and must not be learned. None if truncation cuts the verdict."""
-    out = render(messages, tokenizer)
-    if out is None:
-        return None
-    ids, mask = out
-    head = render(messages[:-1] + [{"role": "assistant", "content": ""}], tokenizer)
-    start = len(head[0]) - 1 if head else len(ids)   # the reply's first token (head ends with its <|end|>)
-    mask = [m and i >= start for i, m in enumerate(mask)]
+    ids, mask = render(messages, tokenizer)             # never None: the verdict is an assistant turn
     if max_tokens is not None and len(ids) > max_tokens:
-        return None                                   # the verdict is the end: cutting it leaves nothing
-    return ids, mask
+        return None                                     # the verdict is the end: cutting it leaves nothing
+    head, _ = render(messages[:-1] + [{"role": "assistant", "content": ""}], tokenizer)
+    start = len(head) - 1                               # the reply's first token (head ends with its <|end|>)
+    return ids, [m and i >= start for i, m in enumerate(mask)]
 
 
 def question_ids(tokenizer) -> list[int]:
@@ -138,8 +134,9 @@ def verifier_scores(model, tokenizer, prompt_ids: Sequence[Sequence[int]], answe
 
 def pair_accuracy(groups: Sequence[str], scores: Sequence[float], right: Sequence[bool]) -> tuple[float | None, int]:
     """(the share of (right, wrong) pairs of answers to the same problem that `scores` orders right,
-    ties half; the number of pairs): the ranking a best-of-n pick needs, where `auc` also compares
-    answers to different problems (an easy problem's answers are more often right)."""
+    ties half; the number of pairs): the ranking a best-of-n pick needs, where an AUC
+    (llm/eval/paired.py `separation`) also compares answers to different problems (an easy
+    problem's answers are more often right)."""
     by: dict[str, tuple[list[float], list[float]]] = {}
     for g, s, ok in zip(groups, scores, right):
         by.setdefault(g, ([], []))[0 if ok else 1].append(s)
@@ -162,14 +159,3 @@ def candidate_scores(model, tokenizer, cands: Sequence[dict], *, batch_size: int
     width = len(texts[0]) if texts else 0
     rows = [flat[i * width:(i + 1) * width] for i in range(len(texts))]
     return [r[:-1] for r in rows], [r[-1] for r in rows]
-
-
-def auc(scores: Sequence[float], right: Sequence[bool]) -> float | None:
-    """The chance a right answer scores above a wrong one (ties half); None without both kinds."""
-    s, ok = np.asarray(scores, dtype=float), np.asarray(right, dtype=bool)
-    pos, neg = s[ok], s[~ok]
-    if not len(pos) or not len(neg):
-        return None
-    greater = (pos[:, None] > neg[None, :]).mean()
-    ties = (pos[:, None] == neg[None, :]).mean()
-    return float(greater + 0.5 * ties)
